@@ -1,0 +1,144 @@
+"""kvtier settings: the `kv_connector_extra_config` JSON dict parsed into typed, checked values.
+
+Every error is a `ConfigError` naming the key (a dotted path such as `secondary_tiers[1].root_dir`),
+the value and what is allowed; an unknown key is reported with the closest known key. Parsing has no
+side effect: nothing is created or started here.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from kvtier.errors import ConfigError, unknown_name_message
+from kvtier.tiers.registry import check_tier_options, resolve_tier
+
+HASH_ALGORITHMS = ("sha256", "blake3")
+
+
+@dataclass(frozen=True)
+class TierConfig:
+    """One secondary tier: its type, optional plugin module, unique name and own options."""
+
+    type: str
+    name: str
+    module_path: str | None = None
+    options: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass(frozen=True)
+class KVTierConfig:
+    """Validated kvtier settings. Field names are the JSON keys."""
+
+    cpu_bytes_to_use: int
+    blocks_per_chunk: int = 1
+    eviction_policy: str = "lru"
+    eviction_policy_module_path: str | None = None
+    admission_policy: str = "all"
+    admission_policy_module_path: str | None = None
+    hash_algorithm: str = "sha256"
+    secondary_tiers: tuple[TierConfig, ...] = ()
+    tier_job_timeout_s: float = 60.0
+    tier_restart_backoff_s: float = 1.0
+    shm_dir: str = "/dev/shm"
+
+    @classmethod
+    def from_dict(cls, raw: Mapping[str, Any]) -> KVTierConfig:
+        """Parse and validate a config dict."""
+        if not isinstance(raw, Mapping):
+            raise ConfigError("kv_connector_extra_config", raw, "must be a JSON object")
+        known = [f.name for f in fields(cls)]
+        for key in raw:
+            if key not in known:
+                raise ConfigError(key, raw[key], unknown_name_message(str(key), known))
+        if "cpu_bytes_to_use" not in raw:
+            raise ConfigError("cpu_bytes_to_use", None, "required: the host region size in bytes")
+        policy = _string(raw, "eviction_policy", "lru")
+        policy_mp = _optional_string(raw, "eviction_policy_module_path")
+        admission = _string(raw, "admission_policy", "all")
+        admission_mp = _optional_string(raw, "admission_policy_module_path")
+        _check_policies(policy, policy_mp, admission, admission_mp)
+        hash_algorithm = _string(raw, "hash_algorithm", "sha256")
+        if hash_algorithm not in HASH_ALGORITHMS:
+            raise ConfigError("hash_algorithm", hash_algorithm, f"one of {HASH_ALGORITHMS}")
+        return cls(
+            cpu_bytes_to_use=_int(raw, "cpu_bytes_to_use", None, minimum=1),
+            blocks_per_chunk=_int(raw, "blocks_per_chunk", 1, minimum=1),
+            eviction_policy=policy,
+            eviction_policy_module_path=policy_mp,
+            admission_policy=admission,
+            admission_policy_module_path=admission_mp,
+            hash_algorithm=hash_algorithm,
+            secondary_tiers=_tiers(raw.get("secondary_tiers", [])),
+            tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
+            tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
+            shm_dir=_string(raw, "shm_dir", "/dev/shm"),
+        )
+
+
+def _check_policies(
+    policy: str, policy_mp: str | None, admission: str, admission_mp: str | None
+) -> None:
+    from kvtier.policies.registry import resolve_admission, resolve_eviction
+
+    resolve_eviction(policy, policy_mp)
+    resolve_admission(admission, admission_mp)
+
+
+def _int(raw: Mapping[str, Any], key: str, default: int | None, *, minimum: int) -> int:
+    value = raw.get(key, default)
+    # JSON writers often emit sizes as floats (1e9): accept those that are whole numbers.
+    if isinstance(value, float) and math.isfinite(value) and value.is_integer():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        raise ConfigError(key, value, f"must be an integer >= {minimum}")
+    return value
+
+
+def _float(raw: Mapping[str, Any], key: str, default: float) -> float:
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
+        raise ConfigError(key, value, "must be a positive number")
+    if not math.isfinite(value):
+        raise ConfigError(key, value, "must be finite")
+    return float(value)
+
+
+def _string(raw: Mapping[str, Any], key: str, default: str) -> str:
+    value = raw.get(key, default)
+    if not isinstance(value, str) or not value:
+        raise ConfigError(key, value, "must be a non-empty string")
+    return value
+
+
+def _optional_string(raw: Mapping[str, Any], key: str) -> str | None:
+    value = raw.get(key)
+    if value is not None and (not isinstance(value, str) or not value):
+        raise ConfigError(key, value, "must be a non-empty string or absent")
+    return value
+
+
+def _tiers(value: object) -> tuple[TierConfig, ...]:
+    if not isinstance(value, list):
+        raise ConfigError("secondary_tiers", value, "must be a list of tier objects")
+    tiers: list[TierConfig] = []
+    names: set[str] = set()
+    for i, entry in enumerate(value):
+        key = f"secondary_tiers[{i}]"
+        if not isinstance(entry, Mapping):
+            raise ConfigError(key, entry, 'must be an object such as {"type": "fs", ...}')
+        if "type" not in entry:
+            raise ConfigError(f"{key}.type", None, "required: the tier type")
+        options = {k: v for k, v in entry.items() if k not in ("type", "module_path", "name")}
+        cls = resolve_tier(key, entry["type"], entry.get("module_path"))
+        check_tier_options(key, cls, options)
+        name = entry.get("name", entry["type"])
+        if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
+            raise ConfigError(f"{key}.name", name, "letters, digits, '-' and '_' only")
+        if name in names:
+            raise ConfigError(f"{key}.name", name, "tier names must be unique; set a distinct name")
+        names.add(name)
+        tiers.append(TierConfig(entry["type"], name, entry.get("module_path"), options))
+    return tuple(tiers)

@@ -1,0 +1,147 @@
+"""The host region: one shared-memory segment holding every host-tier row.
+
+The owner creates the segment as a file under /dev/shm with a name unique to the process
+(`kvtier-<pid>-<process start time>-<random>`), so two instances on one host never collide. Tier
+processes and TP ranks attach to it by name. The owner removes it on `close()`; a segment left by an
+owner that crashed is found by `remove_stale_regions()` (the pid is gone, or now belongs to a process
+started at another time) and removed on the next start.
+
+Pages are touched once at creation so the first store does not pay the page-fault cost.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import mmap
+import os
+import re
+import secrets
+
+import numpy as np
+
+from kvtier.errors import ConfigError
+
+SHM_DIR = "/dev/shm"
+PAGE = 4096
+_NAME_RE = re.compile(r"^kvtier-(\d+)-(\d+)-[0-9a-f]{8}$")
+
+
+def _start_time(pid: int) -> int | None:
+    """The start time (clock ticks since boot) of `pid`, or None when no such process exists."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            stat = f.read()
+    except OSError:
+        return None
+    # The command name (field 2) may hold spaces and parentheses: split after its closing ')'.
+    fields = stat[stat.rindex(b")") + 2 :].split()
+    return int(fields[19])
+
+
+def remove_stale_regions(shm_dir: str = SHM_DIR) -> list[str]:
+    """Remove segments whose owner process no longer exists; return their names."""
+    removed: list[str] = []
+    try:
+        names = os.listdir(shm_dir)
+    except OSError:
+        return removed
+    for name in names:
+        m = _NAME_RE.match(name)
+        if m is None:
+            continue
+        pid, started = int(m.group(1)), int(m.group(2))
+        if _start_time(pid) == started:
+            continue
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(os.path.join(shm_dir, name))
+            removed.append(name)
+    return removed
+
+
+class HostRegion:
+    """A mapped shared-memory segment. `buf` is writable and page-aligned."""
+
+    def __init__(self, name: str, path: str, size: int, owner: bool) -> None:
+        self.name = name
+        self.path = path
+        self.size = size
+        self.owner = owner
+        fd = os.open(path, os.O_RDWR)
+        try:
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
+        finally:
+            os.close(fd)
+        self.buf = memoryview(self._mmap)
+
+    @classmethod
+    def create(
+        cls, size: int, *, shm_dir: str = SHM_DIR, pretouch: bool = True, key: str = "cpu_bytes_to_use"
+    ) -> HostRegion:
+        """Create and map a fresh segment of `size` bytes (rounded up to a page).
+
+        Raises ConfigError naming `key` when the size is not positive or does not fit in the free
+        space of `shm_dir`.
+        """
+        if size <= 0:
+            raise ConfigError(key, size, "must be a positive number of bytes")
+        size = -(-size // PAGE) * PAGE
+        remove_stale_regions(shm_dir)
+        st = os.statvfs(shm_dir)
+        free = st.f_bavail * st.f_frsize
+        if size > free:
+            raise ConfigError(
+                key, size, f"the host region must fit in {shm_dir}, which has {free} bytes free"
+            )
+        pid = os.getpid()
+        name = f"kvtier-{pid}-{_start_time(pid)}-{secrets.token_hex(4)}"
+        path = os.path.join(shm_dir, name)
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        try:
+            os.ftruncate(fd, size)
+        except BaseException:
+            os.close(fd)
+            os.unlink(path)
+            raise
+        os.close(fd)
+        try:
+            region = cls(name, path, size, owner=True)
+            if pretouch:
+                region.pretouch()
+        except BaseException:
+            os.unlink(path)
+            raise
+        return region
+
+    @classmethod
+    def attach(cls, name: str, *, shm_dir: str = SHM_DIR) -> HostRegion:
+        """Map an existing segment created by another process."""
+        if _NAME_RE.match(name) is None:
+            raise ValueError(f"not a kvtier host region name: {name!r}")
+        path = os.path.join(shm_dir, name)
+        return cls(name, path, os.stat(path).st_size, owner=False)
+
+    def pretouch(self) -> None:
+        """Fault every page in now (writes one zero byte per page, which the kernel zeroed anyway)."""
+        assert self._mmap is not None
+        np.frombuffer(self._mmap, dtype=np.uint8)[::PAGE] = 0
+
+    def close(self) -> None:
+        """Unmap; the owner also removes the segment. Idempotent."""
+        if self._mmap is None:
+            return
+        self.buf.release()
+        try:
+            self._mmap.close()
+        except BufferError:
+            # Views exported by users (numpy, torch) are still alive; the mapping goes with them.
+            pass
+        self._mmap = None
+        if self.owner:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.path)
+
+    def __enter__(self) -> HostRegion:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

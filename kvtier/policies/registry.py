@@ -1,0 +1,24 @@
+"""Policy names → classes, with `module_path` for external policies."""
+
+from __future__ import annotations
+
+from kvtier.plugins import resolve_plugin
+from kvtier.policies.base import AdmissionPolicy, EvictionPolicy
+
+BUILTIN_EVICTION: dict[str, str] = {
+    "lru": "kvtier.policies.lru:LRUPolicy",
+    "arc": "kvtier.policies.arc:ARCPolicy",
+}
+BUILTIN_ADMISSION: dict[str, str] = {
+    "all": "kvtier.policies.base:AdmitAll",
+}
+
+
+def resolve_eviction(name: str, module_path: str | None = None) -> type[EvictionPolicy[object]]:
+    """The eviction policy class for a config name (or a class name in `module_path`)."""
+    return resolve_plugin("eviction_policy", name, module_path, BUILTIN_EVICTION, EvictionPolicy)
+
+
+def resolve_admission(name: str, module_path: str | None = None) -> type[AdmissionPolicy]:
+    """The admission policy class for a config name (or a class name in `module_path`)."""
+    return resolve_plugin("admission_policy", name, module_path, BUILTIN_ADMISSION, AdmissionPolicy)

@@ -1,0 +1,1 @@
+"""Secondary tiers: the contract, the registry, the process runner and the built-in tiers."""

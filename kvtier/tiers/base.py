@@ -1,0 +1,147 @@
+"""The secondary-tier contract.
+
+A secondary tier keeps chunk rows that live in the host region somewhere slower and larger. It runs
+in its own process (`kvtier.tiers.process`), maps the host region, and moves bytes directly between
+region slots and its storage. It never touches the accelerator.
+
+Threading: every method is called from the tier process's single dispatch thread. `lookup`,
+`submit_store` and `submit_load` must return quickly (they may only enqueue work); the I/O happens on
+the tier's own threads. Completions are reported through `get_finished_jobs`, and a tier calls
+`TierContext.wakeup()` whenever a job finishes so the runner polls without delay.
+
+Failures are values: a job that could not store or load some keys finishes with
+`JobResult(success=False, successful_keys=[...])`. No exception crosses this boundary for I/O errors.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+
+ChunkKey = bytes
+"""A chunk key: the raw digest from `kvtier.keys` (32 bytes)."""
+
+
+class LookupResult(enum.IntEnum):
+    """Whether a tier holds a chunk.
+
+    HIT: present and readable now. MISS: absent. RETRY: not known yet (an asynchronous lookup is in
+    flight, or the chunk is being written): ask again on a later scheduler step.
+    """
+
+    MISS = 0
+    HIT = 1
+    RETRY = 2
+
+
+class JobKind(enum.Enum):
+    STORE = "store"
+    LOAD = "load"
+
+
+@dataclass(frozen=True)
+class Job:
+    """A batch of chunks to move between host-region slots and a tier.
+
+    STORE: `slots[i]` holds the row of `keys[i]`, pinned for reading until the job finishes.
+    LOAD: `slots[i]` is allocated for `keys[i]` and pinned for writing until the job finishes.
+    """
+
+    job_id: int
+    kind: JobKind
+    keys: tuple[ChunkKey, ...]
+    slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.slots):
+            raise ValueError(f"job {self.job_id}: {len(self.keys)} keys but {len(self.slots)} slots")
+
+
+@dataclass(frozen=True)
+class JobResult:
+    """How a job ended. `success` holds iff every key of the job was moved."""
+
+    job_id: int
+    success: bool
+    successful_keys: tuple[ChunkKey, ...] = ()
+    bytes_moved: int = 0
+    seconds: float = 0.0
+
+
+class TierEventKind(enum.Enum):
+    STORED = "stored"
+    REMOVED = "removed"
+
+
+@dataclass(frozen=True)
+class TierEvent:
+    """A chunk became available in (STORED) or vanished from (REMOVED) a tier."""
+
+    kind: TierEventKind
+    keys: tuple[ChunkKey, ...]
+
+
+@dataclass
+class TierContext:
+    """What a tier gets from kvtier when it is built.
+
+    `region` is the whole host region; slot `s` is `region[s*row_bytes:(s+1)*row_bytes]`. A tier
+    reads a slot only while a STORE job naming it is in flight, and writes a slot only while a LOAD
+    job naming it is in flight.
+    """
+
+    region: memoryview
+    row_bytes: int
+    num_slots: int
+    layout_fingerprint: str
+    tier_name: str
+    wakeup: Callable[[], None] = field(default=lambda: None)
+    log: logging.Logger = field(default_factory=lambda: logging.getLogger("kvtier.tier"))
+
+    def slot_view(self, slot: int) -> memoryview:
+        """The writable bytes of one host-region row."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} outside the region's {self.num_slots} slots")
+        start = slot * self.row_bytes
+        return self.region[start : start + self.row_bytes]
+
+
+class SecondaryTier(ABC):
+    """A secondary tier. Subclasses take `ctx` plus their own keyword options.
+
+    Construction validates the options and raises `kvtier.errors.ConfigError` (naming the option)
+    for bad ones; it happens once at startup, before any job.
+    """
+
+    def __init__(self, ctx: TierContext) -> None:
+        self.ctx = ctx
+
+    @abstractmethod
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[LookupResult]:
+        """One result per key, in order. Must not block on slow I/O for long: return RETRY instead."""
+
+    @abstractmethod
+    def submit_store(self, job: Job) -> None:
+        """Start copying `job.slots` rows out to the tier; finish later via `get_finished_jobs`."""
+
+    @abstractmethod
+    def submit_load(self, job: Job) -> None:
+        """Start copying stored chunks into `job.slots`; a key not found or not valid is a failure."""
+
+    @abstractmethod
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Results of the jobs finished since the last call (each job reported exactly once)."""
+
+    def take_events(self) -> list[TierEvent]:
+        """Chunks stored or removed by this tier since the last call. Optional hook."""
+        return []
+
+    def stats(self) -> dict[str, float]:
+        """Counters for metrics (e.g. bytes used, bad chunks dropped). Optional hook."""
+        return {}
+
+    def shutdown(self) -> None:
+        """Finish or abandon in-flight work and release resources. Called once. Optional hook."""
