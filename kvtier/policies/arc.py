@@ -1,0 +1,144 @@
+"""Adaptive Replacement Cache (Megiddo & Modha, FAST 2003), with eviction decoupled from insertion.
+
+ARC keeps four LRU lists over a capacity `c`: T1 (resident, seen once recently), T2 (resident, seen
+at least twice), and the ghost lists B1 and B2 (keys recently evicted from T1 and T2, without their
+values). `p` is the adaptive target size of T1: a miss that hits B1 grows it, one that hits B2
+shrinks it.
+
+The owner decides when to evict, so ARC's request handling is split in two:
+
+- `insert` is ARC's miss path without the replacement: a key found in B1 (B2) raises (lowers) `p`
+  as ARC does and enters T2; a new key enters T1 after the directory is trimmed the way ARC trims
+  it (LRU of B1 when |T1|+|B1| reaches c, else LRU of B2 when the directory reaches 2c).
+- `evict(n)` runs ARC's REPLACE `n` times: take from T1 while |T1| > p, else from T2, moving each
+  victim to its ghost list. Protected keys are skipped (when one list has no unprotected key left,
+  the other is used). All victims are chosen before anything changes, so a failed eviction changes
+  nothing.
+
+Holds after every call: T1, T2, B1, B2 are disjoint; |T1|+|T2| <= c; |T1|+|B1| <= c;
+|T1|+|T2|+|B1|+|B2| <= 2c (so each ghost list holds at most 2c keys); 0 <= p <= c. Called on the
+owning thread only; not thread-safe.
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from collections.abc import Container, Iterator
+from typing import TypeVar
+
+from kvtier.policies.base import EvictionPolicy
+
+V = TypeVar("V")
+
+
+class ARCPolicy(EvictionPolicy[V]):
+    """ARC: scan resistant (one-time keys stay in T1 and leave first), self-tuning through `p`."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.p: float = 0.0
+        self._t1: OrderedDict[bytes, V] = OrderedDict()
+        self._t2: OrderedDict[bytes, V] = OrderedDict()
+        self._b1: OrderedDict[bytes, None] = OrderedDict()
+        self._b2: OrderedDict[bytes, None] = OrderedDict()
+
+    def get(self, key: bytes) -> V | None:
+        value = self._t1.get(key)
+        return self._t2.get(key) if value is None else value
+
+    def insert(self, key: bytes, value: V) -> None:
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if key in t1 or key in t2:
+            raise KeyError(f"key {key.hex()} is already resident")
+        c = self.capacity
+        if len(t1) + len(t2) >= c:
+            raise OverflowError(f"policy is full ({c} entries)")
+        if key in b1:
+            self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
+            del b1[key]
+            t2[key] = value
+            return
+        if key in b2:
+            self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
+            del b2[key]
+            t2[key] = value
+            return
+        # |T1| + |T2| < c, so when L1 = T1 + B1 is full, B1 is not empty; and when the directory
+        # is full, L1 is not, so B2 is not empty.
+        if len(t1) + len(b1) >= c:
+            b1.popitem(last=False)
+        elif len(t1) + len(t2) + len(b1) + len(b2) >= 2 * c:
+            b2.popitem(last=False)
+        t1[key] = value
+
+    def remove(self, key: bytes) -> V | None:
+        value = self._t1.pop(key, None)
+        return self._t2.pop(key, None) if value is None else value
+
+    def touch(self, key: bytes) -> None:
+        t2 = self._t2
+        if key in t2:
+            t2.move_to_end(key)
+            return
+        value = self._t1.pop(key, None)
+        if value is not None:
+            t2[key] = value
+
+    def evict(self, n: int, protected: Container[bytes]) -> list[tuple[bytes, V]] | None:
+        if n < 0:
+            raise ValueError(f"cannot evict a negative number of entries: {n}")
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        if n > len(t1) + len(t2):
+            return None
+        from_t1 = _unprotected(t1, protected)
+        from_t2 = _unprotected(t2, protected)
+        chosen: list[tuple[bytes, bool]] = []
+        t1_size = len(t1)
+        while len(chosen) < n:
+            in_t1 = t1_size > self.p
+            key = next(from_t1 if in_t1 else from_t2, None)
+            if key is None:
+                in_t1 = not in_t1
+                key = next(from_t1 if in_t1 else from_t2, None)
+                if key is None:
+                    return None
+            chosen.append((key, in_t1))
+            t1_size -= in_t1
+        victims: list[tuple[bytes, V]] = []
+        for key, in_t1 in chosen:
+            if in_t1:
+                victims.append((key, t1.pop(key)))
+                b1[key] = None
+            else:
+                victims.append((key, t2.pop(key)))
+                b2[key] = None
+        return victims
+
+    def check(self) -> None:
+        """Raise RuntimeError when an invariant of the module docstring does not hold."""
+        t1, t2, b1, b2, c = self._t1, self._t2, self._b1, self._b2, self.capacity
+        sizes = len(t1) + len(t2) + len(b1) + len(b2)
+        if len(set(t1) | set(t2) | set(b1) | set(b2)) != sizes:
+            raise RuntimeError("ARC lists are not disjoint")
+        if len(t1) + len(t2) > c or len(t1) + len(b1) > c or sizes > 2 * c:
+            raise RuntimeError(f"ARC sizes out of bounds: {self.sizes()} for c={c}")
+        if not 0.0 <= self.p <= c:
+            raise RuntimeError(f"ARC target p={self.p} outside [0, {c}]")
+
+    def sizes(self) -> tuple[int, int, int, int]:
+        """(|T1|, |T2|, |B1|, |B2|)."""
+        return len(self._t1), len(self._t2), len(self._b1), len(self._b2)
+
+    def in_ghost(self, key: bytes) -> bool:
+        """Whether `key` is remembered in B1 or B2 (evicted recently, not resident)."""
+        return key in self._b1 or key in self._b2
+
+    def __len__(self) -> int:
+        return len(self._t1) + len(self._t2)
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._t1 or key in self._t2
+
+
+def _unprotected(entries: OrderedDict[bytes, V], protected: Container[bytes]) -> Iterator[bytes]:
+    return (k for k in entries if k not in protected)
