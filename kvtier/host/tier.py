@@ -1,0 +1,272 @@
+"""The host (primary) tier: a cache of chunk rows in the host region, one slot per chunk.
+
+Every entry is in one of two states:
+
+- WRITING: allocated by `prepare_store`, being filled. Pinned: never evicted, invisible to
+  `lookup`/`contains`, not in the eviction policy. `complete_store` publishes it or frees its slot.
+- READY: published, readable, indexed by the eviction policy. `prepare_load` pins it (a reference
+  count); `complete_load` releases it. Only READY entries with no pin are eviction candidates.
+
+Holds after every call: each slot is free, WRITING or READY, exactly one of them, and
+free + WRITING + READY == capacity; the READY index and the policy hold the same key → slot pairs;
+pins exist only on READY keys and are >= 1. `check()` verifies all of it.
+
+Threading: one owning thread (the scheduler's) makes every call; nothing here is thread-safe. Each
+call costs time proportional to the keys it is given (and, when it evicts, to the pinned keys the
+policy skips), never to the capacity; only the constructor and `check()` walk every slot.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Container, Sequence
+from dataclasses import dataclass
+
+from kvtier.errors import KVTierError
+from kvtier.policies.base import EvictionPolicy
+from kvtier.tiers.base import TierEvent, TierEventKind
+
+
+class HostTierError(KVTierError, RuntimeError):
+    """The host tier was misused (a release without a pin) or found an invariant broken."""
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    """A snapshot of slot usage. `used` counts READY and WRITING slots; `pinned` counts keys."""
+
+    capacity: int
+    used: int
+    ready: int
+    writing: int
+    pinned: int
+    row_bytes: int
+
+    @property
+    def used_bytes(self) -> int:
+        return self.used * self.row_bytes
+
+    @property
+    def capacity_bytes(self) -> int:
+        return self.capacity * self.row_bytes
+
+
+class _Protected:
+    """Keys eviction must skip: the pinned ones plus the READY keys named by the current call."""
+
+    __slots__ = ("_extra", "_pins")
+
+    def __init__(self, pins: Container[bytes], extra: Container[bytes]) -> None:
+        self._pins = pins
+        self._extra = extra
+
+    def __contains__(self, key: object) -> bool:
+        return key in self._pins or key in self._extra
+
+
+class HostTier:
+    """Slots, reference counts and the two-phase store/load protocol over one host region buffer.
+
+    `buf` holds `len(buf) // row_bytes` rows; row `s` is `buf[s*row_bytes:(s+1)*row_bytes]`, page
+    aligned when `buf` is and `row_bytes` is a multiple of the page size. `policy` must be empty and
+    is owned by the tier from now on; its capacity must be at least the number of slots.
+    """
+
+    def __init__(self, buf: memoryview, row_bytes: int, policy: EvictionPolicy[int]) -> None:
+        if row_bytes < 1:
+            raise ValueError(f"row_bytes must be >= 1, got {row_bytes}")
+        num_slots = len(buf) // row_bytes
+        if num_slots < 1:
+            raise ValueError(f"a buffer of {len(buf)} bytes holds no row of {row_bytes} bytes")
+        if len(policy) != 0:
+            raise ValueError("the eviction policy must start empty")
+        if policy.capacity < num_slots:
+            raise ValueError(f"policy capacity {policy.capacity} is below {num_slots} slots")
+        self._buf = buf
+        self.row_bytes = row_bytes
+        self.num_slots = num_slots
+        self._policy = policy
+        self._ready: dict[bytes, int] = {}
+        self._writing: dict[bytes, int] = {}
+        self._pins: dict[bytes, int] = {}
+        # A stack: slot 0 is handed out first.
+        self._free: list[int] = list(range(num_slots - 1, -1, -1))
+        self._events: list[TierEvent] = []
+
+    # Queries: no pin, no recency change.
+
+    def lookup(self, keys: Sequence[bytes]) -> int:
+        """The length of the leading run of `keys` that are READY."""
+        ready = self._ready
+        n = 0
+        for key in keys:
+            if key not in ready:
+                break
+            n += 1
+        return n
+
+    def contains(self, key: bytes) -> bool:
+        """Whether `key` is READY."""
+        return key in self._ready
+
+    def is_pending(self, key: bytes) -> bool:
+        """Whether `key` is WRITING (allocated, not yet published)."""
+        return key in self._writing
+
+    # Store: device or secondary tier → host.
+
+    def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
+        """Allocate a WRITING slot for each key that is neither READY nor WRITING.
+
+        Returns the new key → slot pairs (keys already present are left out, duplicates get one
+        slot), or None when not enough slots can be freed: eviction takes unpinned READY entries
+        that this call does not name, all-or-nothing, and a None result changes nothing.
+        """
+        ready, writing = self._ready, self._writing
+        new: dict[bytes, int] = {}
+        present: set[bytes] | None = None
+        for key in keys:
+            if key in ready:
+                if present is None:
+                    present = set()
+                present.add(key)
+            elif key not in writing:
+                new[key] = -1
+        free = self._free
+        shortfall = len(new) - len(free)
+        if shortfall > 0:
+            protected: Container[bytes] = (
+                self._pins if present is None else _Protected(self._pins, present)
+            )
+            victims = self._policy.evict(shortfall, protected)
+            if victims is None:
+                return None
+            pop = ready.pop
+            for key, slot in victims:
+                pop(key)
+                free.append(slot)
+            self._events.append(TierEvent(TierEventKind.REMOVED, tuple(k for k, _ in victims)))
+        pop_free = free.pop
+        for key in new:
+            slot = pop_free()
+            new[key] = slot
+            writing[key] = slot
+        return new
+
+    def complete_store(self, keys: Sequence[bytes], success: bool) -> None:
+        """Publish (success) or roll back the WRITING entries among `keys`; others are ignored."""
+        take = self._writing.pop
+        done: list[bytes] = []
+        if success:
+            ready = self._ready
+            insert = self._policy.insert
+            for key in keys:
+                slot = take(key, -1)
+                if slot >= 0:
+                    ready[key] = slot
+                    insert(key, slot)
+                    done.append(key)
+            if done:
+                self._events.append(TierEvent(TierEventKind.STORED, tuple(done)))
+        else:
+            release = self._free.append
+            for key in keys:
+                slot = take(key, -1)
+                if slot >= 0:
+                    release(slot)
+
+    # Load: host → device or secondary tier.
+
+    def prepare_load(self, keys: Sequence[bytes]) -> list[int] | None:
+        """Pin every key and return its slot, in order; None (nothing pinned) if any is not READY.
+
+        Counts as an access for the eviction policy. A key named twice is pinned twice.
+        """
+        ready = self._ready
+        try:
+            slots = [ready[key] for key in keys]
+        except KeyError:
+            return None
+        pins = self._pins
+        touch = self._policy.touch
+        for key in keys:
+            pins[key] = pins.get(key, 0) + 1
+            touch(key)
+        return slots
+
+    def complete_load(self, keys: Sequence[bytes]) -> None:
+        """Release one pin per key named (twice for a key named twice).
+
+        Raises HostTierError, changing nothing, when a key would be released more often than it
+        is pinned.
+        """
+        pins = self._pins
+        counts: dict[bytes, int] = {}
+        for key in keys:
+            counts[key] = counts.get(key, 0) + 1
+        for key, count in counts.items():
+            held = pins.get(key, 0)
+            if count > held:
+                raise HostTierError(
+                    f"complete_load releases {key.hex()} {count} time(s); it holds {held} pin(s)"
+                )
+        for key, count in counts.items():
+            left = pins[key] - count
+            if left:
+                pins[key] = left
+            else:
+                del pins[key]
+
+    # Data, events, introspection.
+
+    def slot_view(self, slot: int) -> memoryview:
+        """The writable bytes of one row."""
+        if not 0 <= slot < self.num_slots:
+            raise IndexError(f"slot {slot} outside the host tier's {self.num_slots} slots")
+        start = slot * self.row_bytes
+        return self._buf[start : start + self.row_bytes]
+
+    def take_events(self) -> list[TierEvent]:
+        """STORED and REMOVED batches since the last call, oldest first."""
+        events, self._events = self._events, []
+        return events
+
+    def stats(self) -> HostTierStats:
+        ready, writing = len(self._ready), len(self._writing)
+        return HostTierStats(
+            capacity=self.num_slots,
+            used=ready + writing,
+            ready=ready,
+            writing=writing,
+            pinned=len(self._pins),
+            row_bytes=self.row_bytes,
+        )
+
+    def pin_count(self, key: bytes) -> int:
+        """How many `prepare_load` pins `key` holds now."""
+        return self._pins.get(key, 0)
+
+    def check(self) -> None:
+        """Raise HostTierError when an invariant of the module docstring does not hold."""
+        ready, writing, free = self._ready, self._writing, self._free
+        both = ready.keys() & writing.keys()
+        if both:
+            raise HostTierError(f"{len(both)} key(s) are both READY and WRITING")
+        slots = [*ready.values(), *writing.values(), *free]
+        if len(slots) != self.num_slots:
+            raise HostTierError(
+                f"free {len(free)} + READY {len(ready)} + WRITING {len(writing)} != "
+                f"capacity {self.num_slots}"
+            )
+        if len(set(slots)) != self.num_slots or min(slots) < 0 or max(slots) >= self.num_slots:
+            raise HostTierError("slots are not a disjoint cover of the region")
+        for key, count in self._pins.items():
+            if key not in ready:
+                raise HostTierError(f"pinned key {key.hex()} is not READY")
+            if count < 1:
+                raise HostTierError(f"key {key.hex()} holds a pin count of {count}")
+        policy = self._policy
+        if len(policy) != len(ready):
+            raise HostTierError(f"policy holds {len(policy)} keys, READY index {len(ready)}")
+        for key, slot in ready.items():
+            if policy.get(key) != slot:
+                raise HostTierError(f"policy maps {key.hex()} to {policy.get(key)}, not {slot}")
