@@ -1,0 +1,309 @@
+"""The host tier: two-phase store and load, pins, atomic eviction, events; over every policy."""
+
+from __future__ import annotations
+
+import mmap
+import random
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from kvtier.host.tier import HostTier, HostTierError
+from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.registry import BUILTIN_EVICTION, resolve_eviction
+from kvtier.tiers.base import TierEvent, TierEventKind
+
+ROW = 4096
+STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED
+
+
+def k(i: int) -> bytes:
+    return i.to_bytes(32, "big")
+
+
+def ks(*ids: int) -> list[bytes]:
+    return [k(i) for i in ids]
+
+
+def make_policy(name: str, capacity: int) -> EvictionPolicy[int]:
+    policy: EvictionPolicy[int] = resolve_eviction(name)(capacity)  # type: ignore[assignment]
+    return policy
+
+
+@pytest.fixture(params=sorted(BUILTIN_EVICTION))
+def policy_name(request: pytest.FixtureRequest) -> str:
+    return str(request.param)
+
+
+@pytest.fixture
+def buf() -> Iterator[memoryview]:
+    m = mmap.mmap(-1, ROW * 64)
+    view = memoryview(m)
+    yield view
+    view.release()
+    m.close()
+
+
+def make_tier(buf: memoryview, policy_name: str, slots: int = 8) -> HostTier:
+    return HostTier(buf[: slots * ROW], ROW, make_policy(policy_name, slots))
+
+
+def store(tier: HostTier, keys: list[bytes]) -> dict[bytes, int]:
+    slots = tier.prepare_store(keys)
+    assert slots is not None
+    tier.complete_store(list(slots), True)
+    return slots
+
+
+def test_constructor_validates(buf: memoryview) -> None:
+    with pytest.raises(ValueError):
+        HostTier(buf, 0, LRUPolicy(64))
+    with pytest.raises(ValueError):
+        HostTier(buf[: ROW - 1], ROW, LRUPolicy(64))
+    with pytest.raises(ValueError):
+        HostTier(buf, ROW, LRUPolicy(63))
+    used: LRUPolicy[int] = LRUPolicy(64)
+    used.insert(k(0), 0)
+    with pytest.raises(ValueError):
+        HostTier(buf, ROW, used)
+    tier = HostTier(buf[: ROW * 8 + 100], ROW, LRUPolicy(8))
+    assert tier.num_slots == 8 and tier.stats().capacity_bytes == 8 * ROW
+
+
+def test_writing_is_invisible_then_published(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name)
+    slots = tier.prepare_store(ks(1, 2))
+    assert slots is not None and sorted(slots) == ks(1, 2)
+    assert len(set(slots.values())) == 2
+    assert tier.lookup(ks(1, 2)) == 0
+    assert not tier.contains(k(1)) and tier.is_pending(k(1))
+    assert tier.prepare_load(ks(1)) is None
+    assert tier.take_events() == []
+    stats = tier.stats()
+    assert (stats.used, stats.writing, stats.ready) == (2, 2, 0)
+    tier.complete_store(ks(1, 2), True)
+    assert tier.lookup(ks(1, 2, 3)) == 2
+    assert tier.contains(k(2)) and not tier.is_pending(k(2))
+    assert tier.take_events() == [TierEvent(STORED, (k(1), k(2)))]
+    assert tier.take_events() == []
+    tier.check()
+
+
+def test_rollback_frees_the_slot(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=2)
+    assert tier.prepare_store(ks(1, 2)) is not None
+    tier.complete_store(ks(1), False)
+    assert not tier.is_pending(k(1)) and tier.lookup(ks(1)) == 0
+    assert tier.stats().used == 1
+    slots = tier.prepare_store(ks(3))  # the freed slot, no eviction needed
+    assert slots is not None and tier.take_events() == []
+    tier.check()
+
+
+def test_present_keys_omitted_and_duplicates_allocated_once(
+    buf: memoryview, policy_name: str
+) -> None:
+    tier = make_tier(buf, policy_name)
+    store(tier, ks(1))
+    assert tier.prepare_store(ks(2)) is not None
+    slots = tier.prepare_store(ks(1, 2, 3, 3, 4))
+    assert slots is not None and list(slots) == ks(3, 4)
+    assert tier.stats().used == 4
+    tier.check()
+
+
+def test_complete_store_ignores_unknown_keys(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name)
+    store(tier, ks(1))
+    tier.take_events()
+    tier.complete_store(ks(1, 9), True)
+    tier.complete_store(ks(1, 9), False)
+    assert tier.take_events() == [] and tier.contains(k(1))
+    tier.check()
+
+
+def test_lookup_counts_the_leading_run(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name)
+    store(tier, ks(1, 2, 4))
+    assert tier.lookup(ks(1, 2, 3, 4)) == 2
+    assert tier.lookup(ks(3, 1)) == 0
+    assert tier.lookup([]) == 0
+
+
+def test_eviction_takes_least_recently_used(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=4)
+    store(tier, ks(0, 1, 2, 3))
+    assert tier.prepare_load(ks(0)) is not None  # an access: 0 is no longer the oldest
+    tier.complete_load(ks(0))
+    tier.take_events()
+    slots = tier.prepare_store(ks(4, 5))
+    assert slots is not None
+    assert tier.take_events() == [TierEvent(REMOVED, (k(1), k(2)))]
+    assert tier.lookup(ks(0)) == 1 and tier.lookup(ks(1)) == 0 and tier.lookup(ks(3)) == 1
+    tier.check()
+
+
+def test_pinned_slots_never_evicted(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=4)
+    store(tier, ks(0, 1, 2, 3))
+    pinned = tier.prepare_load(ks(0, 1))
+    assert pinned is not None
+    assert tier.pin_count(k(0)) == 1
+    store(tier, ks(4, 5))
+    assert tier.lookup(ks(0, 1)) == 2
+    assert tier.prepare_load(ks(0, 1)) == pinned
+    tier.complete_load(ks(0, 1))
+    store(tier, ks(6, 7))  # 4 and 5 are unpinned now
+    assert tier.lookup(ks(0, 1)) == 2 and tier.stats().pinned == 2
+    tier.complete_load(ks(0, 1))
+    assert tier.stats().pinned == 0
+    tier.check()
+
+
+def test_eviction_all_or_nothing_when_pinned(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=4)
+    store(tier, ks(0, 1, 2, 3))
+    assert tier.prepare_load(ks(0, 1, 2)) is not None
+    tier.take_events()
+    before = tier.stats()
+    assert tier.prepare_store(ks(10, 11)) is None  # only key 3 could go
+    assert tier.stats() == before and tier.take_events() == []
+    assert tier.lookup(ks(0, 1, 2, 3)) == 4
+    assert not tier.is_pending(k(10))
+    assert tier.prepare_store(ks(10)) is not None
+    assert tier.take_events() == [TierEvent(REMOVED, (k(3),))]
+    tier.check()
+
+
+def test_writing_slots_are_never_evicted(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=2)
+    assert tier.prepare_store(ks(0, 1)) is not None
+    assert tier.prepare_store(ks(2)) is None
+    assert tier.prepare_store(ks(0, 1, 2)) is None
+    assert tier.stats().writing == 2
+    tier.check()
+
+
+def test_store_does_not_evict_keys_it_names(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=3)
+    store(tier, ks(0, 1, 2))
+    slots = tier.prepare_store(ks(0, 5))  # 0 is present, oldest, and must stay
+    assert slots is not None and list(slots) == ks(5)
+    assert tier.contains(k(0)) and not tier.contains(k(1))
+    assert tier.prepare_store(ks(0, 2, 5, 6, 7)) is None  # 0, 2 named, 5 WRITING
+    tier.check()
+
+
+def test_prepare_load_all_or_nothing(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name)
+    store(tier, ks(0, 1))
+    assert tier.prepare_load(ks(0, 9, 1)) is None
+    assert tier.stats().pinned == 0
+    slots = tier.prepare_load(ks(1, 0, 1))
+    assert slots is not None and slots[0] == slots[2] != slots[1]
+    assert tier.pin_count(k(1)) == 2
+    tier.complete_load(ks(1, 0, 1))
+    assert tier.stats().pinned == 0
+    tier.check()
+
+
+def test_complete_load_misuse_raises_and_changes_nothing(
+    buf: memoryview, policy_name: str
+) -> None:
+    tier = make_tier(buf, policy_name)
+    store(tier, ks(0, 1))
+    assert tier.prepare_load(ks(0, 1)) is not None
+    with pytest.raises(HostTierError):
+        tier.complete_load(ks(0, 0))
+    with pytest.raises(HostTierError):
+        tier.complete_load(ks(1, 7))
+    assert tier.pin_count(k(0)) == 1 and tier.pin_count(k(1)) == 1
+    tier.complete_load(ks(0, 1))
+    with pytest.raises(HostTierError):
+        tier.complete_load(ks(0))
+    tier.check()
+
+
+def test_slot_views_are_disjoint_aligned_rows(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=4)
+    slots = tier.prepare_store(ks(0, 1, 2, 3))
+    assert slots is not None
+    for key, slot in slots.items():
+        tier.slot_view(slot)[:] = key * (ROW // 32)
+    tier.complete_store(list(slots), True)
+    for key, slot in zip(ks(0, 1, 2, 3), tier.prepare_load(ks(0, 1, 2, 3)) or [], strict=True):
+        view = tier.slot_view(slot)
+        assert len(view) == ROW and bytes(view) == key * (ROW // 32)
+        assert np.frombuffer(view, dtype=np.uint8).ctypes.data % 4096 == 0
+    for bad in (-1, 4):
+        with pytest.raises(IndexError):
+            tier.slot_view(bad)
+
+
+def test_events_keep_their_order(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=2)
+    store(tier, ks(0, 1))
+    store(tier, ks(2))
+    store(tier, ks(3))
+    assert tier.take_events() == [
+        TierEvent(STORED, (k(0), k(1))),
+        TierEvent(REMOVED, (k(0),)),
+        TierEvent(STORED, (k(2),)),
+        TierEvent(REMOVED, (k(1),)),
+        TierEvent(STORED, (k(3),)),
+    ]
+
+
+def test_check_detects_corruption(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name)
+    store(tier, ks(0, 1))
+    tier._policy.remove(k(0))
+    with pytest.raises(HostTierError):
+        tier.check()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_randomized_stress(buf: memoryview, policy_name: str, seed: int) -> None:
+    rng = random.Random(seed)
+    slots = rng.choice([1, 4, 16, 64])
+    tier = make_tier(buf, policy_name, slots=slots)
+    universe = [k(i) for i in range(slots * 3)]
+    writing: dict[bytes, int] = {}
+    loads: list[list[bytes]] = []
+    ready: set[bytes] = set()
+    for _ in range(4000):
+        op = rng.random()
+        batch = [rng.choice(universe) for _ in range(rng.randint(0, 6))]
+        if op < 0.35:
+            got = tier.prepare_store(batch)
+            if got is not None:
+                assert not set(got) & (ready | set(writing))
+                writing.update(got)
+        elif op < 0.6 and writing:
+            done = rng.sample(sorted(writing), rng.randint(1, len(writing)))
+            tier.complete_store(done, rng.random() < 0.8)
+            for key in done:
+                del writing[key]
+        elif op < 0.8:
+            pinned = tier.prepare_load(batch)
+            assert (pinned is not None) == all(key in ready for key in batch)
+            if pinned is not None:
+                loads.append(batch)
+        elif loads:
+            tier.complete_load(loads.pop(rng.randrange(len(loads))))
+        for event in tier.take_events():
+            if event.kind is STORED:
+                ready.update(event.keys)
+            else:
+                ready.difference_update(event.keys)
+        pinned_keys = {key for batch in loads for key in batch}
+        assert pinned_keys <= ready
+        assert all(tier.contains(key) == (key in ready) for key in universe)
+        assert all(tier.is_pending(key) == (key in writing) for key in universe)
+        stats = tier.stats()
+        assert (stats.ready, stats.writing, stats.pinned) == (
+            len(ready), len(writing), len(pinned_keys)
+        )
+        tier.check()
