@@ -1,0 +1,255 @@
+"""The tiering manager: one view over the host tier and the secondary tiers, engine-agnostic.
+
+Called on the scheduler thread only, and never blocks it:
+- `lookup_prefix(keys)` finds how many leading chunks are ready in the host tier and, beyond them,
+  which chunks the secondary tiers hold; it starts promoting those (secondary → host, the host slots
+  allocated before the load and released if it fails) and reports them as pending until done.
+- `cascade(keys)` copies chunks the host tier just published to every secondary tier that admits
+  them, keeping the host slots pinned for reading until each copy finishes.
+- `poll()` drains the tiers' completions and finishes promotions and cascades.
+
+A tier that fails or is down only turns its hits into misses: the engine recomputes.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Collection, Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
+from kvtier.host.region import HostRegion
+from kvtier.host.tier import HostTier
+from kvtier.policies.base import AdmissionPolicy, AdmitAll
+from kvtier.policies.registry import resolve_admission, resolve_eviction
+from kvtier.tiers.base import ChunkKey, Job, JobKind, JobResult, LookupResult, TierEvent
+from kvtier.tiers.process import TierProcess, TierSpec
+
+log = logging.getLogger("kvtier.manager")
+HOST = "host"
+
+
+class TierHandle(Protocol):
+    """What the manager needs of a secondary tier: the contract plus a name and events."""
+
+    name: str
+
+    def shutdown(self) -> None: ...
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[LookupResult]: ...
+    def submit_store(self, job: Job) -> None: ...
+    def submit_load(self, job: Job) -> None: ...
+    def get_finished_jobs(self) -> list[JobResult]: ...
+    def take_events(self) -> list[TierEvent]: ...
+
+
+@dataclass(frozen=True)
+class PrefixLookup:
+    """The answer for a request's chunk keys.
+
+    `ready` leading chunks are in the host tier now. `pending` holds when more chunks may become
+    ready soon (a promotion or a tier lookup is in flight): ask again on a later step.
+    """
+
+    ready: int
+    pending: bool
+
+
+@dataclass(frozen=True)
+class _Transfer:
+    tier: str
+    kind: JobKind
+    keys: tuple[ChunkKey, ...]
+
+
+class TieringManager:
+    """Lookups across tiers, promotions into the host tier and cascades out of it."""
+
+    def __init__(
+        self,
+        host: HostTier,
+        tiers: Sequence[TierHandle],
+        admission: AdmissionPolicy | None = None,
+    ) -> None:
+        self.host = host
+        self.tiers = {t.name: t for t in tiers}
+        if len(self.tiers) != len(tiers) or HOST in self.tiers:
+            raise ValueError(f"tier names must be unique and not {HOST!r}")
+        self.admission = admission or AdmitAll()
+        self._job_ids = itertools.count(1)
+        self._transfers: dict[int, _Transfer] = {}
+        self._events: list[tuple[str, TierEvent]] = []
+        self.counters: Counter[str] = Counter()
+        self.region: HostRegion | None = None
+
+    @classmethod
+    def from_config(
+        cls, config: KVTierConfig, row_bytes: int, layout_fingerprint: str
+    ) -> TieringManager:
+        """Create the host region and tier, and start every secondary tier's process.
+
+        All-or-nothing: if any part fails (a tier rejects its options, the region does not fit),
+        what was already built is shut down in reverse order and the error is re-raised.
+        """
+        if row_bytes > config.cpu_bytes_to_use:
+            raise ConfigError(
+                "cpu_bytes_to_use", config.cpu_bytes_to_use,
+                f"must hold at least one chunk row ({row_bytes} bytes)",
+            )
+        region = HostRegion.create(config.cpu_bytes_to_use, shm_dir=config.shm_dir)
+        started: list[TierProcess] = []
+        try:
+            num_slots = region.size // row_bytes
+            policy = resolve_eviction(config.eviction_policy, config.eviction_policy_module_path)
+            host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy(num_slots))
+            admission = resolve_admission(
+                config.admission_policy, config.admission_policy_module_path
+            )()
+            for i, tier in enumerate(config.secondary_tiers):
+                spec = TierSpec(
+                    tier_name=tier.name, type=tier.type, module_path=tier.module_path,
+                    options=tier.options, config_key=f"secondary_tiers[{i}]",
+                    region_name=region.name, shm_dir=config.shm_dir, row_bytes=row_bytes,
+                    num_slots=num_slots, layout_fingerprint=layout_fingerprint,
+                )
+                proc = TierProcess(
+                    spec, job_timeout_s=config.tier_job_timeout_s,
+                    restart_backoff_s=config.tier_restart_backoff_s,
+                )
+                proc.start()
+                started.append(proc)
+            manager = cls(host, started, admission)
+        except BaseException:
+            for proc in reversed(started):
+                proc.shutdown()
+            region.close()
+            raise
+        manager.region = region
+        return manager
+
+    def shutdown(self) -> None:
+        """Stop every tier process, then remove the host region. Idempotent."""
+        for tier in reversed(list(self.tiers.values())):
+            tier.shutdown()
+        if self.region is not None:
+            self.region.close()
+            self.region = None
+
+    # -- lookups and promotions ----------------------------------------------------------------
+
+    def lookup_prefix(
+        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None
+    ) -> PrefixLookup:
+        """How many leading `keys` are ready in the host tier; promote what follows if found.
+
+        `tiers` restricts which secondary tiers may serve (None: all of them).
+        """
+        for key in keys:
+            self.admission.record_access(key)
+        ready = self.host.lookup(keys)
+        rest = keys[ready:]
+        if not rest:
+            return PrefixLookup(ready, pending=False)
+        if self.host.is_pending(rest[0]):
+            return PrefixLookup(ready, pending=True)
+        sources, pending = self._find(rest, tiers)
+        if sources:
+            pending = self._promote(rest[: len(sources)], sources) or pending
+        return PrefixLookup(ready, pending)
+
+    def _find(
+        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None
+    ) -> tuple[list[str], bool]:
+        """The source tier of each of the leading keys some tier holds, and whether the run stopped
+        on a key whose presence is not known yet."""
+        names = [n for n in self.tiers if tiers is None or n in tiers]
+        answers = {n: self.tiers[n].lookup(keys) for n in names}
+        sources: list[str] = []
+        for i, key in enumerate(keys):
+            if self.host.is_pending(key):
+                return sources, True
+            found = next((n for n in names if answers[n][i] is LookupResult.HIT), None)
+            if found is None:
+                unknown = any(answers[n][i] is LookupResult.RETRY for n in names)
+                return sources, unknown
+            sources.append(found)
+        return sources, False
+
+    def _promote(self, keys: Sequence[ChunkKey], sources: Sequence[str]) -> bool:
+        """Allocate host slots for `keys` and load each from its source tier."""
+        slots = self.host.prepare_store(keys)
+        if slots is None:
+            self.counters["promotions_no_space"] += 1
+            return False
+        by_tier: dict[str, list[ChunkKey]] = {}
+        for key, source in zip(keys, sources, strict=True):
+            if key in slots:
+                by_tier.setdefault(source, []).append(key)
+        for name, tier_keys in by_tier.items():
+            job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys])
+            self.tiers[name].submit_load(job)
+        return True
+
+    # -- cascades ------------------------------------------------------------------------------
+
+    def cascade(self, keys: Sequence[ChunkKey], priority: int = 0, skip: str | None = None) -> None:
+        """Copy host-resident `keys` to every secondary tier (but `skip`) that admits them."""
+        for name, tier in self.tiers.items():
+            if name == skip:
+                continue
+            admitted = [k for k in keys if self.admission.admit(k, name, priority)]
+            if not admitted:
+                continue
+            slots = self.host.prepare_load(admitted)
+            if slots is None:
+                self.counters[f"cascade_skipped:{name}"] += len(admitted)
+                continue
+            tier.submit_store(self._job(name, JobKind.STORE, admitted, slots))
+
+    # -- completions ---------------------------------------------------------------------------
+
+    def poll(self) -> None:
+        """Finish every transfer whose job completed; collect events."""
+        for name, tier in self.tiers.items():
+            for result in tier.get_finished_jobs():
+                self._finish(result)
+            self._events.extend((name, e) for e in tier.take_events())
+        self._events.extend((HOST, e) for e in self.host.take_events())
+
+    def _finish(self, result: JobResult) -> None:
+        transfer = self._transfers.pop(result.job_id, None)
+        if transfer is None:
+            return
+        ok = set(result.successful_keys).intersection(transfer.keys)
+        failed = [k for k in transfer.keys if k not in ok]
+        done = [k for k in transfer.keys if k in ok]
+        kind = transfer.kind.value
+        self.counters[f"{kind}_chunks:{transfer.tier}"] += len(done)
+        self.counters[f"{kind}_bytes:{transfer.tier}"] += result.bytes_moved
+        if failed:
+            self.counters[f"{kind}_failures:{transfer.tier}"] += len(failed)
+        if transfer.kind is JobKind.STORE:
+            self.host.complete_load(transfer.keys)
+            return
+        self.host.complete_store(done, success=True)
+        self.host.complete_store(failed, success=False)
+        if done:
+            self.cascade(done, skip=transfer.tier)
+
+    def take_events(self) -> list[tuple[str, TierEvent]]:
+        """(tier name or "host", event) in the order they were seen since the last call."""
+        self.poll()
+        events, self._events = self._events, []
+        return events
+
+    @property
+    def in_flight(self) -> int:
+        return len(self._transfers)
+
+    def _job(self, tier: str, kind: JobKind, keys: Sequence[ChunkKey], slots: Sequence[int]) -> Job:
+        job = Job(next(self._job_ids), kind, tuple(keys), tuple(slots))
+        self._transfers[job.job_id] = _Transfer(tier, kind, job.keys)
+        return job

@@ -1,0 +1,347 @@
+"""The engine-side proxy of a tier running in its own process.
+
+`TierProcess` exposes the tier contract's four methods to the scheduler thread and never blocks it:
+requests go out through a sender thread's queue and replies come back through a receiver thread's
+queue. Lookups are asynchronous: a key not answered yet is RETRY and is asked in one batch; answers
+are remembered for `lookup_ttl_s`.
+
+Liveness: a process that exits, or leaves a job or lookup unanswered for `job_timeout_s`, is marked
+down. Its in-flight jobs finish as failures, lookups answer MISS and new jobs fail at once, so
+serving goes on without it. It is started again after a back-off that doubles on each consecutive
+failure (capped at `MAX_BACKOFF_S`) and resets once a restarted process has completed a job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import queue
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import OrderedDict
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection
+from typing import Any
+
+from kvtier.errors import ConfigError, KVTierError
+from kvtier.tiers.base import (
+    ChunkKey,
+    Job,
+    JobKind,
+    JobResult,
+    LookupResult,
+    TierEvent,
+    TierEventKind,
+)
+
+MAX_BACKOFF_S = 30.0
+STARTUP_TIMEOUT_S = 60.0
+log = logging.getLogger("kvtier.tiers")
+
+
+class TierStartError(KVTierError):
+    """A tier process did not come up."""
+
+
+@dataclass(frozen=True)
+class TierSpec:
+    """Everything a tier process needs to build its tier (sent as JSON on its stdin)."""
+
+    tier_name: str
+    type: str
+    module_path: str | None
+    options: dict[str, Any]
+    config_key: str
+    region_name: str
+    shm_dir: str
+    row_bytes: int
+    num_slots: int
+    layout_fingerprint: str
+
+
+@dataclass
+class _Generation:
+    """One incarnation of the tier process and its two pump threads."""
+
+    proc: subprocess.Popen[bytes]
+    conn: Connection
+    outbox: queue.SimpleQueue[tuple[Any, ...] | None] = field(default_factory=queue.SimpleQueue)
+    ready: bool = False
+
+
+class TierProcess:
+    """Scheduler-side handle of one tier process. All methods are for one (scheduler) thread."""
+
+    def __init__(
+        self,
+        spec: TierSpec,
+        *,
+        job_timeout_s: float = 60.0,
+        restart_backoff_s: float = 1.0,
+        lookup_ttl_s: float = 2.0,
+    ) -> None:
+        self.spec = spec
+        self.name = spec.tier_name
+        self.job_timeout_s = job_timeout_s
+        self.lookup_ttl_s = lookup_ttl_s
+        self._base_backoff = restart_backoff_s
+        self._backoff = restart_backoff_s
+        self._inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
+        self._gen: _Generation | None = None
+        self._gen_id = 0
+        self._restart_at: float | None = None
+        self._jobs: dict[int, tuple[Job, float]] = {}
+        self._finished: list[JobResult] = []
+        self._events: list[TierEvent] = []
+        self._answers: OrderedDict[ChunkKey, tuple[LookupResult, float]] = OrderedDict()
+        self._asked: dict[int, tuple[tuple[ChunkKey, ...], float]] = {}
+        self._asking: set[ChunkKey] = set()
+        self._next_req = 0
+        self.last_stats: dict[str, float] = {}
+        self.restarts = 0
+        self._closed = False
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Start the process and wait until its tier is built (startup only, never per step).
+
+        Raises ConfigError with the tier's own message when it rejects its options, and
+        TierStartError when the process dies or does not answer within `timeout_s`.
+        """
+        self._spawn()
+        deadline = time.monotonic() + timeout_s
+        while self._gen is not None and not self._gen.ready:
+            if time.monotonic() > deadline:
+                self.shutdown()
+                raise TierStartError(f"tier {self.name!r} did not start within {timeout_s} s")
+            try:
+                gen_id, msg = self._inbox.get(timeout=0.05)
+            except queue.Empty:
+                continue
+            if msg is None or msg[0] == "error":
+                detail = "process exited" if msg is None else msg[1]
+                self.shutdown()
+                if msg is not None:
+                    raise ConfigError(f"secondary_tiers[{self.name}]", self.spec.type, detail)
+                raise TierStartError(f"tier {self.name!r} failed to start: {detail}")
+            self._handle(gen_id, msg)
+
+    def _spawn(self) -> None:
+        parent_sock, child_sock = socket.socketpair()
+        env = dict(os.environ)
+        # The tier process imports what this one can (kvtier itself, `module_path` plugins).
+        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
+        spec = dict(self.spec.__dict__, log_level=logging.getLogger("kvtier").getEffectiveLevel())
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "kvtier.tiers.worker", str(child_sock.fileno())],
+            stdin=subprocess.PIPE,
+            pass_fds=(child_sock.fileno(),),
+            env=env,
+        )
+        child_sock.close()
+        assert proc.stdin is not None
+        proc.stdin.write(json.dumps(spec).encode())
+        proc.stdin.close()
+        self._gen_id += 1
+        gen = _Generation(proc, Connection(parent_sock.detach()))
+        self._gen = gen
+        threading.Thread(target=self._send_loop, args=(gen,), daemon=True,
+                         name=f"kvtier-{self.name}-send").start()
+        threading.Thread(target=self._recv_loop, args=(gen, self._gen_id), daemon=True,
+                         name=f"kvtier-{self.name}-recv").start()
+
+    def _send_loop(self, gen: _Generation) -> None:
+        while (msg := gen.outbox.get()) is not None:
+            try:
+                gen.conn.send(msg)
+            except OSError:
+                return
+
+    def _recv_loop(self, gen: _Generation, gen_id: int) -> None:
+        while True:
+            try:
+                msg = gen.conn.recv()
+            except (EOFError, OSError):
+                self._inbox.put((gen_id, None))
+                return
+            self._inbox.put((gen_id, msg))
+
+    def shutdown(self, timeout_s: float = 10.0) -> None:
+        """Stop the process (politely, then SIGKILL after `timeout_s`). Idempotent."""
+        self._closed = True
+        gen, self._gen = self._gen, None
+        if gen is None:
+            return
+        gen.outbox.put(("shutdown",))
+        gen.outbox.put(None)
+        try:
+            gen.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            gen.proc.kill()
+            gen.proc.wait()
+        with contextlib.suppress(OSError):
+            gen.conn.close()
+        self._fail_in_flight()
+
+    @property
+    def is_up(self) -> bool:
+        return self._gen is not None and self._gen.ready
+
+    @property
+    def pid(self) -> int | None:
+        return None if self._gen is None else self._gen.proc.pid
+
+    # -- the tier contract ---------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[LookupResult]:
+        """Known answers, RETRY for keys being asked; MISS for everything while the tier is down."""
+        self.poll()
+        if not self.is_up:
+            return [LookupResult.MISS] * len(keys)
+        now = time.monotonic()
+        self._expire_answers(now)
+        out: list[LookupResult] = []
+        ask: list[ChunkKey] = []
+        for key in keys:
+            answer = self._answers.get(key)
+            if answer is not None:
+                out.append(answer[0])
+                continue
+            out.append(LookupResult.RETRY)
+            if key not in self._asking:
+                self._asking.add(key)
+                ask.append(key)
+        if ask:
+            self._next_req += 1
+            self._asked[self._next_req] = (tuple(ask), now)
+            self._send(("lookup", self._next_req, ask))
+        return out
+
+    def submit_store(self, job: Job) -> None:
+        self._submit(job)
+
+    def submit_load(self, job: Job) -> None:
+        self._submit(job)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        """Drain replies, detect a dead or hung process, restart one that is due."""
+        self.poll()
+        finished, self._finished = self._finished, []
+        return finished
+
+    def take_events(self) -> list[TierEvent]:
+        events, self._events = self._events, []
+        return events
+
+    # -- internals -----------------------------------------------------------------------------
+
+    def _submit(self, job: Job) -> None:
+        if not self.is_up:
+            self._finished.append(JobResult(job.job_id, success=False))
+            return
+        self._jobs[job.job_id] = (job, time.monotonic())
+        self._send((job.kind.value, job.job_id, list(job.keys), list(job.slots)))
+
+    def _send(self, msg: tuple[Any, ...]) -> None:
+        if self._gen is not None:
+            self._gen.outbox.put(msg)
+
+    def poll(self) -> None:
+        """Process every reply received so far; never blocks."""
+        while True:
+            try:
+                gen_id, msg = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            self._handle(gen_id, msg)
+        now = time.monotonic()
+        if self._gen is not None and self._gen.ready:
+            oldest = min((t for _, t in self._jobs.values()), default=now)
+            oldest = min((t for _, t in self._asked.values()), default=oldest)
+            if now - oldest > self.job_timeout_s:
+                self._mark_down(f"no answer for {now - oldest:.1f} s (hung)")
+        elif self._gen is None and self._restart_at is not None and now >= self._restart_at:
+            self._restart_at = None
+            self.restarts += 1
+            log.info("restarting tier %s (restart #%d)", self.name, self.restarts)
+            self._spawn()
+
+    def _handle(self, gen_id: int, msg: tuple[Any, ...] | None) -> None:
+        if gen_id != self._gen_id or self._gen is None:
+            return
+        if msg is None:
+            self._mark_down(f"process exited (code {self._gen.proc.poll()})")
+            return
+        op = msg[0]
+        if op == "ready":
+            self._gen.ready = True
+        elif op == "done":
+            for job_id, success, keys, nbytes, seconds in msg[1]:
+                entry = self._jobs.pop(job_id, None)
+                if entry is None:
+                    continue
+                self._backoff = self._base_backoff
+                # What a job proved about its keys is a fresh lookup answer.
+                now = time.monotonic()
+                for key in keys:
+                    self._remember(key, LookupResult.HIT, now)
+                if entry[0].kind is JobKind.LOAD:
+                    for key in set(entry[0].keys).difference(keys):
+                        self._remember(key, LookupResult.MISS, now)
+                self._finished.append(JobResult(job_id, success, tuple(keys), nbytes, seconds))
+        elif op == "lookup":
+            asked = self._asked.pop(msg[1], None)
+            if asked is not None:
+                now = time.monotonic()
+                for key, result in zip(asked[0], msg[2], strict=True):
+                    self._asking.discard(key)
+                    self._remember(key, LookupResult(result), now)
+        elif op == "events":
+            self._events.extend(TierEvent(TierEventKind(k), tuple(keys)) for k, keys in msg[1])
+        elif op == "stats":
+            self.last_stats = msg[1]
+        elif op == "error":
+            self._mark_down(msg[1])
+
+    def _remember(self, key: ChunkKey, result: LookupResult, now: float) -> None:
+        self._answers[key] = (result, now)
+        self._answers.move_to_end(key)
+
+    def _expire_answers(self, now: float) -> None:
+        while self._answers:
+            key, (_, t) = next(iter(self._answers.items()))
+            if now - t < self.lookup_ttl_s:
+                break
+            del self._answers[key]
+
+    def _mark_down(self, why: str) -> None:
+        gen, self._gen = self._gen, None
+        if gen is None:
+            return
+        gen.outbox.put(None)
+        with contextlib.suppress(ProcessLookupError):
+            gen.proc.kill()
+        with contextlib.suppress(OSError):
+            gen.conn.close()
+        threading.Thread(target=gen.proc.wait, daemon=True).start()
+        self._fail_in_flight()
+        if self._closed:
+            return
+        self._restart_at = time.monotonic() + self._backoff
+        log.warning("tier %s is down: %s; restarting in %.1f s", self.name, why, self._backoff)
+        self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+
+    def _fail_in_flight(self) -> None:
+        for job_id in self._jobs:
+            self._finished.append(JobResult(job_id, success=False))
+        self._jobs.clear()
+        self._asked.clear()
+        self._asking.clear()
+        self._answers.clear()

@@ -1,0 +1,66 @@
+"""Shared fixtures: host regions, tier contexts, and helpers that drive tiers to completion."""
+
+from __future__ import annotations
+
+import os
+import secrets
+import time
+from collections.abc import Iterator
+
+import pytest
+
+from kvtier.host.region import HostRegion
+from kvtier.tiers.base import ChunkKey, JobResult, LookupResult, TierContext
+
+ROW_BYTES = 3 * 4096
+SLOTS = 32
+LAYOUT_FP = "00112233445566778899aabbccddeeff"
+
+
+@pytest.fixture
+def region() -> Iterator[HostRegion]:
+    r = HostRegion.create(ROW_BYTES * SLOTS)
+    yield r
+    r.close()
+
+
+@pytest.fixture
+def ctx(region: HostRegion) -> TierContext:
+    return TierContext(
+        region=region.buf, row_bytes=ROW_BYTES, num_slots=SLOTS,
+        layout_fingerprint=LAYOUT_FP, tier_name="test",
+    )
+
+
+def random_key() -> ChunkKey:
+    return secrets.token_bytes(32)
+
+
+def fill_slot(ctx: TierContext, slot: int) -> bytes:
+    data = os.urandom(ctx.row_bytes)
+    ctx.slot_view(slot)[:] = data
+    return data
+
+
+def wait_jobs(tier, n: int, timeout_s: float = 10.0) -> list[JobResult]:
+    """Poll `tier.get_finished_jobs()` until `n` results arrived (fails the test on timeout)."""
+    results: list[JobResult] = []
+    deadline = time.monotonic() + timeout_s
+    while len(results) < n:
+        results.extend(tier.get_finished_jobs())
+        if time.monotonic() > deadline:
+            pytest.fail(f"only {len(results)} of {n} jobs finished within {timeout_s} s")
+        time.sleep(0.002)
+    return results
+
+
+def settle_lookup(tier, keys, timeout_s: float = 10.0) -> list[LookupResult]:
+    """Repeat an asynchronous lookup until no key answers RETRY."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        answers = tier.lookup(keys)
+        if LookupResult.RETRY not in answers:
+            return answers
+        if time.monotonic() > deadline:
+            pytest.fail("lookup still RETRY after timeout")
+        time.sleep(0.002)

@@ -1,0 +1,47 @@
+"""An external tier loaded by `module_path` in the tests: the memory tier with delayed completions.
+
+Delaying completions keeps jobs in flight long enough to kill or stop the tier process under them.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from kvtier.tiers.base import Job, JobResult, TierContext
+from kvtier.tiers.memory import MemoryTier
+
+
+class DelayedMemoryTier(MemoryTier):
+    """Completes each job `delay_s` seconds after it was submitted."""
+
+    def __init__(self, ctx: TierContext, *, delay_s: float = 0.5) -> None:
+        super().__init__(ctx)
+        self.delay_s = delay_s
+        self._held: list[tuple[float, JobResult]] = []
+        self._lock = threading.Lock()
+
+    def submit_store(self, job: Job) -> None:
+        super().submit_store(job)
+        self._hold()
+
+    def submit_load(self, job: Job) -> None:
+        super().submit_load(job)
+        self._hold()
+
+    def _hold(self) -> None:
+        due = time.monotonic() + self.delay_s
+        with self._lock:
+            self._held.extend((due, r) for r in MemoryTier.get_finished_jobs(self))
+        threading.Timer(self.delay_s, self.ctx.wakeup).start()
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        now = time.monotonic()
+        with self._lock:
+            ready = [r for due, r in self._held if due <= now]
+            self._held = [(due, r) for due, r in self._held if due > now]
+        return ready
+
+
+class NotATier:
+    """Named by a config to check that plugins must derive from the contract."""

@@ -1,0 +1,117 @@
+"""The secondary-tier contract, checked for every built-in tier, in-process and in a tier process.
+
+The memory tier is the model: every tier must give the same observable answers.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.host.region import HostRegion
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierEventKind
+from kvtier.tiers.process import TierProcess, TierSpec
+from kvtier.tiers.registry import BUILTIN_TIERS, resolve_tier
+from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
+
+LOCAL_TIERS = ["memory", "fs"]
+
+
+def tier_options(kind: str, tmp_path: Path) -> dict[str, object]:
+    return {"root_dir": str(tmp_path / "fs")} if kind == "fs" else {}
+
+
+@pytest.fixture(params=[(k, mode) for k in LOCAL_TIERS for mode in ("inproc", "process")],
+                ids=lambda p: f"{p[0]}-{p[1]}")
+def tier(request, ctx: TierContext, region: HostRegion, tmp_path: Path) -> Iterator[object]:
+    kind, mode = request.param
+    options = tier_options(kind, tmp_path)
+    if mode == "inproc":
+        t = resolve_tier("t", kind, None)(ctx, **options)
+        yield t
+        t.shutdown()
+        return
+    spec = TierSpec(
+        tier_name=kind, type=kind, module_path=None, options=options, config_key="secondary_tiers[0]",
+        region_name=region.name, shm_dir="/dev/shm", row_bytes=ROW_BYTES, num_slots=SLOTS,
+        layout_fingerprint=LAYOUT_FP,
+    )
+    proc = TierProcess(spec, job_timeout_s=20)
+    proc.start()
+    yield proc
+    proc.shutdown()
+
+
+def test_every_builtin_local_tier_is_covered() -> None:
+    assert set(LOCAL_TIERS) <= set(BUILTIN_TIERS)
+
+
+def test_store_then_load_round_trips_bytes(tier, ctx: TierContext) -> None:
+    keys = [random_key() for _ in range(4)]
+    originals = [fill_slot(ctx, s) for s in range(4)]
+    assert settle_lookup(tier, keys) == [LookupResult.MISS] * 4
+    tier.submit_store(Job(1, JobKind.STORE, tuple(keys), (0, 1, 2, 3)))
+    [result] = wait_jobs(tier, 1)
+    assert result.success and set(result.successful_keys) == set(keys)
+    assert result.bytes_moved == 4 * ROW_BYTES
+    assert settle_lookup(tier, keys) == [LookupResult.HIT] * 4
+    for s in range(4, 8):
+        ctx.slot_view(s)[:] = bytes(ROW_BYTES)
+    tier.submit_load(Job(2, JobKind.LOAD, tuple(reversed(keys)), (7, 6, 5, 4)))
+    [result] = wait_jobs(tier, 1)
+    assert result.job_id == 2 and result.success
+    for i, data in enumerate(originals):
+        assert bytes(ctx.slot_view(4 + i)) == data
+
+
+def test_load_of_missing_keys_fails_as_a_value(tier, ctx: TierContext) -> None:
+    present, absent = random_key(), random_key()
+    data = fill_slot(ctx, 0)
+    tier.submit_store(Job(1, JobKind.STORE, (present,), (0,)))
+    wait_jobs(tier, 1)
+    tier.submit_load(Job(2, JobKind.LOAD, (absent, present), (5, 6)))
+    [result] = wait_jobs(tier, 1)
+    assert not result.success
+    assert result.successful_keys == (present,)
+    assert bytes(ctx.slot_view(6)) == data
+
+
+def test_each_job_is_reported_exactly_once(tier, ctx: TierContext) -> None:
+    keys = [random_key() for _ in range(6)]
+    for s in range(6):
+        fill_slot(ctx, s)
+    for j in range(6):
+        tier.submit_store(Job(10 + j, JobKind.STORE, (keys[j],), (j,)))
+    results = wait_jobs(tier, 6)
+    assert sorted(r.job_id for r in results) == list(range(10, 16))
+    assert all(r.success for r in results)
+    assert wait_jobs(tier, 0) == [] and tier.get_finished_jobs() == []
+
+
+def test_store_emits_stored_events(tier, ctx: TierContext) -> None:
+    keys = (random_key(), random_key())
+    fill_slot(ctx, 0)
+    fill_slot(ctx, 1)
+    tier.submit_store(Job(1, JobKind.STORE, keys, (0, 1)))
+    wait_jobs(tier, 1)
+    stored: set[bytes] = set()
+    deadline = time.monotonic() + 5
+    while stored != set(keys) and time.monotonic() < deadline:
+        tier.get_finished_jobs()
+        stored |= {k for e in tier.take_events() if e.kind is TierEventKind.STORED for k in e.keys}
+        time.sleep(0.005)
+    assert stored == set(keys)
+
+
+def test_storing_a_key_again_keeps_it_readable(tier, ctx: TierContext) -> None:
+    key = random_key()
+    data = fill_slot(ctx, 0)
+    tier.submit_store(Job(1, JobKind.STORE, (key,), (0,)))
+    tier.submit_store(Job(2, JobKind.STORE, (key,), (0,)))
+    assert all(r.success for r in wait_jobs(tier, 2))
+    tier.submit_load(Job(3, JobKind.LOAD, (key,), (9,)))
+    assert wait_jobs(tier, 1)[0].success
+    assert bytes(ctx.slot_view(9)) == data

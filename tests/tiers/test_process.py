@@ -1,0 +1,137 @@
+"""The tier process runner: startup errors, plugins, and a tier that dies or hangs under load."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.host.region import HostRegion
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
+from kvtier.tiers.process import TierProcess, TierSpec
+from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
+
+PLUGIN = "tests.tiers.plugin_tier"
+
+
+def make_proc(region: HostRegion, type_: str, module_path: str | None = None, **kw) -> TierProcess:
+    options = kw.pop("options", {})
+    spec = TierSpec(
+        tier_name="t", type=type_, module_path=module_path, options=options,
+        config_key="secondary_tiers[0]", region_name=region.name, shm_dir="/dev/shm",
+        row_bytes=ROW_BYTES, num_slots=SLOTS, layout_fingerprint=LAYOUT_FP,
+    )
+    return TierProcess(spec, **kw)
+
+
+def test_tier_rejecting_its_options_fails_start_with_its_message(region: HostRegion) -> None:
+    proc = make_proc(region, "memory", options={"max_bytes": 1})
+    with pytest.raises(ConfigError, match="max_bytes"):
+        proc.start()
+    assert proc.pid is None
+
+
+def test_external_tier_loads_by_module_path(region: HostRegion, ctx: TierContext) -> None:
+    proc = make_proc(region, "DelayedMemoryTier", PLUGIN, options={"delay_s": 0.05})
+    proc.start()
+    try:
+        key = random_key()
+        data = fill_slot(ctx, 0)
+        proc.submit_store(Job(1, JobKind.STORE, (key,), (0,)))
+        assert wait_jobs(proc, 1)[0].success
+        proc.submit_load(Job(2, JobKind.LOAD, (key,), (1,)))
+        assert wait_jobs(proc, 1)[0].success
+        assert bytes(ctx.slot_view(1)) == data
+    finally:
+        proc.shutdown()
+
+
+def test_killed_tier_fails_in_flight_jobs_and_restarts(region: HostRegion, ctx: TierContext) -> None:
+    proc = make_proc(region, "DelayedMemoryTier", PLUGIN, options={"delay_s": 30.0},
+                     restart_backoff_s=0.2)
+    proc.start()
+    try:
+        first_pid = proc.pid
+        fill_slot(ctx, 0)
+        proc.submit_store(Job(1, JobKind.STORE, (random_key(),), (0,)))
+        proc.submit_load(Job(2, JobKind.LOAD, (random_key(),), (1,)))
+        time.sleep(0.2)
+        assert proc.get_finished_jobs() == []
+        os.kill(first_pid, signal.SIGKILL)
+        start = time.monotonic()
+        results = wait_jobs(proc, 2, timeout_s=5)
+        assert time.monotonic() - start < 5
+        assert sorted(r.job_id for r in results) == [1, 2]
+        assert not any(r.success for r in results)
+        # While down: lookups are misses and new jobs fail at once; nothing blocks.
+        assert proc.lookup([random_key()]) == [LookupResult.MISS]
+        proc.submit_store(Job(3, JobKind.STORE, (random_key(),), (0,)))
+        assert [r.success for r in proc.get_finished_jobs()] == [False]
+        deadline = time.monotonic() + 10
+        while not proc.is_up and time.monotonic() < deadline:
+            proc.get_finished_jobs()
+            time.sleep(0.01)
+        assert proc.is_up and proc.pid != first_pid and proc.restarts == 1
+        assert settle_lookup(proc, [random_key()]) == [LookupResult.MISS]
+    finally:
+        proc.shutdown()
+
+
+def test_hung_tier_is_marked_down_after_the_job_timeout(region: HostRegion, ctx: TierContext) -> None:
+    proc = make_proc(region, "memory", job_timeout_s=0.5, restart_backoff_s=60)
+    proc.start()
+    try:
+        pid = proc.pid
+        os.kill(pid, signal.SIGSTOP)
+        fill_slot(ctx, 0)
+        proc.submit_store(Job(1, JobKind.STORE, (random_key(),), (0,)))
+        start = time.monotonic()
+        [result] = wait_jobs(proc, 1, timeout_s=5)
+        assert not result.success
+        assert 0.4 < time.monotonic() - start < 5
+        assert not proc.is_up
+        with pytest.raises(ProcessLookupError):
+            for _ in range(100):
+                os.kill(pid, 0)
+                time.sleep(0.02)
+    finally:
+        proc.shutdown()
+
+
+def test_backoff_doubles_on_repeated_failures(region: HostRegion) -> None:
+    proc = make_proc(region, "memory", restart_backoff_s=0.1)
+    proc.start()
+    try:
+        gaps = []
+        for _ in range(3):
+            deadline = time.monotonic() + 10
+            while not proc.is_up and time.monotonic() < deadline:
+                proc.get_finished_jobs()
+                time.sleep(0.005)
+            assert proc.is_up
+            os.kill(proc.pid, signal.SIGKILL)
+            while proc.is_up:
+                proc.get_finished_jobs()
+                time.sleep(0.005)
+            down_at = time.monotonic()
+            while proc.pid is None:
+                proc.get_finished_jobs()
+                time.sleep(0.005)
+            gaps.append(time.monotonic() - down_at)
+        assert gaps[0] >= 0.09 and gaps[1] >= 0.19 and gaps[2] >= 0.39
+        assert proc.restarts == 3
+    finally:
+        proc.shutdown()
+
+
+def test_shutdown_is_idempotent_and_reaps_the_process(region: HostRegion) -> None:
+    proc = make_proc(region, "memory")
+    proc.start()
+    pid = proc.pid
+    proc.shutdown()
+    proc.shutdown()
+    with pytest.raises(ProcessLookupError):
+        os.kill(pid, 0)
