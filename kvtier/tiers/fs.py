@@ -1,0 +1,545 @@
+"""The fs secondary tier: one file per chunk, named by its key, on a local or shared filesystem.
+
+A chunk file is the `chunkfmt` header (4 KiB) followed by the host row; the directory layout is in
+`kvtier.tiers.fs_index`. Several instances (processes, hosts) may share one directory without
+configuration: files are published by writing a temp file in the target directory and renaming it
+over the final name, so a reader sees either no file or a complete one; a file that another
+instance removes between a lookup and a load is a miss. Files are not fsynced: after a crash a file
+may hold garbage, which the checksum catches on the next load.
+
+Threads: the dispatch thread calls the contract methods; `n_write_threads` threads run stores and
+`n_read_threads` threads run loads, one key per task; a maintenance thread rescans the directory
+every `rescan_interval_s`. I/O goes straight between the host-region row and the file
+(`preadv`/`pwritev`), with O_DIRECT when the filesystem supports it, so the page cache holds no
+second copy.
+
+Invariants: a load never leaves a row it reports as loaded unverified (header fields and checksum
+match); a bad file is counted, removed and reported as a failed key; `max_bytes` bounds the bytes of
+the chunk files this instance knows of (eviction by last use; a load refreshes the file's mtime so
+the order survives restarts and is seen by other instances). Failures are values: I/O errors end
+the key as failed and are logged once per cause (operation and errno) per `LOG_INTERVAL_S`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import errno
+import math
+import mmap
+import os
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from kvtier.errors import ConfigError
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.base import (
+    ChunkKey,
+    Job,
+    JobKind,
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TierEvent,
+    TierEventKind,
+)
+from kvtier.tiers.fs_index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
+
+_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+_O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
+PAGE = mmap.PAGESIZE
+LOG_INTERVAL_S = 600.0
+"""A failure cause already logged is logged again (with the count since) at most this often."""
+MTIME_REFRESH_S = 1.0
+"""A load refreshes a file's mtime only when it is older than this (saves metadata writes)."""
+
+_KeyWork = Callable[[ChunkKey, int], bool]
+"""Moves one key between its slot and its file; True on success. Runs on an I/O thread."""
+
+
+def _number(key: str, value: object, allowed: str, *, low: float, integer: bool) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, value, allowed)
+    if integer and not isinstance(value, int):
+        raise ConfigError(key, value, allowed)
+    if not math.isfinite(value) or value < low:
+        raise ConfigError(key, value, allowed)
+    return float(value)
+
+
+def _address(buf: memoryview) -> int | None:
+    """The address of a buffer's first byte, or None when it cannot be known."""
+    try:
+        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+    except (TypeError, ValueError):
+        return None
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """The part of `bufs` left after the first `n` bytes."""
+    out: list[memoryview] = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+        else:
+            out.append(b[n:])
+            n = 0
+    return out
+
+
+class _JobState:
+    """One job in flight: which keys are done. `finish_key` is called once per key, any thread."""
+
+    def __init__(self, job: Job) -> None:
+        self.job = job
+        self.start = time.perf_counter()
+        self.ok = [False] * len(job.keys)
+        self._remaining = len(job.keys)
+        self._lock = threading.Lock()
+
+    def finish_key(self, index: int, ok: bool) -> bool:
+        """Record the outcome of key `index`; True for the call that finishes the job."""
+        with self._lock:
+            self.ok[index] = ok
+            self._remaining -= 1
+            return self._remaining == 0
+
+
+class _BadChunk(Exception):
+    def __init__(self, reason: chunkfmt.ChunkError) -> None:
+        super().__init__(reason.value)
+        self.reason = reason
+
+
+class FsTier(SecondaryTier):
+    """Chunks as files under `root_dir/<layout fingerprint>/`, shared by every instance using it."""
+
+    def __init__(
+        self,
+        ctx: TierContext,
+        *,
+        root_dir: str,
+        max_bytes: int | float | None = None,
+        n_read_threads: int = 4,
+        n_write_threads: int = 4,
+        direct_io: bool | None = None,
+        rescan_interval_s: float | None = 60.0,
+        temp_grace_s: float = 600.0,
+    ) -> None:
+        super().__init__(ctx)
+        if not isinstance(root_dir, str) or not root_dir:
+            raise ConfigError("root_dir", root_dir, "must be a directory path")
+        try:
+            self._fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
+        except ValueError as e:
+            raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
+        self.file_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
+        if max_bytes is not None:
+            _number("max_bytes", max_bytes, f"must be None or at least one chunk file "
+                    f"({self.file_bytes} bytes)", low=self.file_bytes, integer=False)
+        threads = "must be an integer from 1 to 256"
+        pools = (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads))
+        for name, value in pools:
+            if _number(name, value, threads, low=1, integer=True) > 256:
+                raise ConfigError(name, value, threads)
+        if direct_io is not None and not isinstance(direct_io, bool):
+            raise ConfigError("direct_io", direct_io, "must be true, false or null (auto-detect)")
+        if rescan_interval_s is not None:
+            _number("rescan_interval_s", rescan_interval_s, "must be None or a positive number",
+                    low=1e-3, integer=False)
+        _number("temp_grace_s", temp_grace_s, "must be a non-negative number", low=0, integer=False)
+
+        self.root_dir = os.path.abspath(root_dir)
+        self.layout_dir = os.path.join(self.root_dir, ctx.layout_fingerprint)
+        self.temp_grace_s = float(temp_grace_s)
+        self._check_writable()
+        self.direct_io = self._choose_direct_io(direct_io)
+        self._index = FsIndex(None if max_bytes is None else int(max_bytes))
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._logged: dict[str, tuple[float, int]] = {}
+        self._events: list[tuple[TierEventKind, bytes]] = []
+        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._local = threading.local()
+        self._stop = threading.Event()
+        self._rescan(initial=True)
+
+        self._writers = ThreadPoolExecutor(n_write_threads, f"kvtier-fs-{ctx.tier_name}-w")
+        self._readers = ThreadPoolExecutor(n_read_threads, f"kvtier-fs-{ctx.tier_name}-r")
+        self._maintenance: threading.Thread | None = None
+        if rescan_interval_s is not None:
+            self._maintenance = threading.Thread(
+                target=self._maintain, args=(float(rescan_interval_s),),
+                name=f"kvtier-fs-{ctx.tier_name}-scan", daemon=True,
+            )
+            self._maintenance.start()
+        self._closed = False
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    def _check_writable(self) -> None:
+        probe = os.path.join(self.layout_dir, f".probe.tmp.{os.getpid()}.{id(self):x}")
+        try:
+            os.makedirs(self.layout_dir, exist_ok=True)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+            os.close(fd)
+            os.unlink(probe)
+        except OSError as e:
+            why = f"cannot create and write {self.layout_dir}: {e.strerror}"
+            raise ConfigError("root_dir", self.root_dir, why) from None
+
+    def _choose_direct_io(self, wanted: bool | None) -> bool:
+        if wanted is False:
+            return False
+        why = ""
+        region_at = _address(self.ctx.region)
+        if not _O_DIRECT:
+            why = "this platform has no O_DIRECT"
+        elif self.ctx.row_bytes % PAGE or region_at is None or region_at % PAGE:
+            why = f"host rows are not aligned to {PAGE} bytes"
+        elif not self._probe_direct_io():
+            why = f"the filesystem at {self.layout_dir} does not support O_DIRECT"
+        if why and wanted:
+            raise ConfigError("direct_io", wanted, why)
+        if why:
+            self.ctx.log.info("fs tier %s: buffered I/O (%s)", self.ctx.tier_name, why)
+        return not why
+
+    def _probe_direct_io(self) -> bool:
+        path = os.path.join(self.layout_dir, f".probe.tmp.{os.getpid()}.{id(self):x}")
+        page = mmap.mmap(-1, PAGE)
+        try:
+            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC, 0o644)
+            try:
+                return os.pwrite(fd, page, 0) == PAGE and os.preadv(fd, [page], 0) == PAGE
+            finally:
+                os.close(fd)
+        except OSError:
+            return False
+        finally:
+            page.close()
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+
+    # ---- contract ----------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[LookupResult]:
+        out: list[LookupResult] = []
+        for key in keys:
+            name = key_name(key)
+            out.append(
+                LookupResult.HIT if name is not None and os.path.exists(self._path(name))
+                else LookupResult.MISS
+            )
+        return out
+
+    def submit_store(self, job: Job) -> None:
+        self._submit(job, self._writers, self._store_key)
+
+    def submit_load(self, job: Job) -> None:
+        self._submit(job, self._readers, self._load_key)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        out: list[JobResult] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self._finished.get_nowait())
+        return out
+
+    def take_events(self) -> list[TierEvent]:
+        with self._lock:
+            pending, self._events = self._events, []
+        out: list[TierEvent] = []
+        run: list[bytes] = []
+        for i, (kind, key) in enumerate(pending):
+            run.append(key)
+            if i + 1 == len(pending) or pending[i + 1][0] is not kind:
+                out.append(TierEvent(kind, tuple(run)))
+                run = []
+        return out
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            counters = dict(self._counters)
+        out: dict[str, float] = {
+            "bytes_used": float(self._index.bytes_used),
+            "files": float(len(self._index)),
+            "direct_io": float(self.direct_io),
+        }
+        for name in ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored",
+                     "loaded", "evictions", "rescans"):
+            out[name] = float(counters.pop(name, 0))
+        out.update({k: float(v) for k, v in counters.items()})
+        if self._index.max_bytes is not None:
+            out["max_bytes"] = float(self._index.max_bytes)
+        return out
+
+    def shutdown(self) -> None:
+        """Cancel queued keys, wait for the ones in progress, stop the scanner. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        self._stop.set()
+        self._writers.shutdown(wait=True, cancel_futures=True)
+        self._readers.shutdown(wait=True, cancel_futures=True)
+        if self._maintenance is not None:
+            self._maintenance.join()
+
+    # ---- jobs --------------------------------------------------------------------------------
+
+    def _submit(self, job: Job, pool: ThreadPoolExecutor, work: _KeyWork) -> None:
+        state = _JobState(job)
+        if not job.keys:
+            self._finish(state)
+            return
+        for i in range(len(job.keys)):
+            try:
+                pool.submit(self._run_key, state, i, work)
+            except RuntimeError:
+                self._count("store_failures" if job.kind is JobKind.STORE else "load_failures")
+                if state.finish_key(i, False):
+                    self._finish(state)
+
+    def _run_key(self, state: _JobState, i: int, work: _KeyWork) -> None:
+        ok = False
+        try:
+            ok = work(state.job.keys[i], state.job.slots[i])
+        except Exception as e:  # a bug must fail the key, never lose the job
+            self._failed(f"{state.job.kind.value}:{type(e).__name__}", e)
+        if not ok:
+            self._count("store_failures" if state.job.kind is JobKind.STORE else "load_failures")
+        if state.finish_key(i, ok):
+            self._finish(state)
+
+    def _finish(self, state: _JobState) -> None:
+        job = state.job
+        done = tuple(k for k, ok in zip(job.keys, state.ok, strict=True) if ok)
+        self._finished.put(
+            JobResult(
+                job.job_id,
+                success=len(done) == len(job.keys),
+                successful_keys=done,
+                bytes_moved=len(done) * self.ctx.row_bytes,
+                seconds=time.perf_counter() - state.start,
+            )
+        )
+        self.ctx.wakeup()
+
+    # ---- per-key I/O (I/O threads) -----------------------------------------------------------
+
+    def _path(self, name: str) -> str:
+        return os.path.join(self.layout_dir, fanout_name(name), name)
+
+    def _header_buf(self) -> mmap.mmap:
+        """This thread's page-aligned header buffer (O_DIRECT needs aligned memory)."""
+        buf: mmap.mmap | None = getattr(self._local, "header", None)
+        if buf is None:
+            buf = mmap.mmap(-1, chunkfmt.HEADER_BYTES)
+            self._local.header = buf
+        return buf
+
+    def _store_key(self, key: ChunkKey, slot: int) -> bool:
+        name = key_name(key)
+        if name is None:
+            self._failed("store:invalid_key", ValueError("chunk key must be 32 bytes"))
+            return False
+        path = self._path(name)
+        row = self.ctx.slot_view(slot)
+        with contextlib.suppress(FileNotFoundError):
+            os.utime(path)
+            if self._index.add(key, self.file_bytes, time.time()):
+                self._event(TierEventKind.STORED, key)
+            return True
+        granted, victims = self._index.reserve(self.file_bytes)
+        self._evict(victims)
+        if not granted:
+            self._failed("store:max_bytes", OSError(errno.ENOSPC, "every file is being read"))
+            return False
+        try:
+            self._write(name, path, key, row)
+        except OSError as e:
+            self._failed(f"store:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
+            return False
+        finally:
+            self._index.release(self.file_bytes)
+        if self._index.add(key, self.file_bytes, time.time()):
+            self._event(TierEventKind.STORED, key)
+        self._count("stored")
+        return True
+
+    def _write(self, name: str, path: str, key: bytes, row: memoryview) -> None:
+        header = self._header_buf()
+        chunkfmt.pack_header(memoryview(header), key, self._fp, row)
+        directory = os.path.dirname(path)
+        tmp = os.path.join(directory, temp_name(name))
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | (_O_DIRECT * self.direct_io)
+        try:
+            fd = os.open(tmp, flags, 0o644)
+        except FileNotFoundError:
+            # Our subdirectories may have been removed; root_dir itself is never recreated.
+            for d in (self.layout_dir, directory):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(d)
+            fd = os.open(tmp, flags, 0o644)
+        try:
+            try:
+                bufs = [memoryview(header), row]
+                offset = 0
+                while bufs:
+                    n = os.pwritev(fd, bufs, offset)
+                    if n <= 0:
+                        raise OSError(errno.EIO, f"short write at offset {offset} of {tmp}")
+                    offset += n
+                    bufs = _advance(bufs, n)
+            finally:
+                os.close(fd)
+            os.replace(tmp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            raise
+
+    def _evict(self, victims: list[bytes]) -> None:
+        for key in victims:
+            name = key_name(key)
+            if name is not None:
+                with contextlib.suppress(FileNotFoundError):
+                    os.unlink(self._path(name))
+            self._event(TierEventKind.REMOVED, key)
+            self._count("evictions")
+
+    def _load_key(self, key: ChunkKey, slot: int) -> bool:
+        name = key_name(key)
+        if name is None:
+            self._failed("load:invalid_key", ValueError("chunk key must be 32 bytes"))
+            return False
+        path = self._path(name)
+        row = self.ctx.slot_view(slot)
+        self._index.pin(key)
+        try:
+            try:
+                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT * self.direct_io))
+            except FileNotFoundError:
+                self._count("load_misses")
+                self._forget(key)
+                return False
+            try:
+                self._read(fd, key, row)
+                st = os.fstat(fd)
+                now = time.time()
+                if now - st.st_mtime > MTIME_REFRESH_S:
+                    with contextlib.suppress(OSError):
+                        os.utime(fd)
+            except _BadChunk as bad:
+                self._drop_bad(path, fd, key, bad.reason)
+                return False
+            finally:
+                os.close(fd)
+        except OSError as e:
+            self._failed(f"load:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
+            return False
+        finally:
+            self._index.unpin(key)
+        if key in self._index:
+            self._index.touch(key, now)
+        elif self._index.add(key, self.file_bytes, now):
+            self._event(TierEventKind.STORED, key)
+        self._count("loaded")
+        return True
+
+    def _read(self, fd: int, key: bytes, row: memoryview) -> None:
+        """Fill `row` from the open chunk file; raise _BadChunk unless it is fully valid."""
+        header = memoryview(self._header_buf())
+        bufs = [header, row]
+        got = 0
+        while bufs:
+            n = os.preadv(fd, bufs, got)
+            if n <= 0:
+                break
+            got += n
+            bufs = _advance(bufs, n)
+        if got < chunkfmt.HEADER_BYTES:
+            raise _BadChunk(chunkfmt.ChunkError.SHORT)
+        err, digest = chunkfmt.check_header(header, key, self._fp, len(row))
+        if err is not None:
+            raise _BadChunk(err)
+        if bufs:
+            raise _BadChunk(chunkfmt.ChunkError.SHORT)
+        if os.fstat(fd).st_size != self.file_bytes:
+            raise _BadChunk(chunkfmt.ChunkError.LENGTH)
+        if chunkfmt.checksum(row) != digest:
+            raise _BadChunk(chunkfmt.ChunkError.CHECKSUM)
+
+    def _drop_bad(self, path: str, fd: int, key: bytes, reason: chunkfmt.ChunkError) -> None:
+        """Remove a bad chunk file, unless another instance has replaced it meanwhile."""
+        with self._lock:
+            self._counters["bad_chunks"] += 1
+            self._counters[f"bad_{reason.value}"] += 1
+        self._failed(f"bad:{reason.value}", ValueError(f"removed bad chunk file {path}"))
+        with contextlib.suppress(OSError):
+            mine, now = os.fstat(fd), os.stat(path)
+            if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
+                os.unlink(path)
+        self._forget(key)
+
+    def _forget(self, key: bytes) -> None:
+        if self._index.remove(key):
+            self._event(TierEventKind.REMOVED, key)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counters[name] += 1
+
+    def _event(self, kind: TierEventKind, key: bytes) -> None:
+        with self._lock:
+            self._events.append((kind, key))
+
+    def _failed(self, cause: str, exc: BaseException) -> None:
+        """Log a failure cause once per LOG_INTERVAL_S, however many chunks it hits."""
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._logged.get(cause, (-math.inf, 0))
+            if now - last < LOG_INTERVAL_S:
+                self._logged[cause] = (last, suppressed + 1)
+                return
+            self._logged[cause] = (now, 0)
+        more = f" ({suppressed} more since the last report)" if suppressed else ""
+        self.ctx.log.warning("fs tier %s: %s: %s%s", self.ctx.tier_name, cause, exc, more)
+
+    def _rescan(self, initial: bool = False) -> None:
+        """Reconcile the index with the directory (stat only); drop stale temps and wrong sizes."""
+        marker = self._index.start_scan()
+        found = scan_layout_dir(self.layout_dir, self.file_bytes, self.temp_grace_s, time.time())
+        for path in found.stale_temps + found.wrong_size:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        if found.wrong_size:
+            with self._lock:
+                self._counters["bad_chunks"] += len(found.wrong_size)
+                self._counters[f"bad_{chunkfmt.ChunkError.LENGTH.value}"] += len(found.wrong_size)
+        appeared, vanished = self._index.merge_scan(marker, found.files)
+        with self._lock:
+            self._counters["rescans"] += 1
+            if not initial:
+                self._events.extend((TierEventKind.STORED, k) for k in appeared)
+                self._events.extend((TierEventKind.REMOVED, k) for k in vanished)
+        if self._index.max_bytes is not None:
+            granted, victims = self._index.reserve(0)
+            if granted:
+                self._evict(victims)
+
+    def _maintain(self, interval: float) -> None:
+        while not self._stop.wait(interval):
+            try:
+                self._rescan()
+            except Exception as e:  # the scanner must outlive a transient error
+                self._failed(f"rescan:{type(e).__name__}", e)
+

@@ -1,0 +1,271 @@
+"""The fs tier's directory: file naming, directory scans, and the accounting of what it holds.
+
+Layout under `root_dir`: `<layout fingerprint, 32 hex>/<first 2 hex of the key>/<key, 64 hex>` for
+a published chunk; a file being written is `.<key>.tmp.<pid>.<8 random hex>` in the same directory,
+and becomes the chunk by an atomic rename. Any other name inside a layout directory is not ours.
+
+The index is a cache of the directory, never the truth: files may vanish (another instance evicted
+them) or appear (another instance stored them) at any time, and `merge_scan` reconciles the two.
+Last use is wall-clock seconds so that it is comparable with file mtimes, which is how the order
+survives restarts and is shared with other instances (a load refreshes the file's mtime).
+
+Threading: every method takes the index lock; methods are called from the tier's I/O threads and
+from the dispatch thread (`stats`). Invariant: `bytes_used` is the sum of the sizes of the entries,
+and `reserved` is the sum of the reservations handed out by `reserve` and not yet released.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import heapq
+import os
+import re
+import secrets
+import threading
+from collections import Counter
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+
+KEY_BYTES = 32
+LAYOUT_DIR_RE = re.compile(r"^[0-9a-f]{32}$")
+FANOUT_DIR_RE = re.compile(r"^[0-9a-f]{2}$")
+CHUNK_NAME_RE = re.compile(r"^[0-9a-f]{64}$")
+TEMP_NAME_RE = re.compile(r"^\.([0-9a-f]{64})\.tmp\.(\d+)\.([0-9a-f]{8})$")
+
+
+def key_name(key: object) -> str | None:
+    """The file name of a chunk key, or None when `key` is not a 32-byte key."""
+    if not isinstance(key, bytes) or len(key) != KEY_BYTES:
+        return None
+    return key.hex()
+
+
+def fanout_name(name: str) -> str:
+    """The fan-out directory of a chunk file name."""
+    return name[:2]
+
+
+def temp_name(name: str) -> str:
+    """A fresh temp-file name for chunk `name`, unique across processes and threads."""
+    return f".{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+
+
+@dataclass(frozen=True)
+class ScannedFile:
+    """One published chunk file found by a directory scan."""
+
+    key: bytes
+    size: int
+    mtime: float
+
+
+@dataclass
+class ScanResult:
+    """What a scan of one layout directory found (stat only, no file is read)."""
+
+    files: list[ScannedFile] = field(default_factory=list)
+    wrong_size: list[str] = field(default_factory=list)
+    stale_temps: list[str] = field(default_factory=list)
+
+
+def scan_layout_dir(
+    layout_dir: str, expected_size: int, temp_grace_s: float, now: float
+) -> ScanResult:
+    """Published chunk files of `layout_dir`, plus files certainly bad without reading them: chunk
+    files of the wrong size, and temp files older than `temp_grace_s` (their writer is gone).
+
+    Entries may vanish while scanning (another instance evicting): they are skipped. A layout
+    directory that does not exist scans as empty.
+    """
+    result = ScanResult()
+    try:
+        fanouts = [e for e in os.scandir(layout_dir) if FANOUT_DIR_RE.match(e.name)]
+    except FileNotFoundError:
+        return result
+    for fan in fanouts:
+        try:
+            entries = list(os.scandir(fan.path))
+        except (FileNotFoundError, NotADirectoryError):
+            continue
+        for entry in entries:
+            with contextlib.suppress(FileNotFoundError):
+                if CHUNK_NAME_RE.match(entry.name) and fanout_name(entry.name) == fan.name:
+                    st = entry.stat(follow_symlinks=False)
+                    if st.st_size != expected_size:
+                        result.wrong_size.append(entry.path)
+                    else:
+                        result.files.append(
+                            ScannedFile(bytes.fromhex(entry.name), st.st_size, st.st_mtime)
+                        )
+                elif TEMP_NAME_RE.match(entry.name):
+                    st = entry.stat(follow_symlinks=False)
+                    if now - st.st_mtime > temp_grace_s:
+                        result.stale_temps.append(entry.path)
+    return result
+
+
+@dataclass
+class _Entry:
+    size: int
+    last_use: float
+    seq: int
+
+
+class FsIndex:
+    """Known chunk files, evicted by least recent use, bounded by `max_bytes` (None: unbounded)."""
+
+    def __init__(self, max_bytes: int | None) -> None:
+        self.max_bytes = max_bytes
+        self._lock = threading.Lock()
+        self._entries: dict[bytes, _Entry] = {}
+        self._heap: list[tuple[float, int, bytes]] = []
+        self._seq = 0
+        self._pinned: Counter[bytes] = Counter()
+        self.bytes_used = 0
+        self.reserved = 0
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def __contains__(self, key: object) -> bool:
+        with self._lock:
+            return key in self._entries
+
+    def _next_seq(self) -> int:
+        self._seq += 1
+        return self._seq
+
+    def _push(self, key: bytes, entry: _Entry) -> None:
+        heapq.heappush(self._heap, (entry.last_use, entry.seq, key))
+        if len(self._heap) > 2 * len(self._entries) + 64:
+            self._heap = [(e.last_use, e.seq, k) for k, e in self._entries.items()]
+            heapq.heapify(self._heap)
+
+    def add(self, key: bytes, size: int, last_use: float) -> bool:
+        """Record a published file (or refresh it); True when the key was not known before."""
+        with self._lock:
+            old = self._entries.get(key)
+            if old is not None:
+                self.bytes_used -= old.size
+            entry = _Entry(size, max(last_use, old.last_use) if old else last_use, self._next_seq())
+            self._entries[key] = entry
+            self.bytes_used += size
+            self._push(key, entry)
+            return old is None
+
+    def touch(self, key: bytes, now: float) -> None:
+        """Mark a known key as used at `now` (no-op for unknown keys)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return
+            entry.last_use = max(entry.last_use, now)
+            entry.seq = self._next_seq()
+            self._push(key, entry)
+
+    def remove(self, key: bytes) -> bool:
+        """Forget a key; True when it was known."""
+        with self._lock:
+            entry = self._entries.pop(key, None)
+            if entry is None:
+                return False
+            self.bytes_used -= entry.size
+            return True
+
+    def pin(self, key: bytes) -> None:
+        """Protect a key from eviction while this instance reads it (pins nest)."""
+        with self._lock:
+            self._pinned[key] += 1
+
+    def unpin(self, key: bytes) -> None:
+        with self._lock:
+            self._pinned[key] -= 1
+            if self._pinned[key] <= 0:
+                del self._pinned[key]
+
+    def reserve(self, size: int) -> tuple[bool, list[bytes]]:
+        """Make room for a new file of `size` bytes.
+
+        Returns (granted, victims). When granted, `size` is reserved (release it with `release`)
+        and the victims, already forgotten, are the files the caller must unlink. When not granted
+        (every remaining file is pinned), nothing changed.
+        """
+        with self._lock:
+            if self.max_bytes is None:
+                self.reserved += size
+                return True, []
+            victims: list[bytes] = []
+            skipped: list[tuple[float, int, bytes]] = []
+            need = self.bytes_used + self.reserved + size - self.max_bytes
+            freed = 0
+            while freed < need and self._heap:
+                item = heapq.heappop(self._heap)
+                _last_use, seq, key = item
+                entry = self._entries.get(key)
+                if entry is None or entry.seq != seq:
+                    continue
+                if key in self._pinned:
+                    skipped.append(item)
+                    continue
+                victims.append(key)
+                freed += entry.size
+            for item in skipped:
+                heapq.heappush(self._heap, item)
+            if freed < need:
+                for key in victims:
+                    entry = self._entries[key]
+                    heapq.heappush(self._heap, (entry.last_use, entry.seq, key))
+                return False, []
+            for key in victims:
+                self.bytes_used -= self._entries.pop(key).size
+            self.reserved += size
+            return True, victims
+
+    def release(self, size: int) -> None:
+        """Return a reservation (the file was published, or the write failed)."""
+        with self._lock:
+            self.reserved -= size
+
+    def start_scan(self) -> int:
+        """A marker to pass to `merge_scan`: entries changed after it are newer than the scan."""
+        with self._lock:
+            return self._seq
+
+    def merge_scan(
+        self, marker: int, found: Iterable[ScannedFile]
+    ) -> tuple[list[bytes], list[bytes]]:
+        """Reconcile with a directory scan started at `marker`; returns (appeared, vanished) keys.
+
+        A file on disk that is unknown is added with its mtime as last use; a known file whose mtime
+        is newer (another instance used it) moves up. A known key missing from the scan is
+        forgotten unless it changed after the scan started (it was stored meanwhile).
+        """
+        appeared: list[bytes] = []
+        vanished: list[bytes] = []
+        with self._lock:
+            seen: set[bytes] = set()
+            for f in found:
+                seen.add(f.key)
+                entry = self._entries.get(f.key)
+                if entry is None:
+                    entry = _Entry(f.size, f.mtime, self._next_seq())
+                    self._entries[f.key] = entry
+                    self.bytes_used += f.size
+                    appeared.append(f.key)
+                    self._push(f.key, entry)
+                elif f.mtime > entry.last_use:
+                    entry.last_use = f.mtime
+                    entry.seq = self._next_seq()
+                    self._push(f.key, entry)
+            for key, entry in list(self._entries.items()):
+                if key not in seen and entry.seq <= marker:
+                    del self._entries[key]
+                    self.bytes_used -= entry.size
+                    vanished.append(key)
+        return appeared, vanished
+
+    def keys_by_use(self) -> list[bytes]:
+        """Known keys, least recently used first."""
+        with self._lock:
+            return [k for k, _ in sorted(self._entries.items(), key=lambda kv: kv[1].last_use)]
