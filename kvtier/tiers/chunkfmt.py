@@ -75,10 +75,10 @@ def check_header(
     """
     if len(header) < HEADER_BYTES:
         return ChunkError.SHORT, b""
-    magic, version, _flags, hlen, hkey, hfp, plen, digest = _FIXED.unpack_from(header, 0)
+    magic, version, flags, hlen, hkey, hfp, plen, digest = _FIXED.unpack_from(header, 0)
     if magic != MAGIC:
         return ChunkError.MAGIC, b""
-    if version != VERSION or hlen != HEADER_BYTES:
+    if version != VERSION or flags != 0 or hlen != HEADER_BYTES:
         return ChunkError.VERSION, b""
     if key is not None and hkey != key:
         return ChunkError.KEY, b""
