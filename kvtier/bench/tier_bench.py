@@ -1,0 +1,128 @@
+"""`kvtier tier-bench`: store then load K chunks through a real tier process and time both.
+
+The rows live in a real host region, the tier runs in its own process exactly as in serving, and
+every job is submitted at once so the tier's own concurrency (its `threads`) is what is measured.
+Loaded rows are checked against what was stored (outside the timed part).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from typing import Any
+
+import numpy as np
+import xxhash
+
+from kvtier.host.region import PAGE, HostRegion
+from kvtier.tiers.base import Job, JobKind, JobResult
+from kvtier.tiers.process import TierProcess, TierSpec
+
+BENCH_LAYOUT_FP = "62656e63682d6c61796f75742d763031"
+THREAD_OPTIONS: dict[str, tuple[str, ...]] = {"fs": ("n_read_threads", "n_write_threads")}
+
+
+def _progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def _run_jobs(proc: TierProcess, kind: JobKind, keys: list[bytes], first_id: int) -> float:
+    """Submit one job per chunk, wait for all, return the seconds taken; fail on any failure."""
+    start = time.perf_counter()
+    for i, key in enumerate(keys):
+        job = Job(first_id + i, kind, (key,), (i,))
+        (proc.submit_store if kind is JobKind.STORE else proc.submit_load)(job)
+    results: list[JobResult] = []
+    while len(results) < len(keys):
+        results.extend(proc.get_finished_jobs())
+        time.sleep(0.0002)
+    seconds = time.perf_counter() - start
+    failed = [r for r in results if not r.success]
+    if failed:
+        raise RuntimeError(f"{len(failed)} of {len(keys)} {kind.value} jobs failed")
+    return seconds
+
+
+def run_tier_bench(
+    tier: str, options: dict[str, Any], chunk_bytes: int, chunks: int, threads: int
+) -> dict[str, Any]:
+    """Store then load `chunks` rows of `chunk_bytes` through tier `tier`; throughput in GiB/s."""
+    row = -(-chunk_bytes // PAGE) * PAGE
+    opts = dict(options)
+    for name in THREAD_OPTIONS.get(tier, ()):
+        opts.setdefault(name, threads)
+    region = HostRegion.create(row * chunks, key="--chunks")
+    proc: TierProcess | None = None
+    try:
+        rows = np.frombuffer(region.buf, dtype=np.uint8).reshape(chunks, row)
+        rows[:] = np.random.default_rng(0).integers(0, 256, size=rows.shape, dtype=np.uint8)
+        digests = [xxhash.xxh3_64_digest(rows[i]) for i in range(chunks)]
+        keys = [os.urandom(32) for _ in range(chunks)]
+        spec = TierSpec(
+            tier_name=tier, type=tier, module_path=None, options=opts, config_key="--tier",
+            region_name=region.name, shm_dir=os.path.dirname(region.path), row_bytes=row,
+            num_slots=chunks, layout_fingerprint=BENCH_LAYOUT_FP,
+        )
+        proc = TierProcess(spec, job_timeout_s=600)
+        proc.start()
+        _progress(f"storing {chunks} chunks of {row} bytes to {tier} with {threads} threads")
+        store_s = _run_jobs(proc, JobKind.STORE, keys, 0)
+        rows[:] = 0
+        _progress(f"loading {chunks} chunks back from {tier}")
+        load_s = _run_jobs(proc, JobKind.LOAD, keys, chunks)
+        bad = sum(xxhash.xxh3_64_digest(rows[i]) != digests[i] for i in range(chunks))
+        if bad:
+            raise RuntimeError(f"{bad} of {chunks} loaded chunks differ from what was stored")
+        gib = row * chunks / 2**30
+        return {
+            "tier": tier, "chunk_bytes": row, "chunks": chunks, "threads": threads,
+            "store_s": store_s, "load_s": load_s,
+            "store_gib_s": gib / store_s, "load_gib_s": gib / load_s,
+            "tier_stats": proc.last_stats,
+        }
+    finally:
+        if proc is not None:
+            proc.shutdown()
+        region.close()
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    p = sub.add_parser("tier-bench", help="store and load chunks through a real tier process")
+    p.add_argument("--tier", required=True, help="tier type (memory, fs, ...)")
+    p.add_argument("--root", help="fs: the root directory")
+    p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
+                   help="any other tier option, value as JSON (repeatable)")
+    p.add_argument("--chunk-bytes", type=int, default=2 << 20)
+    p.add_argument("--chunks", type=int, default=256)
+    p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.set_defaults(func=run_command)
+
+
+def run_command(args: argparse.Namespace) -> int:
+    options: dict[str, Any] = {}
+    if args.root is not None:
+        options["root_dir"] = args.root
+    for item in args.option:
+        name, sep, value = item.partition("=")
+        if not sep:
+            raise SystemExit(f"--option {item!r}: expected KEY=JSON")
+        try:
+            options[name] = json.loads(value)
+        except json.JSONDecodeError:
+            options[name] = value
+    for name in ("chunk_bytes", "chunks", "threads"):
+        if getattr(args, name) < 1:
+            raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
+    report = run_tier_bench(args.tier, options, args.chunk_bytes, args.chunks, args.threads)
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(f"tier {report['tier']}: {report['chunks']} chunks x {report['chunk_bytes']} bytes, "
+              f"{report['threads']} threads")
+        print(f"  store: {report['store_gib_s']:.2f} GiB/s ({report['store_s']:.3f} s)")
+        print(f"  load:  {report['load_gib_s']:.2f} GiB/s ({report['load_s']:.3f} s)")
+    return 0

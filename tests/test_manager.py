@@ -1,0 +1,157 @@
+"""The tiering manager over a real host region and real tier processes, for every eviction policy."""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import KVTierConfig
+from kvtier.errors import ConfigError
+from kvtier.manager import PrefixLookup, TieringManager
+from tests.conftest import LAYOUT_FP, random_key
+
+ROW = 2 * 4096
+HOST_SLOTS = 8
+
+
+def start(policy: str, tiers: list[dict], **extra) -> TieringManager:
+    cfg = KVTierConfig.from_dict(
+        {"cpu_bytes_to_use": ROW * HOST_SLOTS, "eviction_policy": policy,
+         "secondary_tiers": tiers, **extra}
+    )
+    return TieringManager.from_config(cfg, ROW, LAYOUT_FP)
+
+
+@pytest.fixture(params=["lru", "arc"])
+def manager(request, tmp_path: Path) -> Iterator[TieringManager]:
+    m = start(request.param, [{"type": "memory"}, {"type": "fs", "root_dir": str(tmp_path / "fs")}],
+              tier_restart_backoff_s=0.1)
+    yield m
+    m.shutdown()
+
+
+def store_in_host(m: TieringManager, keys: list[bytes]) -> dict[bytes, bytes]:
+    """What the engine does after a device → host copy: write rows, publish, cascade."""
+    slots = m.host.prepare_store(keys)
+    assert slots is not None
+    rows = {}
+    for key, slot in slots.items():
+        rows[key] = os.urandom(ROW)
+        m.host.slot_view(slot)[:] = rows[key]
+    m.host.complete_store(list(slots), success=True)
+    m.cascade(list(slots))
+    return rows
+
+
+def drain(m: TieringManager, timeout_s: float = 10) -> None:
+    deadline = time.monotonic() + timeout_s
+    while m.in_flight:
+        m.poll()
+        if time.monotonic() > deadline:
+            pytest.fail(f"{m.in_flight} transfers still in flight")
+        time.sleep(0.002)
+
+
+def settle(m: TieringManager, keys: list[bytes], tiers=None, timeout_s: float = 10) -> PrefixLookup:
+    deadline = time.monotonic() + timeout_s
+    while True:
+        m.poll()
+        found = m.lookup_prefix(keys, tiers)
+        if not found.pending:
+            return found
+        if time.monotonic() > deadline:
+            pytest.fail("lookup still pending")
+        time.sleep(0.002)
+
+
+def evict_all(m: TieringManager) -> None:
+    store_in_host(m, [random_key() for _ in range(HOST_SLOTS)])
+    drain(m)
+
+
+def test_cascade_then_promotion_restores_identical_rows(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(4)]
+    rows = store_in_host(manager, keys)
+    drain(manager)
+    assert manager.counters["store_chunks:memory"] == 4
+    assert manager.counters["store_chunks:fs"] == 4
+    evict_all(manager)
+    assert manager.host.lookup(keys) == 0
+    first = manager.lookup_prefix(keys)
+    assert first == PrefixLookup(0, pending=True)
+    assert settle(manager, keys) == PrefixLookup(4, pending=False)
+    slots = manager.host.prepare_load(keys)
+    assert slots is not None
+    assert [bytes(manager.host.slot_view(s)) for s in slots] == [rows[k] for k in keys]
+    manager.host.complete_load(keys)
+    manager.host.check()
+
+
+def test_promotion_from_a_chosen_tier(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(2)]
+    store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    assert settle(manager, keys, tiers=["fs"]).ready == 2
+    assert manager.counters["load_chunks:fs"] == 2
+    assert manager.counters["load_chunks:memory"] == 0
+
+
+def test_prefix_stops_at_the_first_chunk_no_tier_holds(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(5)]
+    store_in_host(manager, keys[:2] + keys[3:])
+    drain(manager)
+    evict_all(manager)
+    assert settle(manager, keys).ready == 2
+
+
+def test_no_host_space_means_no_promotion(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(2)]
+    store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    pinned = [random_key() for _ in range(HOST_SLOTS)]
+    assert manager.host.prepare_store(pinned) is not None
+    assert settle(manager, keys) == PrefixLookup(0, pending=False)
+    assert manager.counters["promotions_no_space"] >= 1
+    manager.host.complete_store(pinned, success=False)
+    manager.host.check()
+
+
+def test_killed_tier_turns_hits_into_misses_and_comes_back(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(3)]
+    store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    os.kill(manager.tiers["memory"].pid, signal.SIGKILL)
+    os.kill(manager.tiers["fs"].pid, signal.SIGKILL)
+    time.sleep(0.1)
+    assert settle(manager, keys) == PrefixLookup(0, pending=False)
+    manager.host.check()
+    deadline = time.monotonic() + 10
+    while not all(t.is_up for t in manager.tiers.values()):
+        manager.poll()
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
+    # The fs tier kept its files across the restart.
+    assert settle(manager, keys).ready == 3
+
+
+def test_bad_second_tier_shuts_down_the_first(tmp_path: Path) -> None:
+    before = set(os.listdir("/dev/shm"))
+    with pytest.raises(ConfigError, match="max_bytes"):
+        start("lru", [{"type": "memory"}, {"type": "memory", "name": "m2", "max_bytes": 1}])
+    assert set(os.listdir("/dev/shm")) == before
+
+
+def test_region_too_large_for_shm_is_a_config_error() -> None:
+    st = os.statvfs("/dev/shm")
+    too_big = st.f_bavail * st.f_frsize + (1 << 30)
+    cfg = KVTierConfig.from_dict({"cpu_bytes_to_use": too_big})
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use.*/dev/shm"):
+        TieringManager.from_config(cfg, ROW, LAYOUT_FP)
