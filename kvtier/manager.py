@@ -119,8 +119,10 @@ class TieringManager:
                     spec, job_timeout_s=config.tier_job_timeout_s,
                     restart_backoff_s=config.tier_restart_backoff_s,
                 )
-                proc.start()
+                proc.launch()
                 started.append(proc)
+            for proc in started:
+                proc.wait_ready()
             manager = cls(host, started, admission)
         except BaseException:
             for proc in reversed(started):

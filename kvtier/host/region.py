@@ -17,8 +17,6 @@ import os
 import re
 import secrets
 
-import numpy as np
-
 from kvtier.errors import ConfigError
 
 SHM_DIR = "/dev/shm"
@@ -122,7 +120,10 @@ class HostRegion:
 
     def pretouch(self) -> None:
         """Fault every page in now (writes one zero byte per page, which the kernel zeroed anyway)."""
-        assert self._mmap is not None
+        import numpy as np  # only the owner pays for importing numpy, not every tier process
+
+        if self._mmap is None:
+            raise ValueError(f"host region {self.name} is closed")
         np.frombuffer(self._mmap, dtype=np.uint8)[::PAGE] = 0
 
     def close(self) -> None:

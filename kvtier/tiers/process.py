@@ -110,12 +110,21 @@ class TierProcess:
     # -- lifecycle -----------------------------------------------------------------------------
 
     def start(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Start the process and wait until its tier is built (startup only, never per step).
+        """Start the process and wait until its tier is built (startup only, never per step)."""
+        self.launch()
+        self.wait_ready(timeout_s)
+
+    def launch(self) -> None:
+        """Start the process without waiting (several tiers then come up in parallel)."""
+        self._spawn()
+
+    def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
+        """Block until the launched tier is built.
 
         Raises ConfigError with the tier's own message when it rejects its options, and
-        TierStartError when the process dies or does not answer within `timeout_s`.
+        TierStartError when the process dies or does not answer within `timeout_s`; the process is
+        shut down in both cases.
         """
-        self._spawn()
         deadline = time.monotonic() + timeout_s
         while self._gen is not None and not self._gen.ready:
             if time.monotonic() > deadline:
@@ -128,8 +137,11 @@ class TierProcess:
             if msg is None or msg[0] == "error":
                 detail = "process exited" if msg is None else msg[1]
                 self.shutdown()
+                if msg is not None and len(msg) == 5:
+                    _, _, key, value, allowed = msg
+                    raise ConfigError(f"{self.spec.config_key}.{key}", value, allowed)
                 if msg is not None:
-                    raise ConfigError(f"secondary_tiers[{self.name}]", self.spec.type, detail)
+                    raise TierStartError(f"tier {self.name!r} failed to start: {detail}")
                 raise TierStartError(f"tier {self.name!r} failed to start: {detail}")
             self._handle(gen_id, msg)
 

@@ -9,7 +9,7 @@ or dies, or on a shutdown request.
 Wire messages (tuples of plain values; this socket connects two processes of the same instance):
   in:  ("lookup", req_id, [key, ...]) | ("store"|"load", job_id, [key, ...], [slot, ...])
        | ("shutdown",)
-  out: ("ready",) | ("error", message) | ("lookup", req_id, [int, ...])
+  out: ("ready",) | ("error", message[, key, value, allowed]) | ("lookup", req_id, [int, ...])
        | ("done", [(job_id, success, [key, ...], bytes, seconds), ...])
        | ("events", [(kind, [key, ...]), ...]) | ("stats", {name: value})
 """
@@ -26,6 +26,7 @@ import time
 from multiprocessing.connection import Connection, wait
 from typing import Any
 
+from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, SecondaryTier, TierContext
 from kvtier.tiers.registry import resolve_tier
@@ -114,8 +115,12 @@ def main() -> None:
         )
         cls = resolve_tier(spec["config_key"], spec["type"], spec.get("module_path"))
         tier = cls(ctx, **spec["options"])
+    except ConfigError as e:
+        plain = isinstance(e.value, str | int | float | bool | None)
+        conn.send(("error", str(e), e.key, e.value if plain else repr(e.value), e.allowed))
+        sys.exit(1)
     except Exception as e:
-        conn.send(("error", str(e)))
+        conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
     conn.send(("ready",))
     try:

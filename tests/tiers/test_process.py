@@ -135,3 +135,11 @@ def test_shutdown_is_idempotent_and_reaps_the_process(region: HostRegion) -> Non
     proc.shutdown()
     with pytest.raises(ProcessLookupError):
         os.kill(pid, 0)
+
+
+def test_option_error_names_the_tier_entry_and_option(region: HostRegion) -> None:
+    proc = make_proc(region, "memory", options={"max_bytes": 5})
+    with pytest.raises(ConfigError) as e:
+        proc.start()
+    assert e.value.key == "secondary_tiers[0].max_bytes" and e.value.value == 5
+    assert str(e.value).count("kvtier config") == 1
