@@ -1,0 +1,67 @@
+"""The shared-memory host region: unique names, attach, removal, and cleanup after a crashed owner."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.host.region import HostRegion, remove_stale_regions
+
+
+def test_two_regions_never_share_a_name() -> None:
+    with HostRegion.create(8192) as a, HostRegion.create(8192) as b:
+        assert a.name != b.name
+        assert os.path.exists(a.path) and os.path.exists(b.path)
+
+
+def test_attached_process_sees_the_owners_bytes() -> None:
+    with HostRegion.create(3 * 4096) as region:
+        region.buf[4096:4100] = b"kvtr"
+        out = subprocess.run(
+            [sys.executable, "-c",
+             "import sys; from kvtier.host.region import HostRegion;"
+             "r = HostRegion.attach(sys.argv[1]); print(bytes(r.buf[4096:4100]).decode());"
+             "r.buf[0:2] = b'ok'; r.close()", region.name],
+            capture_output=True, text=True, check=True,
+        )
+        assert out.stdout.strip() == "kvtr"
+        assert bytes(region.buf[0:2]) == b"ok"
+        assert os.path.exists(region.path), "a non-owner's close must not remove the segment"
+
+
+def test_size_is_rounded_to_pages_and_close_removes_it() -> None:
+    region = HostRegion.create(5000)
+    assert region.size == 8192 and len(region.buf) == 8192
+    path = region.path
+    region.close()
+    region.close()
+    assert not os.path.exists(path)
+
+
+def test_segment_of_a_crashed_owner_is_removed_on_next_start() -> None:
+    code = ("import os; from kvtier.host.region import HostRegion;"
+            "r = HostRegion.create(4096); print(r.name, flush=True); os._exit(0)")
+    name = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          check=True).stdout.strip()
+    assert os.path.exists(f"/dev/shm/{name}")
+    with HostRegion.create(4096) as mine:
+        assert not os.path.exists(f"/dev/shm/{name}")
+        assert os.path.exists(mine.path)
+        assert name not in remove_stale_regions()
+        assert os.path.exists(mine.path), "a live owner's segment is never removed"
+
+
+def test_bad_sizes_are_config_errors() -> None:
+    with pytest.raises(ConfigError, match="cpu_bytes_to_use"):
+        HostRegion.create(0)
+    with pytest.raises(ConfigError, match="fit in /dev/shm"):
+        HostRegion.create(1 << 50)
+
+
+def test_attach_rejects_foreign_names() -> None:
+    with pytest.raises(ValueError, match="not a kvtier host region"):
+        HostRegion.attach("../etc/passwd")
