@@ -153,5 +153,5 @@ def test_region_too_large_for_shm_is_a_config_error() -> None:
     st = os.statvfs("/dev/shm")
     too_big = st.f_bavail * st.f_frsize + (1 << 30)
     cfg = KVTierConfig.from_dict({"cpu_bytes_to_use": too_big})
-    with pytest.raises(ConfigError, match="cpu_bytes_to_use.*/dev/shm"):
+    with pytest.raises(ConfigError, match=r"cpu_bytes_to_use.*/dev/shm"):
         TieringManager.from_config(cfg, ROW, LAYOUT_FP)

@@ -131,11 +131,9 @@ class HostRegion:
         if self._mmap is None:
             return
         self.buf.release()
-        try:
+        # Views exported by users (numpy, torch) may still be alive; the mapping then goes with them.
+        with contextlib.suppress(BufferError):
             self._mmap.close()
-        except BufferError:
-            # Views exported by users (numpy, torch) are still alive; the mapping goes with them.
-            pass
         self._mmap = None
         if self.owner:
             with contextlib.suppress(FileNotFoundError):

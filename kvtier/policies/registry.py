@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 from kvtier.plugins import resolve_plugin
 from kvtier.policies.base import AdmissionPolicy, EvictionPolicy
 
@@ -14,7 +16,7 @@ BUILTIN_ADMISSION: dict[str, str] = {
 }
 
 
-def resolve_eviction(name: str, module_path: str | None = None) -> type[EvictionPolicy[object]]:
+def resolve_eviction(name: str, module_path: str | None = None) -> type[EvictionPolicy[Any]]:
     """The eviction policy class for a config name (or a class name in `module_path`)."""
     return resolve_plugin("eviction_policy", name, module_path, BUILTIN_EVICTION, EvictionPolicy)
 

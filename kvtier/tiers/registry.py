@@ -42,6 +42,5 @@ def check_tier_options(key: str, cls: type[SecondaryTier], options: Mapping[str,
         if name not in known:
             raise ConfigError(f"{key}.{name}", options[name], unknown_name_message(name, known))
     for p in params:
-        if p.name != "ctx" and p.default is p.empty and p.kind is p.KEYWORD_ONLY:
-            if p.name not in options:
-                raise ConfigError(f"{key}.{p.name}", None, f"required by tier {cls.__name__}")
+        if p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name not in options:
+            raise ConfigError(f"{key}.{p.name}", None, f"required by tier {cls.__name__}")

@@ -15,7 +15,15 @@ from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierEventKind
 from kvtier.tiers.process import TierProcess, TierSpec
 from kvtier.tiers.registry import BUILTIN_TIERS, resolve_tier
-from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
+from tests.conftest import (
+    LAYOUT_FP,
+    ROW_BYTES,
+    SLOTS,
+    fill_slot,
+    random_key,
+    settle_lookup,
+    wait_jobs,
+)
 
 LOCAL_TIERS = ["memory", "fs"]
 

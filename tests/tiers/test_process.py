@@ -12,7 +12,15 @@ from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
 from kvtier.tiers.process import TierProcess, TierSpec
-from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
+from tests.conftest import (
+    LAYOUT_FP,
+    ROW_BYTES,
+    SLOTS,
+    fill_slot,
+    random_key,
+    settle_lookup,
+    wait_jobs,
+)
 
 PLUGIN = "tests.tiers.plugin_tier"
 
