@@ -23,6 +23,7 @@ the key as failed and are logged once per cause (operation and errno) per `LOG_I
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import math
 import mmap
@@ -33,8 +34,6 @@ import time
 from collections import Counter
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-
-import numpy as np
 
 from kvtier.errors import ConfigError
 from kvtier.tiers import chunkfmt
@@ -76,7 +75,7 @@ def _number(key: str, value: object, allowed: str, *, low: float, integer: bool)
 def _address(buf: memoryview) -> int | None:
     """The address of a buffer's first byte, or None when it cannot be known."""
     try:
-        return int(np.frombuffer(buf, dtype=np.uint8).ctypes.data)
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
     except (TypeError, ValueError):
         return None
 
@@ -184,7 +183,7 @@ class FsTier(SecondaryTier):
     # ---- setup -------------------------------------------------------------------------------
 
     def _check_writable(self) -> None:
-        probe = os.path.join(self.layout_dir, f".probe.tmp.{os.getpid()}.{id(self):x}")
+        probe = os.path.join(self.layout_dir, temp_name("probe"))
         try:
             os.makedirs(self.layout_dir, exist_ok=True)
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
@@ -212,7 +211,7 @@ class FsTier(SecondaryTier):
         return not why
 
     def _probe_direct_io(self) -> bool:
-        path = os.path.join(self.layout_dir, f".probe.tmp.{os.getpid()}.{id(self):x}")
+        path = os.path.join(self.layout_dir, temp_name("probe"))
         page = mmap.mmap(-1, PAGE)
         try:
             fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC, 0o644)

@@ -30,7 +30,7 @@ KEY_BYTES = 32
 LAYOUT_DIR_RE = re.compile(r"^[0-9a-f]{32}$")
 FANOUT_DIR_RE = re.compile(r"^[0-9a-f]{2}$")
 CHUNK_NAME_RE = re.compile(r"^[0-9a-f]{64}$")
-TEMP_NAME_RE = re.compile(r"^\.([0-9a-f]{64})\.tmp\.(\d+)\.([0-9a-f]{8})$")
+TEMP_NAME_RE = re.compile(r"^\.([0-9a-f]{64}|probe)\.tmp\.(\d+)\.([0-9a-f]{8})$")
 
 
 def key_name(key: object) -> str | None:
@@ -46,7 +46,7 @@ def fanout_name(name: str) -> str:
 
 
 def temp_name(name: str) -> str:
-    """A fresh temp-file name for chunk `name`, unique across processes and threads."""
+    """A fresh temp-file name for chunk `name` (or "probe"), unique across processes and threads."""
     return f".{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
 
 

@@ -1,0 +1,235 @@
+"""`kvtier fsck DIR`: verify an fs tier directory, and with `--repair` remove what is bad.
+
+Every chunk file is read in full: the header must be a valid `chunkfmt` header, its key must be the
+file name, its layout fingerprint the name of the layout directory, the fan-out directory the first
+two hex digits of the name, the file size the header plus its payload length, and the payload must
+match the checksum. Temp files older than `temp_grace_s` are orphans (their writer died); younger
+ones are writes in progress and are left alone. Entries of the root that are not layout directories
+are not ours: they are listed as ignored and never touched.
+
+fsck is safe to run while tier instances use the directory: a file that vanishes during the check
+is skipped, and a repair only removes files that failed the check (or orphaned temps). Directories
+are never removed.
+
+Exit status of `kvtier fsck`: 0 when the directory is clean; 1 when bad files or orphaned temp
+files were found, whether or not `--repair` removed them (so a script notices that there was
+damage); 2 when the directory cannot be checked at all.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.fs_index import (
+    CHUNK_NAME_RE,
+    FANOUT_DIR_RE,
+    LAYOUT_DIR_RE,
+    TEMP_NAME_RE,
+    fanout_name,
+)
+
+STRAY = "stray"
+"""Reason for an entry inside a layout directory whose name is not a chunk, temp or fan-out name."""
+WRONG_DIR = "wrong_dir"
+"""Reason for a chunk file that is not in the fan-out directory its name calls for."""
+
+
+@dataclass(frozen=True)
+class BadFile:
+    path: str
+    reason: str
+
+
+@dataclass
+class FsckReport:
+    """The outcome of one check. `ok` holds iff no bad file and no orphaned temp file was found."""
+
+    root: str
+    repair: bool
+    files: int = 0
+    good_files: int = 0
+    good_bytes: int = 0
+    bad: list[BadFile] = field(default_factory=list)
+    orphans: list[str] = field(default_factory=list)
+    in_progress: list[str] = field(default_factory=list)
+    ignored: list[str] = field(default_factory=list)
+    removed: list[str] = field(default_factory=list)
+    not_removed: list[str] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.bad and not self.orphans
+
+    def to_json(self) -> dict[str, Any]:
+        out = asdict(self)
+        out["ok"] = self.ok
+        return out
+
+
+def _verify(path: str, name: str, layout_fp: bytes, buf: bytearray) -> str | None:
+    """Why the chunk file at `path` is bad, or None when it is good. Raises FileNotFoundError."""
+    with open(path, "rb", buffering=0) as f:
+        header = f.read(chunkfmt.HEADER_BYTES)
+        err, digest = chunkfmt.check_header(header, bytes.fromhex(name), layout_fp, None)
+        if err is not None:
+            return err.value
+        _key, _fp, payload_len = chunkfmt.header_fields(header)
+        size = os.fstat(f.fileno()).st_size
+        if size < chunkfmt.HEADER_BYTES + payload_len:
+            return chunkfmt.ChunkError.SHORT.value
+        if size > chunkfmt.HEADER_BYTES + payload_len:
+            return chunkfmt.ChunkError.LENGTH.value
+        if len(buf) < payload_len:
+            buf.extend(bytes(payload_len - len(buf)))
+        view = memoryview(buf)[:payload_len]
+        got = 0
+        while got < payload_len:
+            n = f.readinto(view[got:])
+            if not n:
+                return chunkfmt.ChunkError.SHORT.value
+            got += n
+        if chunkfmt.checksum(view) != digest:
+            return chunkfmt.ChunkError.CHECKSUM.value
+    return None
+
+
+class _Checker:
+    def __init__(self, report: FsckReport, temp_grace_s: float) -> None:
+        self.report = report
+        self.temp_grace_s = temp_grace_s
+        self.now = time.time()
+        self.buf = bytearray()
+
+    def bad(self, path: str, reason: str, removable: bool = True) -> None:
+        self.report.bad.append(BadFile(path, reason))
+        if removable:
+            self.remove(path)
+
+    def remove(self, path: str) -> None:
+        if not self.report.repair:
+            return
+        try:
+            os.unlink(path)
+            self.report.removed.append(path)
+        except FileNotFoundError:
+            pass
+        except OSError as e:
+            self.report.not_removed.append(f"{path}: {e.strerror}")
+
+    def temp(self, entry: os.DirEntry[str]) -> None:
+        try:
+            age = self.now - entry.stat(follow_symlinks=False).st_mtime
+        except FileNotFoundError:
+            return
+        if age > self.temp_grace_s:
+            self.report.orphans.append(entry.path)
+            self.remove(entry.path)
+        else:
+            self.report.in_progress.append(entry.path)
+
+    def layout_dir(self, path: str, layout_fp: bytes) -> None:
+        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+            if FANOUT_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
+                self.fanout_dir(entry.path, entry.name, layout_fp)
+            elif TEMP_NAME_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
+                self.temp(entry)
+            else:
+                self.bad(entry.path, STRAY, removable=entry.is_file(follow_symlinks=False))
+
+    def fanout_dir(self, path: str, fanout: str, layout_fp: bytes) -> None:
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except FileNotFoundError:
+            return
+        for entry in entries:
+            is_file = entry.is_file(follow_symlinks=False)
+            if not is_file:
+                self.bad(entry.path, STRAY, removable=False)
+            elif TEMP_NAME_RE.match(entry.name):
+                self.temp(entry)
+            elif not CHUNK_NAME_RE.match(entry.name):
+                self.bad(entry.path, STRAY)
+            elif fanout_name(entry.name) != fanout:
+                self.report.files += 1
+                self.bad(entry.path, WRONG_DIR)
+            else:
+                self.chunk(entry.path, entry.name, layout_fp)
+
+    def chunk(self, path: str, name: str, layout_fp: bytes) -> None:
+        try:
+            reason = _verify(path, name, layout_fp, self.buf)
+            size = os.stat(path).st_size
+        except FileNotFoundError:
+            return
+        self.report.files += 1
+        if reason is not None:
+            self.bad(path, reason)
+        else:
+            self.report.good_files += 1
+            self.report.good_bytes += size
+
+
+def fsck(root: str, repair: bool, *, temp_grace_s: float = 600.0) -> FsckReport:
+    """Check every layout directory under `root`; with `repair`, remove bad files and orphans.
+
+    Raises OSError (FileNotFoundError, NotADirectoryError, PermissionError) when `root` itself
+    cannot be listed.
+    """
+    report = FsckReport(root=os.path.abspath(root), repair=repair)
+    checker = _Checker(report, temp_grace_s)
+    for entry in sorted(os.scandir(root), key=lambda e: e.name):
+        if LAYOUT_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
+            checker.layout_dir(entry.path, bytes.fromhex(entry.name))
+        else:
+            report.ignored.append(entry.path)
+    return report
+
+
+def add_fsck_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    """Add the `fsck` sub-command; its handler is `run_fsck_command` (also set as `func`)."""
+    p = subparsers.add_parser(
+        "fsck",
+        help="verify (and repair) an fs tier directory",
+        description="Verify every chunk file of an fs tier directory. Exit status: 0 clean, "
+        "1 bad or orphaned files found (even when --repair removed them), 2 cannot check.",
+    )
+    p.add_argument("dir", metavar="DIR", help="the fs tier's root_dir")
+    p.add_argument("--repair", action="store_true", help="remove bad files and orphaned temps")
+    p.add_argument("--json", action="store_true", help="print the report as JSON")
+    p.add_argument(
+        "--temp-grace", type=float, default=600.0, metavar="SECONDS",
+        help="temp files older than this are orphans (default: 600)",
+    )
+    p.set_defaults(func=run_fsck_command)
+
+
+def run_fsck_command(args: argparse.Namespace) -> int:
+    """Run `kvtier fsck` for parsed arguments; returns the exit status."""
+    try:
+        report = fsck(args.dir, args.repair, temp_grace_s=args.temp_grace)
+    except OSError as e:
+        print(f"kvtier fsck: cannot check {args.dir}: {e.strerror or e}")
+        return 2
+    if args.json:
+        print(json.dumps(report.to_json(), indent=2))
+    else:
+        print(
+            f"{report.root}: {report.files} chunk files, {report.good_files} good "
+            f"({report.good_bytes} bytes), {len(report.bad)} bad, "
+            f"{len(report.orphans)} orphaned temp files, {len(report.in_progress)} in progress"
+        )
+        for bad in report.bad:
+            print(f"bad ({bad.reason}): {bad.path}")
+        for path in report.orphans:
+            print(f"orphan: {path}")
+        for path in report.removed:
+            print(f"removed: {path}")
+        for line in report.not_removed:
+            print(f"not removed: {line}")
+    return 0 if report.ok else 1
