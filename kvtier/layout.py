@@ -1,0 +1,348 @@
+"""The canonical host layout of KV chunks, engine KV layouts, and copy plans between them.
+
+Canonical page (one chunk of one full-attention layer): K then V, each
+`[num_kv_heads, chunk_tokens, head_dim]` C-contiguous in the KV dtype, all KV heads of the model
+together. A host row holds the pages of every layer for one chunk, in layer order, starting at
+`layer * page_bytes`, the row padded with zeros up to a multiple of 4096 bytes. Nothing in the
+row depends on the tensor-parallel degree or the attention backend, so the layout fingerprint
+does not either: TP=1, TP=2 and TP=4 engines, on CPU or GPU, write byte-identical rows.
+
+Engine layouts, read from the installed vLLM 0.32.0 sources:
+
+- vLLM CPU (`vllm/v1/attention/backends/cpu_attn.py`): `CPUAttentionBackend.
+  supported_kv_cache_layouts()` is `(KVCacheLayout.LBHNC,)`, the identity stride order of the
+  logical per-layer shape `(B, H, N, C)` built by `compute_layer_kv_cache_shape_bytes` in
+  `vllm/v1/kv_cache_interface.py`, with `C = (head_size + head_size_v) * itemsize`
+  (`AttentionSpec.state_content_size_bytes`). So `register_kv_caches` sees a contiguous
+  `[num_blocks, H_local, block_size, 2 * head_dim]` tensor. `CPUAttentionBackendImpl.forward`
+  and `.do_kv_cache_update` reinterpret it as `kv.view(num_blocks, H, 2 * block_size, -1)` and
+  split it with `.chunk(2, dim=2)`: per block and head, K of all block tokens comes first, then
+  V. The memory is really `[num_blocks, H_local, 2, block_size, head_dim]`; element
+  `[b, h, t, :head_dim]` of the 4-D tensor is NOT K of token t.
+- vLLM 0.32 FlashAttention (`flash_attn.py`, `FlashAttentionImpl.forward`): logical
+  `(B, H, N, 2 * D)`, split per token by `kv.transpose(1, 2).split(head_size, dim=-1)`: K is
+  `[..., :D]`, V is `[..., D:]`, whatever the physical stride order.
+- Older vLLM FlashAttention: `[2, num_blocks, block_size, H, D]` (K stack, then V stack).
+
+Each engine layout is a small `EngineLayout` subclass that gives a zero-copy strided view
+`[num_blocks, 2, H_local, block_size, head_dim]` of one layer tensor; the copy plans need nothing
+else, so a new backend is one more subclass.
+
+Tensor parallelism follows vLLM's `QKVParallelLinear`: with `tp <= H` rank r holds heads
+`[r*H/tp, (r+1)*H/tp)`; with `tp > H` each head is replicated on `tp/H` consecutive ranks and rank
+r holds head `r // (tp/H)`. Only the first replica (`r % (tp/H) == 0`) writes a replicated head to
+host memory, so each canonical head is written exactly once; every rank reads.
+
+Copy plans hold no state: concurrent calls are safe when their slots and blocks are disjoint.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar
+
+import torch
+
+from kvtier.errors import ConfigError, unknown_name_message
+
+ROW_ALIGN = 4096
+_LAYOUT_TAG = b"kvtier.canonical-layout.v1"
+
+
+@dataclass(frozen=True)
+class CanonicalLayout:
+    """The canonical page and row geometry of one model's full-attention KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    chunk_tokens: int
+    dtype: torch.dtype
+
+    def __post_init__(self) -> None:
+        for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value <= 0:
+                raise ConfigError(f"layout.{name}", value, "a positive integer")
+        if not isinstance(self.dtype, torch.dtype):
+            raise ConfigError("layout.dtype", self.dtype, "a torch.dtype")
+
+    @property
+    def itemsize(self) -> int:
+        return self.dtype.itemsize
+
+    @property
+    def page_bytes(self) -> int:
+        """Bytes of one layer's K and V for one chunk."""
+        return 2 * self.num_kv_heads * self.chunk_tokens * self.head_dim * self.itemsize
+
+    @property
+    def row_bytes(self) -> int:
+        """Bytes of one host row: every layer's page, padded to a multiple of ROW_ALIGN."""
+        used = self.num_layers * self.page_bytes
+        return -(-used // ROW_ALIGN) * ROW_ALIGN
+
+    def page_offset(self, layer: int) -> int:
+        """Byte offset of `layer`'s page inside a row."""
+        if not 0 <= layer < self.num_layers:
+            raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
+        return layer * self.page_bytes
+
+    @cached_property
+    def fingerprint(self) -> str:
+        """32 hex digits naming this layout; equal layouts on any machine give equal digits."""
+        desc = _LAYOUT_TAG + struct.pack(
+            "<5q", self.num_layers, self.num_kv_heads, self.head_dim, self.chunk_tokens, ROW_ALIGN
+        )
+        name = str(self.dtype).encode()
+        desc += struct.pack("<I", len(name)) + name
+        return hashlib.sha256(desc).digest()[:16].hex()
+
+    def page_view(self, rows: torch.Tensor, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """`[num_slots, 2, num_kv_heads, chunk_tokens, head_dim]` view of `layer`'s pages in
+        `rows` (uint8 `[num_slots, row_bytes]`), sharing its memory."""
+        check_rows(self, rows)
+        off = self.page_offset(layer)
+        page = rows[:, off : off + self.page_bytes].view(dtype or self.dtype)
+        return page.view(len(rows), 2, self.num_kv_heads, self.chunk_tokens, self.head_dim)
+
+
+def check_rows(layout: CanonicalLayout, rows: torch.Tensor) -> None:
+    """Raise ValueError unless `rows` is a uint8 `[num_slots, row_bytes]` row-major tensor."""
+    if rows.dtype != torch.uint8 or rows.dim() != 2 or rows.shape[1] != layout.row_bytes:
+        raise ValueError(
+            f"host rows must be uint8 [num_slots, {layout.row_bytes}], got {rows.dtype} {tuple(rows.shape)}"
+        )
+    if rows.stride(1) != 1 or rows.stride(0) % ROW_ALIGN:
+        raise ValueError(f"host rows must be row-major with aligned rows, strides {rows.stride()}")
+
+
+def host_rows(buf: memoryview, row_bytes: int, num_slots: int, offset: int = 0) -> torch.Tensor:
+    """uint8 `[num_slots, row_bytes]` tensor over `buf[offset:]`, sharing its memory (no copy)."""
+    if offset < 0 or offset + num_slots * row_bytes > buf.nbytes:
+        raise ValueError(
+            f"{num_slots} rows of {row_bytes} bytes at offset {offset} "
+            f"do not fit in a buffer of {buf.nbytes} bytes"
+        )
+    flat = torch.frombuffer(buf, dtype=torch.uint8, count=num_slots * row_bytes, offset=offset)
+    return flat.view(num_slots, row_bytes)
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """The canonical KV heads `[head_start, head_end)` that TP rank `rank` of `tp_size` holds."""
+
+    num_kv_heads: int
+    tp_size: int = 1
+    rank: int = 0
+
+    def __post_init__(self) -> None:
+        h, tp = self.num_kv_heads, self.tp_size
+        if h <= 0 or tp <= 0 or not 0 <= self.rank < tp:
+            raise ConfigError("tp", (h, tp, self.rank), "heads > 0, tp_size > 0, 0 <= rank < tp")
+        if (tp <= h and h % tp) or (tp > h and tp % h):
+            raise ConfigError("tp_size", tp, f"must divide num_kv_heads={h} or be a multiple of it")
+
+    @property
+    def replicas(self) -> int:
+        """How many ranks hold each of this rank's heads."""
+        return max(1, self.tp_size // self.num_kv_heads)
+
+    @property
+    def head_start(self) -> int:
+        if self.tp_size > self.num_kv_heads:
+            return self.rank // self.replicas
+        return self.rank * (self.num_kv_heads // self.tp_size)
+
+    @property
+    def num_heads(self) -> int:
+        return max(1, self.num_kv_heads // self.tp_size)
+
+    @property
+    def head_end(self) -> int:
+        return self.head_start + self.num_heads
+
+    @property
+    def writes(self) -> bool:
+        """Whether this rank writes its heads to host rows (the first replica of each head)."""
+        return self.rank % self.replicas == 0
+
+
+class EngineLayout(ABC):
+    """How one engine backend lays out one layer's KV cache tensor."""
+
+    name: ClassVar[str]
+
+    @abstractmethod
+    def blocks(self, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
+        """A view `[num_blocks, 2, H_local, block_size, head_dim]` (K at index 0, V at 1) of
+        `kv`, sharing its memory; ValueError when `kv` does not have this layout."""
+
+
+def _bad_shape(layout: EngineLayout, kv: torch.Tensor, expected: str) -> ValueError:
+    return ValueError(f"{layout.name}: layer tensor {tuple(kv.shape)} is not {expected}")
+
+
+class VllmCpuLayout(EngineLayout):
+    """vLLM CPU: `[num_blocks, H, block_size, 2*D]`, memory `[num_blocks, H, 2, block_size, D]`."""
+
+    name = "vllm_cpu"
+
+    def blocks(self, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
+        if kv.dim() != 4 or kv.shape[3] != 2 * head_dim:
+            raise _bad_shape(self, kv, f"[num_blocks, H, block_size, {2 * head_dim}]")
+        b, h, n, _ = kv.shape
+        try:
+            return kv.view(b, h, 2, n, head_dim).transpose(1, 2)
+        except RuntimeError as exc:
+            raise ValueError(f"{self.name}: block interiors must be contiguous: {exc}") from exc
+
+
+class VllmFlashAttnLayout(EngineLayout):
+    """vLLM 0.32 FlashAttention: logical `[num_blocks, H, block_size, 2*D]`, K|V per token."""
+
+    name = "vllm_flash_attn"
+
+    def blocks(self, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
+        if kv.dim() != 4 or kv.shape[3] != 2 * head_dim:
+            raise _bad_shape(self, kv, f"[num_blocks, H, block_size, {2 * head_dim}]")
+        b, h, n, _ = kv.shape
+        return kv.view(b, h, n, 2, head_dim).permute(0, 3, 1, 2, 4)
+
+
+class StackedKVLayout(EngineLayout):
+    """Older FlashAttention: `[2, num_blocks, block_size, H, D]`."""
+
+    name = "stacked_kv"
+
+    def blocks(self, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
+        if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[4] != head_dim:
+            raise _bad_shape(self, kv, f"[2, num_blocks, block_size, H, {head_dim}]")
+        return kv.permute(1, 0, 3, 2, 4)
+
+
+ENGINE_LAYOUTS: dict[str, type[EngineLayout]] = {
+    cls.name: cls for cls in (VllmCpuLayout, VllmFlashAttnLayout, StackedKVLayout)
+}
+
+
+def engine_layout(name: str) -> EngineLayout:
+    """The engine layout registered under `name`."""
+    if name not in ENGINE_LAYOUTS:
+        raise ConfigError("engine_layout", name, unknown_name_message(name, ENGINE_LAYOUTS))
+    return ENGINE_LAYOUTS[name]()
+
+
+class CopyPlan:
+    """Copies chunks between one TP rank's engine tensors and canonical host rows.
+
+    A chunk is `blocks_per_chunk` engine blocks (chunk_tokens = blocks_per_chunk * block_size),
+    given in token order. Stores from a rank that does not write (a non-first replica) copy
+    nothing. Each engine block of each layer is one strided `copy_` between zero-copy views: a
+    single pass over the bytes. (Batched `index_select`/`index_copy_` over these permuted
+    multi-dimensional views takes torch's per-element path on CPU and measured several times
+    slower, besides needing a staging copy.)
+    """
+
+    def __init__(
+        self, layout: CanonicalLayout, engine: EngineLayout, shard: TPShard, block_size: int
+    ) -> None:
+        if block_size <= 0 or layout.chunk_tokens % block_size:
+            raise ConfigError("block_size", block_size, f"must divide chunk_tokens={layout.chunk_tokens}")
+        if shard.num_kv_heads != layout.num_kv_heads:
+            raise ConfigError("tp", shard.num_kv_heads, f"shard of {layout.num_kv_heads} KV heads expected")
+        self.layout = layout
+        self.engine = engine
+        self.shard = shard
+        self.block_size = block_size
+        self.blocks_per_chunk = layout.chunk_tokens // block_size
+
+    def engine_to_host(
+        self,
+        layer_tensors: Sequence[torch.Tensor],
+        block_ids_per_chunk: Sequence[Sequence[int]],
+        host_rows: torch.Tensor,
+        slots: Sequence[int],
+    ) -> None:
+        """Write this rank's heads of chunk i (blocks `block_ids_per_chunk[i]`) to `slots[i]`."""
+        pairs = self._pairs(layer_tensors, block_ids_per_chunk, host_rows, slots)
+        if len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {list(slots)}")
+        if not self.shard.writes:
+            return
+        for layer, kv in enumerate(layer_tensors):
+            engine = self._engine_view(kv)
+            host = self._host_view(host_rows, layer, kv.dtype)
+            for slot, j, block in pairs:
+                host[slot, j].copy_(engine[block])
+
+    def host_to_engine(
+        self,
+        layer_tensors: Sequence[torch.Tensor],
+        block_ids_per_chunk: Sequence[Sequence[int]],
+        host_rows: torch.Tensor,
+        slots: Sequence[int],
+    ) -> None:
+        """Write this rank's heads of row `slots[i]` into blocks `block_ids_per_chunk[i]`."""
+        pairs = self._pairs(layer_tensors, block_ids_per_chunk, host_rows, slots)
+        if len({block for _, _, block in pairs}) != len(pairs):
+            raise ValueError("destination block ids must be distinct")
+        for layer, kv in enumerate(layer_tensors):
+            engine = self._engine_view(kv)
+            host = self._host_view(host_rows, layer, kv.dtype)
+            for slot, j, block in pairs:
+                engine[block].copy_(host[slot, j])
+
+    def _engine_view(self, kv: torch.Tensor) -> torch.Tensor:
+        view = self.engine.blocks(kv, self.layout.head_dim)
+        expected = (2, self.shard.num_heads, self.block_size, self.layout.head_dim)
+        if tuple(view.shape[1:]) != expected:
+            raise ValueError(
+                f"{self.engine.name}: layer tensor {tuple(kv.shape)} holds "
+                f"[2, H, block_size, D] = {tuple(view.shape[1:])}, expected {expected}"
+            )
+        if kv.dtype.itemsize != self.layout.itemsize:
+            raise ValueError(f"layer dtype {kv.dtype} does not match layout {self.layout.dtype}")
+        return view
+
+    def _host_view(self, rows: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
+        """`[num_slots, blocks_per_chunk, 2, H_local, block_size, D]` view of this rank's heads."""
+        page = self.layout.page_view(rows, layer, dtype)
+        heads = page[:, :, self.shard.head_start : self.shard.head_end]
+        s, _, h, _, d = heads.shape
+        split = heads.view(s, 2, h, self.blocks_per_chunk, self.block_size, d)
+        return split.permute(0, 3, 1, 2, 4, 5)
+
+    def _pairs(
+        self,
+        layer_tensors: Sequence[torch.Tensor],
+        block_ids_per_chunk: Sequence[Sequence[int]],
+        host_rows: torch.Tensor,
+        slots: Sequence[int],
+    ) -> list[tuple[int, int, int]]:
+        """(slot, block index within the chunk, engine block) for every block, all validated."""
+        if len(layer_tensors) != self.layout.num_layers:
+            raise ValueError(
+                f"{len(layer_tensors)} layer tensors, layout has {self.layout.num_layers} layers"
+            )
+        if len(block_ids_per_chunk) != len(slots):
+            raise ValueError(f"{len(block_ids_per_chunk)} chunks of blocks for {len(slots)} slots")
+        if any(len(ids) != self.blocks_per_chunk for ids in block_ids_per_chunk):
+            raise ValueError(f"every chunk needs exactly {self.blocks_per_chunk} block ids")
+        check_rows(self.layout, host_rows)
+        num_blocks = min(self._engine_view(kv).shape[0] for kv in layer_tensors)
+        if any(not 0 <= s < len(host_rows) for s in slots):
+            raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
+        pairs = [
+            (slot, j, block)
+            for slot, ids in zip(slots, block_ids_per_chunk, strict=True)
+            for j, block in enumerate(ids)
+        ]
+        if any(not 0 <= block < num_blocks for _, _, block in pairs):
+            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        return pairs
