@@ -7,11 +7,11 @@ over the final name, so a reader sees either no file or a complete one; a file t
 instance removes between a lookup and a load is a miss. Files are not fsynced: after a crash a file
 may hold garbage, which the checksum catches on the next load.
 
-Threads: the dispatch thread calls the contract methods; `n_write_threads` threads run stores and
-`n_read_threads` threads run loads, one key per task; a maintenance thread rescans the directory
-every `rescan_interval_s`. I/O goes straight between the host-region row and the file
-(`preadv`/`pwritev`), with O_DIRECT when the filesystem supports it, so the page cache holds no
-second copy.
+Threads: the dispatch thread calls the contract methods; an `IoPool` of `n_read_threads` load-first
+and `n_write_threads` store-first threads moves one key per task (either kind takes the other's
+work when its own queue is empty); a maintenance thread rescans the directory every
+`rescan_interval_s`. I/O goes straight between the host-region row and the file (`preadv` /
+`pwritev`), with O_DIRECT when the filesystem supports it, so the page cache holds no second copy.
 
 Invariants: a load never leaves a row it reports as loaded unverified (header fields and checksum
 match); a bad file is counted, removed and reported as a failed key; `max_bytes` bounds the bytes of
@@ -23,8 +23,8 @@ the key as failed and are logged once per cause (operation and errno) per `LOG_I
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import errno
+import functools
 import math
 import mmap
 import os
@@ -33,7 +33,6 @@ import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 
 from kvtier.errors import ConfigError
 from kvtier.tiers import chunkfmt
@@ -49,10 +48,18 @@ from kvtier.tiers.base import (
     TierEventKind,
 )
 from kvtier.tiers.fs_index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
+from kvtier.tiers.fs_io import (
+    O_CLOEXEC,
+    O_DIRECT,
+    PAGE,
+    address,
+    new_header_buffer,
+    probe_direct_io,
+    read_chunk,
+    write_chunk,
+)
+from kvtier.tiers.fs_pool import IoPool, JobTracker
 
-_O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-_O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
-PAGE = mmap.PAGESIZE
 LOG_INTERVAL_S = 600.0
 """A failure cause already logged is logged again (with the count since) at most this often."""
 MTIME_REFRESH_S = 1.0
@@ -70,50 +77,6 @@ def _number(key: str, value: object, allowed: str, *, low: float, integer: bool)
     if not math.isfinite(value) or value < low:
         raise ConfigError(key, value, allowed)
     return float(value)
-
-
-def _address(buf: memoryview) -> int | None:
-    """The address of a buffer's first byte, or None when it cannot be known."""
-    try:
-        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    except (TypeError, ValueError):
-        return None
-
-
-def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
-    """The part of `bufs` left after the first `n` bytes."""
-    out: list[memoryview] = []
-    for b in bufs:
-        if n >= len(b):
-            n -= len(b)
-        else:
-            out.append(b[n:])
-            n = 0
-    return out
-
-
-class _JobState:
-    """One job in flight: which keys are done. `finish_key` is called once per key, any thread."""
-
-    def __init__(self, job: Job) -> None:
-        self.job = job
-        self.start = time.perf_counter()
-        self.ok = [False] * len(job.keys)
-        self._remaining = len(job.keys)
-        self._lock = threading.Lock()
-
-    def finish_key(self, index: int, ok: bool) -> bool:
-        """Record the outcome of key `index`; True for the call that finishes the job."""
-        with self._lock:
-            self.ok[index] = ok
-            self._remaining -= 1
-            return self._remaining == 0
-
-
-class _BadChunk(Exception):
-    def __init__(self, reason: chunkfmt.ChunkError) -> None:
-        super().__init__(reason.value)
-        self.reason = reason
 
 
 class FsTier(SecondaryTier):
@@ -169,8 +132,7 @@ class FsTier(SecondaryTier):
         self._stop = threading.Event()
         self._rescan(initial=True)
 
-        self._writers = ThreadPoolExecutor(n_write_threads, f"kvtier-fs-{ctx.tier_name}-w")
-        self._readers = ThreadPoolExecutor(n_read_threads, f"kvtier-fs-{ctx.tier_name}-r")
+        self._pool = IoPool(n_read_threads, n_write_threads, f"kvtier-fs-{ctx.tier_name}")
         self._maintenance: threading.Thread | None = None
         if rescan_interval_s is not None:
             self._maintenance = threading.Thread(
@@ -186,7 +148,7 @@ class FsTier(SecondaryTier):
         probe = os.path.join(self.layout_dir, temp_name("probe"))
         try:
             os.makedirs(self.layout_dir, exist_ok=True)
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC, 0o644)
+            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
             os.close(fd)
             os.unlink(probe)
         except OSError as e:
@@ -197,34 +159,18 @@ class FsTier(SecondaryTier):
         if wanted is False:
             return False
         why = ""
-        region_at = _address(self.ctx.region)
-        if not _O_DIRECT:
+        region_at = address(self.ctx.region)
+        if not O_DIRECT:
             why = "this platform has no O_DIRECT"
         elif self.ctx.row_bytes % PAGE or region_at is None or region_at % PAGE:
             why = f"host rows are not aligned to {PAGE} bytes"
-        elif not self._probe_direct_io():
+        elif not probe_direct_io(self.layout_dir):
             why = f"the filesystem at {self.layout_dir} does not support O_DIRECT"
         if why and wanted:
             raise ConfigError("direct_io", wanted, why)
         if why:
             self.ctx.log.info("fs tier %s: buffered I/O (%s)", self.ctx.tier_name, why)
         return not why
-
-    def _probe_direct_io(self) -> bool:
-        path = os.path.join(self.layout_dir, temp_name("probe"))
-        page = mmap.mmap(-1, PAGE)
-        try:
-            fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | _O_DIRECT | _O_CLOEXEC, 0o644)
-            try:
-                return os.pwrite(fd, page, 0) == PAGE and os.preadv(fd, [page], 0) == PAGE
-            finally:
-                os.close(fd)
-        except OSError:
-            return False
-        finally:
-            page.close()
-            with contextlib.suppress(OSError):
-                os.unlink(path)
 
     # ---- contract ----------------------------------------------------------------------------
 
@@ -239,10 +185,10 @@ class FsTier(SecondaryTier):
         return out
 
     def submit_store(self, job: Job) -> None:
-        self._submit(job, self._writers, self._store_key)
+        self._submit(job, self._store_key)
 
     def submit_load(self, job: Job) -> None:
-        self._submit(job, self._readers, self._load_key)
+        self._submit(job, self._load_key)
 
     def get_finished_jobs(self) -> list[JobResult]:
         out: list[JobResult] = []
@@ -280,52 +226,50 @@ class FsTier(SecondaryTier):
         return out
 
     def shutdown(self) -> None:
-        """Cancel queued keys, wait for the ones in progress, stop the scanner. Idempotent."""
+        """Wait for the keys in progress, fail the queued ones, stop the scanner. Idempotent."""
         if self._closed:
             return
         self._closed = True
         self._stop.set()
-        self._writers.shutdown(wait=True, cancel_futures=True)
-        self._readers.shutdown(wait=True, cancel_futures=True)
+        for task in self._pool.shutdown():
+            task()
         if self._maintenance is not None:
             self._maintenance.join()
 
     # ---- jobs --------------------------------------------------------------------------------
 
-    def _submit(self, job: Job, pool: ThreadPoolExecutor, work: _KeyWork) -> None:
-        state = _JobState(job)
+    def _submit(self, job: Job, work: _KeyWork) -> None:
+        tracker = JobTracker(job)
         if not job.keys:
-            self._finish(state)
+            self._finish(tracker)
             return
-        for i in range(len(job.keys)):
-            try:
-                pool.submit(self._run_key, state, i, work)
-            except RuntimeError:
-                self._count("store_failures" if job.kind is JobKind.STORE else "load_failures")
-                if state.finish_key(i, False):
-                    self._finish(state)
+        tasks = [functools.partial(self._run_key, tracker, i, work) for i in range(len(job.keys))]
+        if not self._pool.submit(job.kind is JobKind.LOAD, tasks):
+            for i in range(len(job.keys)):
+                self._run_key(tracker, i, None)
 
-    def _run_key(self, state: _JobState, i: int, work: _KeyWork) -> None:
+    def _run_key(self, tracker: JobTracker, i: int, work: _KeyWork | None) -> None:
+        """Do one key (None: the tier is shut down) and complete the job after its last key."""
         ok = False
         try:
-            ok = work(state.job.keys[i], state.job.slots[i])
+            ok = work is not None and work(tracker.job.keys[i], tracker.job.slots[i])
         except Exception as e:  # a bug must fail the key, never lose the job
-            self._failed(f"{state.job.kind.value}:{type(e).__name__}", e)
+            self._failed(f"{tracker.job.kind.value}:{type(e).__name__}", e)
         if not ok:
-            self._count("store_failures" if state.job.kind is JobKind.STORE else "load_failures")
-        if state.finish_key(i, ok):
-            self._finish(state)
+            self._count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
+        if tracker.finish_key(i, ok):
+            self._finish(tracker)
 
-    def _finish(self, state: _JobState) -> None:
-        job = state.job
-        done = tuple(k for k, ok in zip(job.keys, state.ok, strict=True) if ok)
+    def _finish(self, tracker: JobTracker) -> None:
+        job = tracker.job
+        done = tuple(k for k, ok in zip(job.keys, tracker.ok, strict=True) if ok)
         self._finished.put(
             JobResult(
                 job.job_id,
                 success=len(done) == len(job.keys),
                 successful_keys=done,
                 bytes_moved=len(done) * self.ctx.row_bytes,
-                seconds=time.perf_counter() - state.start,
+                seconds=time.perf_counter() - tracker.start,
             )
         )
         self.ctx.wakeup()
@@ -339,7 +283,7 @@ class FsTier(SecondaryTier):
         """This thread's page-aligned header buffer (O_DIRECT needs aligned memory)."""
         buf: mmap.mmap | None = getattr(self._local, "header", None)
         if buf is None:
-            buf = mmap.mmap(-1, chunkfmt.HEADER_BYTES)
+            buf = new_header_buffer()
             self._local.header = buf
         return buf
 
@@ -374,35 +318,14 @@ class FsTier(SecondaryTier):
 
     def _write(self, name: str, path: str, key: bytes, row: memoryview) -> None:
         header = self._header_buf()
-        chunkfmt.pack_header(memoryview(header), key, self._fp, row)
-        directory = os.path.dirname(path)
-        tmp = os.path.join(directory, temp_name(name))
-        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | _O_CLOEXEC | (_O_DIRECT * self.direct_io)
         try:
-            fd = os.open(tmp, flags, 0o644)
+            write_chunk(path, name, header, key, self._fp, row, self.direct_io)
         except FileNotFoundError:
             # Our subdirectories may have been removed; root_dir itself is never recreated.
-            for d in (self.layout_dir, directory):
+            for d in (self.layout_dir, os.path.dirname(path)):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(d)
-            fd = os.open(tmp, flags, 0o644)
-        try:
-            try:
-                bufs = [memoryview(header), row]
-                offset = 0
-                while bufs:
-                    n = os.pwritev(fd, bufs, offset)
-                    if n <= 0:
-                        raise OSError(errno.EIO, f"short write at offset {offset} of {tmp}")
-                    offset += n
-                    bufs = _advance(bufs, n)
-            finally:
-                os.close(fd)
-            os.replace(tmp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(tmp)
-            raise
+            write_chunk(path, name, header, key, self._fp, row, self.direct_io)
 
     def _evict(self, victims: list[bytes]) -> None:
         for key in victims:
@@ -423,21 +346,20 @@ class FsTier(SecondaryTier):
         self._index.pin(key)
         try:
             try:
-                fd = os.open(path, os.O_RDONLY | _O_CLOEXEC | (_O_DIRECT * self.direct_io))
+                fd = os.open(path, os.O_RDONLY | O_CLOEXEC | (O_DIRECT * self.direct_io))
             except FileNotFoundError:
                 self._count("load_misses")
                 self._forget(key)
                 return False
             try:
-                self._read(fd, key, row)
-                st = os.fstat(fd)
+                bad = read_chunk(fd, self._header_buf(), key, self._fp, row)
+                if bad is not None:
+                    self._drop_bad(path, fd, key, bad)
+                    return False
                 now = time.time()
-                if now - st.st_mtime > MTIME_REFRESH_S:
+                if now - os.fstat(fd).st_mtime > MTIME_REFRESH_S:
                     with contextlib.suppress(OSError):
                         os.utime(fd)
-            except _BadChunk as bad:
-                self._drop_bad(path, fd, key, bad.reason)
-                return False
             finally:
                 os.close(fd)
         except OSError as e:
@@ -451,29 +373,6 @@ class FsTier(SecondaryTier):
             self._event(TierEventKind.STORED, key)
         self._count("loaded")
         return True
-
-    def _read(self, fd: int, key: bytes, row: memoryview) -> None:
-        """Fill `row` from the open chunk file; raise _BadChunk unless it is fully valid."""
-        header = memoryview(self._header_buf())
-        bufs = [header, row]
-        got = 0
-        while bufs:
-            n = os.preadv(fd, bufs, got)
-            if n <= 0:
-                break
-            got += n
-            bufs = _advance(bufs, n)
-        if got < chunkfmt.HEADER_BYTES:
-            raise _BadChunk(chunkfmt.ChunkError.SHORT)
-        err, digest = chunkfmt.check_header(header, key, self._fp, len(row))
-        if err is not None:
-            raise _BadChunk(err)
-        if bufs:
-            raise _BadChunk(chunkfmt.ChunkError.SHORT)
-        if os.fstat(fd).st_size != self.file_bytes:
-            raise _BadChunk(chunkfmt.ChunkError.LENGTH)
-        if chunkfmt.checksum(row) != digest:
-            raise _BadChunk(chunkfmt.ChunkError.CHECKSUM)
 
     def _drop_bad(self, path: str, fd: int, key: bytes, reason: chunkfmt.ChunkError) -> None:
         """Remove a bad chunk file, unless another instance has replaced it meanwhile."""

@@ -1,0 +1,127 @@
+"""Reading and writing one chunk file: zero-copy vectored I/O between a host row and the file.
+
+A chunk file is the `chunkfmt` header followed by the row. Writes go to a temp file in the target
+directory, are checked for completeness, and are published by `os.replace`; the temp file never
+outlives a failed write. Reads fill the caller's header buffer and row with one `preadv`, then
+verify everything before the row may be used.
+
+With O_DIRECT, every buffer must be page-aligned and a multiple of the page size: the header buffers
+here are anonymous mappings (page-aligned), and the caller checks rows before choosing O_DIRECT.
+Functions here are called from the I/O threads; each thread uses its own header buffer.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import errno
+import mmap
+import os
+
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.fs_index import temp_name
+
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
+O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
+PAGE = mmap.PAGESIZE
+
+
+def address(buf: memoryview) -> int | None:
+    """The address of a writable buffer's first byte, or None when it cannot be known."""
+    try:
+        return ctypes.addressof(ctypes.c_char.from_buffer(buf))
+    except (TypeError, ValueError):
+        return None
+
+
+def new_header_buffer() -> mmap.mmap:
+    """A page-aligned buffer for one header."""
+    return mmap.mmap(-1, chunkfmt.HEADER_BYTES)
+
+
+def probe_direct_io(directory: str) -> bool:
+    """Whether files in `directory` accept O_DIRECT writes and reads of an aligned page."""
+    if not O_DIRECT:
+        return False
+    path = os.path.join(directory, temp_name("probe"))
+    page = mmap.mmap(-1, PAGE)
+    try:
+        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT | O_CLOEXEC, 0o644)
+        try:
+            return os.pwrite(fd, page, 0) == PAGE and os.preadv(fd, [page], 0) == PAGE
+        finally:
+            os.close(fd)
+    except OSError:
+        return False
+    finally:
+        page.close()
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
+def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
+    """What is left of `bufs` after their first `n` bytes."""
+    out: list[memoryview] = []
+    for b in bufs:
+        if n >= len(b):
+            n -= len(b)
+        else:
+            out.append(b[n:])
+            n = 0
+    return out
+
+
+def write_chunk(
+    path: str, name: str, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview,
+    direct: bool,
+) -> None:
+    """Publish `row` as the chunk file `path` (named `name`). Raises OSError; FileNotFoundError
+    means the directory of `path` is missing."""
+    chunkfmt.pack_header(memoryview(header), key, layout_fp, row)
+    tmp = os.path.join(os.path.dirname(path), temp_name(name))
+    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | (O_DIRECT * direct), 0o644)
+    try:
+        try:
+            bufs = [memoryview(header), row]
+            offset = 0
+            while bufs:
+                n = os.pwritev(fd, bufs, offset)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"short write at offset {offset} of {tmp}")
+                offset += n
+                bufs = _advance(bufs, n)
+        finally:
+            os.close(fd)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def read_chunk(
+    fd: int, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview
+) -> chunkfmt.ChunkError | None:
+    """Fill `row` from the open chunk file `fd`; None when the file is a valid chunk of `key`,
+    else why not (the row then holds garbage). Raises OSError for I/O errors."""
+    hview = memoryview(header)
+    bufs = [hview, row]
+    got = 0
+    while bufs:
+        n = os.preadv(fd, bufs, got)
+        if n <= 0:
+            break
+        got += n
+        bufs = _advance(bufs, n)
+    if got < chunkfmt.HEADER_BYTES:
+        return chunkfmt.ChunkError.SHORT
+    err, digest = chunkfmt.check_header(hview, key, layout_fp, len(row))
+    if err is not None:
+        return err
+    if bufs:
+        return chunkfmt.ChunkError.SHORT
+    if os.fstat(fd).st_size != chunkfmt.HEADER_BYTES + len(row):
+        return chunkfmt.ChunkError.LENGTH
+    if chunkfmt.checksum(row) != digest:
+        return chunkfmt.ChunkError.CHECKSUM
+    return None
