@@ -18,8 +18,11 @@ policy skips), never to the capacity; only the constructor and `check()` walk ev
 
 from __future__ import annotations
 
-from collections.abc import Container, Sequence
+from collections import Counter
+from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
+from itertools import takewhile
+from typing import Protocol, runtime_checkable
 
 from kvtier.errors import KVTierError
 from kvtier.policies.base import EvictionPolicy
@@ -48,6 +51,14 @@ class HostTierStats:
     @property
     def capacity_bytes(self) -> int:
         return self.capacity * self.row_bytes
+
+
+@runtime_checkable
+class _InsertMany(Protocol):
+    """A policy that also inserts a batch at once (LRU and ARC do; the contract only asks for
+    `insert`)."""
+
+    def insert_many(self, entries: Mapping[bytes, int]) -> None: ...
 
 
 class _Protected:
@@ -87,22 +98,24 @@ class HostTier:
         self._policy = policy
         self._ready: dict[bytes, int] = {}
         self._writing: dict[bytes, int] = {}
-        self._pins: dict[bytes, int] = {}
+        self._pins: Counter[bytes] = Counter()
         # A stack: slot 0 is handed out first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._events: list[TierEvent] = []
+        self._insert_many: Callable[[Mapping[bytes, int]], None] = (
+            policy.insert_many if isinstance(policy, _InsertMany) else self._insert_each
+        )
+
+    def _insert_each(self, entries: Mapping[bytes, int]) -> None:
+        insert = self._policy.insert
+        for key, slot in entries.items():
+            insert(key, slot)
 
     # Queries: no pin, no recency change.
 
     def lookup(self, keys: Sequence[bytes]) -> int:
         """The length of the leading run of `keys` that are READY."""
-        ready = self._ready
-        n = 0
-        for key in keys:
-            if key not in ready:
-                break
-            n += 1
-        return n
+        return len(list(takewhile(self._ready.__contains__, keys)))
 
     def contains(self, key: bytes) -> bool:
         """Whether `key` is READY."""
@@ -122,57 +135,49 @@ class HostTier:
         that this call does not name, all-or-nothing, and a None result changes nothing.
         """
         ready, writing = self._ready, self._writing
-        new: dict[bytes, int] = {}
-        present: set[bytes] | None = None
-        for key in keys:
-            if key in ready:
-                if present is None:
-                    present = set()
-                present.add(key)
-            elif key not in writing:
-                new[key] = -1
+        wanted = dict.fromkeys(keys)
+        present = wanted.keys() & ready.keys()
+        for key in present:
+            del wanted[key]
+        for key in wanted.keys() & writing.keys():
+            del wanted[key]
         free = self._free
-        shortfall = len(new) - len(free)
+        count = len(wanted)
+        shortfall = count - len(free)
         if shortfall > 0:
             protected: Container[bytes] = (
-                self._pins if present is None else _Protected(self._pins, present)
+                _Protected(self._pins, present) if present else self._pins
             )
             victims = self._policy.evict(shortfall, protected)
             if victims is None:
                 return None
-            pop = ready.pop
-            for key, slot in victims:
-                pop(key)
-                free.append(slot)
-            self._events.append(TierEvent(TierEventKind.REMOVED, tuple(k for k, _ in victims)))
-        pop_free = free.pop
-        for key in new:
-            slot = pop_free()
-            new[key] = slot
-            writing[key] = slot
+            evicted = [key for key, _ in victims]
+            for key in evicted:
+                del ready[key]
+            free.extend([slot for _, slot in victims])
+            self._events.append(TierEvent(TierEventKind.REMOVED, tuple(evicted)))
+        if not count:
+            return {}
+        taken = free[-count:]
+        del free[-count:]
+        taken.reverse()
+        new = dict(zip(wanted, taken, strict=True))
+        writing.update(new)
         return new
 
     def complete_store(self, keys: Sequence[bytes], success: bool) -> None:
         """Publish (success) or roll back the WRITING entries among `keys`; others are ignored."""
-        take = self._writing.pop
-        done: list[bytes] = []
+        writing = self._writing
+        take = writing.pop
+        done = {key: take(key) for key in keys if key in writing}
+        if not done:
+            return
         if success:
-            ready = self._ready
-            insert = self._policy.insert
-            for key in keys:
-                slot = take(key, -1)
-                if slot >= 0:
-                    ready[key] = slot
-                    insert(key, slot)
-                    done.append(key)
-            if done:
-                self._events.append(TierEvent(TierEventKind.STORED, tuple(done)))
+            self._insert_many(done)
+            self._ready.update(done)
+            self._events.append(TierEvent(TierEventKind.STORED, tuple(done)))
         else:
-            release = self._free.append
-            for key in keys:
-                slot = take(key, -1)
-                if slot >= 0:
-                    release(slot)
+            self._free.extend(done.values())
 
     # Load: host → device or secondary tier.
 
@@ -181,15 +186,13 @@ class HostTier:
 
         Counts as an access for the eviction policy. A key named twice is pinned twice.
         """
-        ready = self._ready
         try:
-            slots = [ready[key] for key in keys]
+            slots = list(map(self._ready.__getitem__, keys))
         except KeyError:
             return None
-        pins = self._pins
+        self._pins.update(keys)
         touch = self._policy.touch
         for key in keys:
-            pins[key] = pins.get(key, 0) + 1
             touch(key)
         return slots
 
@@ -200,11 +203,9 @@ class HostTier:
         is pinned.
         """
         pins = self._pins
-        counts: dict[bytes, int] = {}
-        for key in keys:
-            counts[key] = counts.get(key, 0) + 1
+        counts = Counter(keys)
         for key, count in counts.items():
-            held = pins.get(key, 0)
+            held = pins[key]
             if count > held:
                 raise HostTierError(
                     f"complete_load releases {key.hex()} {count} time(s); it holds {held} pin(s)"

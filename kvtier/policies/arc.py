@@ -23,7 +23,9 @@ owning thread only; not thread-safe.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container, Iterator
+from collections.abc import Container, Mapping
+from itertools import filterfalse, islice
+from math import ceil
 from typing import TypeVar
 
 from kvtier.policies.base import EvictionPolicy
@@ -47,17 +49,19 @@ class ARCPolicy(EvictionPolicy[V]):
         return self._t2.get(key) if value is None else value
 
     def insert(self, key: bytes, value: V) -> None:
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        t1, t2, b1 = self._t1, self._t2, self._b1
         if key in t1 or key in t2:
             raise KeyError(f"key {key.hex()} is already resident")
         c = self.capacity
-        if len(t1) + len(t2) >= c:
+        n1, n2 = len(t1), len(t2)
+        if n1 + n2 >= c:
             raise OverflowError(f"policy is full ({c} entries)")
         if key in b1:
-            self.p = min(float(c), self.p + max(len(b2) / len(b1), 1.0))
+            self.p = min(float(c), self.p + max(len(self._b2) / len(b1), 1.0))
             del b1[key]
             t2[key] = value
             return
+        b2 = self._b2
         if key in b2:
             self.p = max(0.0, self.p - max(len(b1) / len(b2), 1.0))
             del b2[key]
@@ -65,11 +69,39 @@ class ARCPolicy(EvictionPolicy[V]):
             return
         # |T1| + |T2| < c, so when L1 = T1 + B1 is full, B1 is not empty; and when the directory
         # is full, L1 is not, so B2 is not empty.
-        if len(t1) + len(b1) >= c:
-            b1.popitem(last=False)
-        elif len(t1) + len(t2) + len(b1) + len(b2) >= 2 * c:
-            b2.popitem(last=False)
+        nb1 = len(b1)
+        if n1 + nb1 >= c:
+            b1.popitem(False)
+        elif n1 + n2 + nb1 + len(b2) >= 2 * c:
+            b2.popitem(False)
         t1[key] = value
+
+    def insert_many(self, entries: Mapping[bytes, V]) -> None:
+        """`insert` of each pair in order, checked as a whole: on error nothing is inserted.
+
+        When no key is a ghost, every insertion is ARC's Case IV and the directory trimming it
+        implies is computed in bulk; otherwise the keys go in one by one.
+        """
+        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        c, m = self.capacity, len(entries)
+        if len(t1) + len(t2) + m > c:
+            raise OverflowError(f"{m} more entries overflow capacity {c}")
+        if not (t1.keys().isdisjoint(entries) and t2.keys().isdisjoint(entries)):
+            raise KeyError("some keys are already resident")
+        if not (b1.keys().isdisjoint(entries) and b2.keys().isdisjoint(entries)):
+            for key, value in entries.items():
+                self.insert(key, value)
+            return
+        # Each insertion pops B1's LRU while |T1|+|B1| >= c (that sum then stays put), else B2's
+        # LRU while the directory holds 2c keys, else grows the directory by one.
+        l1 = len(t1) + len(b1)
+        growing = max(0, min(m, c - l1))
+        pop_b2 = max(0, growing - (2 * c - l1 - len(t2) - len(b2)))
+        for _ in range(m - growing):
+            b1.popitem(False)
+        for _ in range(pop_b2):
+            b2.popitem(False)
+        t1.update(entries)
 
     def remove(self, key: bytes) -> V | None:
         value = self._t1.pop(key, None)
@@ -87,31 +119,27 @@ class ARCPolicy(EvictionPolicy[V]):
     def evict(self, n: int, protected: Container[bytes]) -> list[tuple[bytes, V]] | None:
         if n < 0:
             raise ValueError(f"cannot evict a negative number of entries: {n}")
-        t1, t2, b1, b2 = self._t1, self._t2, self._b1, self._b2
+        t1, t2 = self._t1, self._t2
         if n > len(t1) + len(t2):
             return None
-        from_t1 = _unprotected(t1, protected)
-        from_t2 = _unprotected(t2, protected)
-        chosen: list[tuple[bytes, bool]] = []
-        t1_size = len(t1)
-        while len(chosen) < n:
-            in_t1 = t1_size > self.p
-            key = next(from_t1 if in_t1 else from_t2, None)
-            if key is None:
-                in_t1 = not in_t1
-                key = next(from_t1 if in_t1 else from_t2, None)
-                if key is None:
-                    return None
-            chosen.append((key, in_t1))
-            t1_size -= in_t1
-        victims: list[tuple[bytes, V]] = []
-        for key, in_t1 in chosen:
-            if in_t1:
-                victims.append((key, t1.pop(key)))
-                b1[key] = None
-            else:
-                victims.append((key, t2.pop(key)))
-                b2[key] = None
+        skip = protected.__contains__
+        from_t1 = filterfalse(skip, t1)
+        from_t2 = filterfalse(skip, t2)
+        # REPLACE takes from T1 while |T1| > p, then from T2; a list without unprotected keys
+        # left hands over to the other one.
+        excess = len(t1) - self.p
+        want_t1 = min(n, ceil(excess)) if excess > 0 else 0
+        take_t1 = list(islice(from_t1, want_t1))
+        take_t2 = list(islice(from_t2, n - len(take_t1)))
+        if len(take_t1) == want_t1:
+            take_t1 += islice(from_t1, n - len(take_t1) - len(take_t2))
+        if len(take_t1) + len(take_t2) < n:
+            return None
+        pop1, pop2 = t1.pop, t2.pop
+        victims = [(key, pop1(key)) for key in take_t1]
+        victims += [(key, pop2(key)) for key in take_t2]
+        self._b1.update(dict.fromkeys(take_t1))
+        self._b2.update(dict.fromkeys(take_t2))
         return victims
 
     def check(self) -> None:
@@ -139,6 +167,3 @@ class ARCPolicy(EvictionPolicy[V]):
     def __contains__(self, key: object) -> bool:
         return key in self._t1 or key in self._t2
 
-
-def _unprotected(entries: OrderedDict[bytes, V], protected: Container[bytes]) -> Iterator[bytes]:
-    return (k for k in entries if k not in protected)

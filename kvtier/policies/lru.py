@@ -8,8 +8,8 @@ the owning thread only; not thread-safe.
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Container
-from itertools import islice
+from collections.abc import Container, Mapping
+from itertools import filterfalse, islice
 from typing import TypeVar
 
 from kvtier.policies.base import EvictionPolicy
@@ -35,6 +35,15 @@ class LRUPolicy(EvictionPolicy[V]):
             raise OverflowError(f"policy is full ({self.capacity} entries)")
         entries[key] = value
 
+    def insert_many(self, entries: Mapping[bytes, V]) -> None:
+        """`insert` of each pair in order, checked as a whole: on error nothing is inserted."""
+        resident = self._entries
+        if len(resident) + len(entries) > self.capacity:
+            raise OverflowError(f"{len(entries)} more entries overflow capacity {self.capacity}")
+        if not resident.keys().isdisjoint(entries):
+            raise KeyError("some keys are already resident")
+        resident.update(entries)
+
     def remove(self, key: bytes) -> V | None:
         return self._entries.pop(key, None)
 
@@ -48,7 +57,7 @@ class LRUPolicy(EvictionPolicy[V]):
         entries = self._entries
         if n > len(entries):
             return None
-        victims = list(islice((k for k in entries if k not in protected), n))
+        victims = list(islice(filterfalse(protected.__contains__, entries), n))
         if len(victims) < n:
             return None
         pop = entries.pop

@@ -286,3 +286,88 @@ def test_arc_directory_stays_bounded() -> None:
         t1, t2, b1, b2 = arc.sizes()
         assert t1 + b1 <= c and t1 + t2 + b1 + b2 <= 2 * c
         arc.check()
+
+
+def arc_state(arc: ARCPolicy[int]) -> tuple[list[bytes], ...]:
+    return list(arc._t1), list(arc._t2), list(arc._b1), list(arc._b2)
+
+
+def random_arc(rng: random.Random, c: int) -> ARCPolicy[int]:
+    arc: ARCPolicy[int] = ARCPolicy(c)
+    for step in range(rng.randint(0, 20 * c)):
+        key = k(rng.randrange(4 * c))
+        if key in arc:
+            arc.touch(key)
+        elif len(arc) < c and rng.random() < 0.7:
+            arc.insert(key, step)
+        else:
+            arc.evict(rng.randint(0, 2), set())
+    return arc
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_arc_insert_many_equals_inserts_in_order(seed: int) -> None:
+    rng = random.Random(seed)
+    c = rng.choice([1, 2, 5, 16])
+    one, many = random_arc(random.Random(seed), c), random_arc(random.Random(seed), c)
+    room = c - len(one)
+    pool = [k(i) for i in range(6 * c) if k(i) not in one]
+    if rng.random() < 0.5:  # no ghost among the keys: the bulk path
+        pool = [x for x in pool if not one.in_ghost(x)]
+    keys = rng.sample(pool, min(len(pool), rng.randint(0, room)))
+    entries = {key: i for i, key in enumerate(keys)}
+    for key, value in entries.items():
+        one.insert(key, value)
+    many.insert_many(entries)
+    assert arc_state(one) == arc_state(many) and one.p == many.p
+    many.check()
+
+
+@pytest.mark.parametrize("name", sorted(BUILTIN_EVICTION))
+def test_insert_many_checks_before_inserting(name: str) -> None:
+    p = make(name, 3)
+    p.insert(k(0), 0)
+    insert_many = getattr(p, "insert_many")  # noqa: B009 - not part of the contract
+    with pytest.raises(KeyError):
+        insert_many({k(1): 1, k(0): 0})
+    with pytest.raises(OverflowError):
+        insert_many({k(1): 1, k(2): 2, k(3): 3})
+    assert len(p) == 1
+    insert_many({k(1): 1, k(2): 2})
+    assert [p.get(k(i)) for i in range(3)] == [0, 1, 2]
+
+
+def reference_replace(arc: ARCPolicy[int], n: int, protected: set[bytes]) -> list[bytes] | None:
+    """ARC's REPLACE run n times, one victim at a time, skipping protected keys."""
+    t1 = [x for x in arc._t1 if x not in protected]
+    t2 = [x for x in arc._t2 if x not in protected]
+    t1_size = len(arc._t1)
+    victims = []
+    for _ in range(n):
+        if t1 and (t1_size > arc.p or not t2):
+            victims.append(t1.pop(0))
+            t1_size -= 1
+        elif t2:
+            victims.append(t2.pop(0))
+        else:
+            return None
+    return victims
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_arc_evict_follows_replace_step_by_step(seed: int) -> None:
+    rng = random.Random(seed)
+    c = rng.choice([2, 5, 16])
+    arc = random_arc(rng, c)
+    arc.p = rng.uniform(0, c)
+    resident = list(arc._t1) + list(arc._t2)
+    protected = set(rng.sample(resident, rng.randint(0, len(resident))))
+    n = rng.randint(0, len(resident))
+    expected = reference_replace(arc, n, protected)
+    victims = arc.evict(n, protected)
+    if expected is None:
+        assert victims is None
+    else:
+        assert victims is not None and sorted(v for v, _ in victims) == sorted(expected)
+        assert all(arc.in_ghost(v) for v in expected)
+    arc.check()
