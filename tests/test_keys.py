@@ -147,8 +147,7 @@ def test_fingerprint_fields_change_keys(field: str, value: object) -> None:
     assert other.digest() != FP.digest()
     for algorithm in ALGORITHMS:
         assert (
-            ChunkHasher(algorithm, other, C).keys(TOKENS)[0]
-            != ChunkHasher(algorithm, FP, C).keys(TOKENS)[0]
+            ChunkHasher(algorithm, other, C).keys(TOKENS)[0] != ChunkHasher(algorithm, FP, C).keys(TOKENS)[0]
         )
 
 
