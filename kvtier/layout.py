@@ -16,17 +16,22 @@ Engine layouts, read from the installed vLLM 0.32.0 sources:
   (`AttentionSpec.state_content_size_bytes`). So `register_kv_caches` sees a contiguous
   `[num_blocks, H_local, block_size, 2 * head_dim]` tensor. `CPUAttentionBackendImpl.forward`
   and `.do_kv_cache_update` reinterpret it as `kv.view(num_blocks, H, 2 * block_size, -1)` and
-  split it with `.chunk(2, dim=2)`: per block and head, K of all block tokens comes first, then
-  V. The memory is really `[num_blocks, H_local, 2, block_size, head_dim]`; element
-  `[b, h, t, :head_dim]` of the 4-D tensor is NOT K of token t.
+  split it with `.chunk(2, dim=2)`: per block and head, the first `block_size * head_dim`
+  elements hold K, the next ones V. Inside the K half, the compiled kernel
+  (`torch.ops._C.cpu_attn_reshape_and_cache`) stores K TRANSPOSED, `[head_dim, block_size]`,
+  while V is `[block_size, head_dim]`: checked by writing known keys through that op with the
+  "vec" and "vec16" ISAs (fp32/bf16, head_dim 64/128, block_size 16..128), see
+  tests/test_layout.py. Element `[b, h, t, :head_dim]` of the 4-D tensor is NOT K of token t.
+  The "amx", "neon", "vsx", "vxe" and "rvv" ISAs (`_get_attn_isa`) could not be checked here and
+  may pack K differently: `VllmCpuLayout` is only known right for "vec" and "vec16".
 - vLLM 0.32 FlashAttention (`flash_attn.py`, `FlashAttentionImpl.forward`): logical
   `(B, H, N, 2 * D)`, split per token by `kv.transpose(1, 2).split(head_size, dim=-1)`: K is
   `[..., :D]`, V is `[..., D:]`, whatever the physical stride order.
 - Older vLLM FlashAttention: `[2, num_blocks, block_size, H, D]` (K stack, then V stack).
 
-Each engine layout is a small `EngineLayout` subclass that gives a zero-copy strided view
-`[num_blocks, 2, H_local, block_size, head_dim]` of one layer tensor; the copy plans need nothing
-else, so a new backend is one more subclass.
+Each engine layout is a small `EngineLayout` subclass that gives zero-copy strided views
+`[num_blocks, H_local, block_size, head_dim]` of K and of V in one layer tensor; the copy plans
+need nothing else, so a new backend is one more subclass.
 
 Tensor parallelism follows vLLM's `QKVParallelLinear`: with `tp <= H` rank r holds heads
 `[r*H/tp, (r+1)*H/tp)`; with `tp > H` each head is replicated on `tp/H` consecutive ranks and rank
@@ -179,28 +184,34 @@ class EngineLayout(ABC):
     name: ClassVar[str]
 
     @abstractmethod
-    def blocks(self, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
-        """A view `[num_blocks, 2, H_local, block_size, head_dim]` (K at index 0, V at 1) of
-        `kv`, sharing its memory; ValueError when `kv` does not have this layout."""
+    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V of `kv` as views `[num_blocks, H_local, block_size, head_dim]` sharing its
+        memory; ValueError when `kv` does not have this layout."""
 
 
-def _bad_shape(layout: EngineLayout, kv: torch.Tensor, expected: str) -> ValueError:
-    return ValueError(f"{layout.name}: layer tensor {tuple(kv.shape)} is not {expected}")
+def _check_4d(layout: EngineLayout, kv: torch.Tensor, head_dim: int) -> tuple[int, int, int]:
+    if kv.dim() != 4 or kv.shape[3] != 2 * head_dim:
+        raise ValueError(
+            f"{layout.name}: layer tensor {tuple(kv.shape)} is not "
+            f"[num_blocks, H, block_size, {2 * head_dim}]"
+        )
+    return kv.shape[0], kv.shape[1], kv.shape[2]
 
 
 class VllmCpuLayout(EngineLayout):
-    """vLLM CPU: `[num_blocks, H, block_size, 2*D]`, memory `[num_blocks, H, 2, block_size, D]`."""
+    """vLLM CPU ("vec"/"vec16" ISAs): `[num_blocks, H, block_size, 2*D]` whose memory per block
+    and head is K transposed `[D, block_size]`, then V `[block_size, D]`."""
 
     name = "vllm_cpu"
 
-    def blocks(self, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
-        if kv.dim() != 4 or kv.shape[3] != 2 * head_dim:
-            raise _bad_shape(self, kv, f"[num_blocks, H, block_size, {2 * head_dim}]")
-        b, h, n, _ = kv.shape
+    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        b, h, n = _check_4d(self, kv, head_dim)
         try:
-            return kv.view(b, h, 2, n, head_dim).transpose(1, 2)
+            halves = kv.view(b, h, 2, n * head_dim)
         except RuntimeError as exc:
             raise ValueError(f"{self.name}: block interiors must be contiguous: {exc}") from exc
+        k = halves[:, :, 0].view(b, h, head_dim, n).transpose(2, 3)
+        return k, halves[:, :, 1].view(b, h, n, head_dim)
 
 
 class VllmFlashAttnLayout(EngineLayout):
@@ -208,11 +219,9 @@ class VllmFlashAttnLayout(EngineLayout):
 
     name = "vllm_flash_attn"
 
-    def blocks(self, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
-        if kv.dim() != 4 or kv.shape[3] != 2 * head_dim:
-            raise _bad_shape(self, kv, f"[num_blocks, H, block_size, {2 * head_dim}]")
-        b, h, n, _ = kv.shape
-        return kv.view(b, h, n, 2, head_dim).permute(0, 3, 1, 2, 4)
+    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
+        _check_4d(self, kv, head_dim)
+        return kv[..., :head_dim], kv[..., head_dim:]
 
 
 class StackedKVLayout(EngineLayout):
@@ -220,10 +229,13 @@ class StackedKVLayout(EngineLayout):
 
     name = "stacked_kv"
 
-    def blocks(self, kv: torch.Tensor, head_dim: int) -> torch.Tensor:
+    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
         if kv.dim() != 5 or kv.shape[0] != 2 or kv.shape[4] != head_dim:
-            raise _bad_shape(self, kv, f"[2, num_blocks, block_size, H, {head_dim}]")
-        return kv.permute(1, 0, 3, 2, 4)
+            raise ValueError(
+                f"{self.name}: layer tensor {tuple(kv.shape)} is not "
+                f"[2, num_blocks, block_size, H, {head_dim}]"
+            )
+        return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
 ENGINE_LAYOUTS: dict[str, type[EngineLayout]] = {
@@ -243,8 +255,8 @@ class CopyPlan:
 
     A chunk is `blocks_per_chunk` engine blocks (chunk_tokens = blocks_per_chunk * block_size),
     given in token order. Stores from a rank that does not write (a non-first replica) copy
-    nothing. Each engine block of each layer is one strided `copy_` between zero-copy views: a
-    single pass over the bytes. (Batched `index_select`/`index_copy_` over these permuted
+    nothing. K and V of each engine block of each layer are one strided `copy_` each between
+    zero-copy views: a single pass over the bytes. (Batched `index_select`/`index_copy_` over these permuted
     multi-dimensional views takes torch's per-element path on CPU and measured several times
     slower, besides needing a staging copy.)
     """
@@ -276,10 +288,9 @@ class CopyPlan:
         if not self.shard.writes:
             return
         for layer, kv in enumerate(layer_tensors):
-            engine = self._engine_view(kv)
-            host = self._host_view(host_rows, layer, kv.dtype)
-            for slot, j, block in pairs:
-                host[slot, j].copy_(engine[block])
+            for engine, host in self._views(kv, host_rows, layer):
+                for slot, j, block in pairs:
+                    host[slot, j].copy_(engine[block])
 
     def host_to_engine(
         self,
@@ -293,30 +304,34 @@ class CopyPlan:
         if len({block for _, _, block in pairs}) != len(pairs):
             raise ValueError("destination block ids must be distinct")
         for layer, kv in enumerate(layer_tensors):
-            engine = self._engine_view(kv)
-            host = self._host_view(host_rows, layer, kv.dtype)
-            for slot, j, block in pairs:
-                engine[block].copy_(host[slot, j])
+            for engine, host in self._views(kv, host_rows, layer):
+                for slot, j, block in pairs:
+                    engine[block].copy_(host[slot, j])
 
-    def _engine_view(self, kv: torch.Tensor) -> torch.Tensor:
-        view = self.engine.blocks(kv, self.layout.head_dim)
-        expected = (2, self.shard.num_heads, self.block_size, self.layout.head_dim)
-        if tuple(view.shape[1:]) != expected:
+    def _engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        k, v = self.engine.kv_views(kv, self.layout.head_dim)
+        expected = (self.shard.num_heads, self.block_size, self.layout.head_dim)
+        if tuple(k.shape[1:]) != expected or k.shape != v.shape:
             raise ValueError(
-                f"{self.engine.name}: layer tensor {tuple(kv.shape)} holds "
-                f"[2, H, block_size, D] = {tuple(view.shape[1:])}, expected {expected}"
+                f"{self.engine.name}: layer tensor {tuple(kv.shape)} holds K/V blocks "
+                f"[H, block_size, D] = {tuple(k.shape[1:])}, expected {expected}"
             )
         if kv.dtype.itemsize != self.layout.itemsize:
             raise ValueError(f"layer dtype {kv.dtype} does not match layout {self.layout.dtype}")
-        return view
+        return k, v
 
-    def _host_view(self, rows: torch.Tensor, layer: int, dtype: torch.dtype) -> torch.Tensor:
-        """`[num_slots, blocks_per_chunk, 2, H_local, block_size, D]` view of this rank's heads."""
-        page = self.layout.page_view(rows, layer, dtype)
+    def _views(
+        self, kv: torch.Tensor, rows: torch.Tensor, layer: int
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(engine, host) view pairs for K and V: engine `[num_blocks, H_local, block_size, D]`,
+        host `[num_slots, blocks_per_chunk, H_local, block_size, D]` (this rank's heads)."""
+        page = self.layout.page_view(rows, layer, kv.dtype)
         heads = page[:, :, self.shard.head_start : self.shard.head_end]
         s, _, h, _, d = heads.shape
         split = heads.view(s, 2, h, self.blocks_per_chunk, self.block_size, d)
-        return split.permute(0, 3, 1, 2, 4, 5)
+        host = split.permute(1, 0, 3, 2, 4, 5)
+        k, v = self._engine_views(kv)
+        return (k, host[0]), (v, host[1])
 
     def _pairs(
         self,
@@ -335,7 +350,7 @@ class CopyPlan:
         if any(len(ids) != self.blocks_per_chunk for ids in block_ids_per_chunk):
             raise ValueError(f"every chunk needs exactly {self.blocks_per_chunk} block ids")
         check_rows(self.layout, host_rows)
-        num_blocks = min(self._engine_view(kv).shape[0] for kv in layer_tensors)
+        num_blocks = min(self._engine_views(kv)[0].shape[0] for kv in layer_tensors)
         if any(not 0 <= s < len(host_rows) for s in slots):
             raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
         pairs = [

@@ -42,7 +42,8 @@ def to_engine(layout: EngineLayout, k: torch.Tensor, v: torch.Tensor) -> torch.T
     the backend's own description of its memory (independent of `EngineLayout.blocks`)."""
     b, h, n, d = k.shape
     if isinstance(layout, VllmCpuLayout):
-        return torch.stack([k, v], dim=2).reshape(b, h, n, 2 * d)
+        kt = k.transpose(2, 3).reshape(b, h, n * d)
+        return torch.stack([kt, v.reshape(b, h, n * d)], dim=2).reshape(b, h, n, 2 * d)
     if isinstance(layout, VllmFlashAttnLayout):
         return torch.cat([k, v], dim=-1)
     return torch.stack([k, v]).permute(0, 1, 3, 2, 4).contiguous()
@@ -75,14 +76,14 @@ def test_round_trip_is_identity(dtype: torch.dtype, blocks_per_chunk: int, name:
     dst = [torch.zeros_like(t) for t in src]
     plan.host_to_engine(dst, blocks, rows, slots)
     for a, b in zip(src, dst, strict=True):
-        ea, eb = plan.engine.blocks(a, HEAD_DIM), plan.engine.blocks(b, HEAD_DIM)
-        assert same(ea[picked], eb[picked])
         untouched = [i for i in range(num_blocks) if i not in picked]
-        assert not eb[untouched].view(torch.uint8).any()
+        for ea, eb in zip(plan.engine.kv_views(a, HEAD_DIM), plan.engine.kv_views(b, HEAD_DIM), strict=True):
+            assert same(ea[picked], eb[picked])
+            assert not eb[untouched].contiguous().view(torch.uint8).any()
 
 
 def test_canonical_row_matches_per_element_reference() -> None:
-    """vLLM CPU memory model: per block and head, K of all block tokens, then V."""
+    """vLLM CPU memory model: per block and head, K transposed [D, block_size], then V."""
     gen = torch.Generator().manual_seed(0)
     layers, heads, bpc = 2, 3, 2
     layout = CanonicalLayout(layers, heads, HEAD_DIM, BLOCK * bpc, torch.float32)
@@ -102,7 +103,10 @@ def test_canonical_row_matches_per_element_reference() -> None:
                     block, tt = chunk_blocks[t // BLOCK], t % BLOCK
                     for d in range(HEAD_DIM):
                         src = (block * heads + h) * BLOCK * 2 * HEAD_DIM
-                        src += kind * BLOCK * HEAD_DIM + tt * HEAD_DIM + d
+                        if kind == 0:
+                            src += d * BLOCK + tt
+                        else:
+                            src += BLOCK * HEAD_DIM + tt * HEAD_DIM + d
                         dst = layer * layout.page_bytes // 4
                         dst += ((kind * heads + h) * tokens + t) * HEAD_DIM + d
                         ref[dst] = flat[src]
@@ -147,8 +151,8 @@ def test_tp_shards_and_backends_write_identical_rows(name: str, heads: int, tp_s
             CopyPlan(layout, engine, shard, BLOCK).host_to_engine(loaded, blocks, rows, slots)
             ids = [b for chunk in blocks for b in chunk]
             for (k, v), t in zip(logical, loaded, strict=True):
-                view = engine.blocks(t, HEAD_DIM)[ids]
-                assert same(view[:, 0], k[ids, h0:h1]) and same(view[:, 1], v[ids, h0:h1])
+                got_k, got_v = engine.kv_views(t, HEAD_DIM)
+                assert same(got_k[ids], k[ids, h0:h1]) and same(got_v[ids], v[ids, h0:h1])
 
 
 def test_tp_shard_heads_follow_vllm() -> None:
@@ -225,3 +229,32 @@ def test_invalid_inputs_raise_clear_errors() -> None:
         engine_layout("vllm-cpu")
     with pytest.raises(ConfigError, match="head_dim"):
         CanonicalLayout(1, 1, 0, 8, torch.float16)
+
+
+@pytest.mark.parametrize("isa, block_size", [("vec", 32), ("vec16", 16)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_vllm_cpu_kernel_writes_what_vllm_cpu_layout_reads(
+    isa: str, block_size: int, dtype: torch.dtype
+) -> None:
+    """Keys and values stored by vLLM's own CPU kernel land in canonical rows where expected."""
+    ops = pytest.importorskip("vllm._custom_ops")
+    gen = torch.Generator().manual_seed(1)
+    heads, head_dim, num_blocks = 2, 64, 4
+    kv = torch.zeros(num_blocks, heads, block_size, 2 * head_dim, dtype=dtype)
+    key_cache, value_cache = kv.view(num_blocks, heads, 2 * block_size, head_dim).chunk(2, dim=2)
+    n = num_blocks * block_size
+    key = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    value = torch.randn(n, heads, head_dim, generator=gen).to(dtype)
+    slot_mapping = torch.randperm(n, generator=gen)
+    ops.cpu_attn_reshape_and_cache(key, value, key_cache, value_cache, slot_mapping, isa)
+
+    layout = CanonicalLayout(1, heads, head_dim, 2 * block_size, dtype)
+    plan = CopyPlan(layout, VllmCpuLayout(), TPShard(heads), block_size)
+    _, rows = make_rows(layout, 1)
+    plan.engine_to_host([kv], [[3, 1]], rows, [0])
+    page = layout.page_view(rows, 0)[0]
+    for j, block in enumerate([3, 1]):
+        positions = slot_mapping.argsort()[block * block_size : (block + 1) * block_size]
+        tokens = slice(j * block_size, (j + 1) * block_size)
+        assert torch.equal(page[0, :, tokens], key[positions].transpose(0, 1))
+        assert torch.equal(page[1, :, tokens], value[positions].transpose(0, 1))
