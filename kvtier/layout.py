@@ -308,7 +308,9 @@ class CopyPlan:
                 for slot, j, block in pairs:
                     engine[block].copy_(host[slot, j])
 
-    def _engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V block views `[num_blocks, H_local, block_size, D]` of one layer tensor;
+        ValueError when its shape, head count, block size or dtype width do not fit this plan."""
         k, v = self.engine.kv_views(kv, self.layout.head_dim)
         expected = (self.shard.num_heads, self.block_size, self.layout.head_dim)
         if tuple(k.shape[1:]) != expected or k.shape != v.shape:
@@ -330,7 +332,7 @@ class CopyPlan:
         s, _, h, _, d = heads.shape
         split = heads.view(s, 2, h, self.blocks_per_chunk, self.block_size, d)
         host = split.permute(1, 0, 3, 2, 4, 5)
-        k, v = self._engine_views(kv)
+        k, v = self.engine_views(kv)
         return (k, host[0]), (v, host[1])
 
     def _pairs(
@@ -350,7 +352,7 @@ class CopyPlan:
         if any(len(ids) != self.blocks_per_chunk for ids in block_ids_per_chunk):
             raise ValueError(f"every chunk needs exactly {self.blocks_per_chunk} block ids")
         check_rows(self.layout, host_rows)
-        num_blocks = min(self._engine_views(kv)[0].shape[0] for kv in layer_tensors)
+        num_blocks = min(self.engine_views(kv)[0].shape[0] for kv in layer_tensors)
         if any(not 0 <= s < len(host_rows) for s in slots):
             raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
         pairs = [
