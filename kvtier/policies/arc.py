@@ -86,9 +86,9 @@ class ARCPolicy(EvictionPolicy[V]):
         c, m = self.capacity, len(entries)
         if len(t1) + len(t2) + m > c:
             raise OverflowError(f"{m} more entries overflow capacity {c}")
-        if not (t1.keys().isdisjoint(entries) and t2.keys().isdisjoint(entries)):
+        if not t1.keys().isdisjoint(entries) or (t2 and not t2.keys().isdisjoint(entries)):
             raise KeyError("some keys are already resident")
-        if not (b1.keys().isdisjoint(entries) and b2.keys().isdisjoint(entries)):
+        if (b1 and not b1.keys().isdisjoint(entries)) or (b2 and not b2.keys().isdisjoint(entries)):
             for key, value in entries.items():
                 self.insert(key, value)
             return
@@ -96,11 +96,14 @@ class ARCPolicy(EvictionPolicy[V]):
         # LRU while the directory holds 2c keys, else grows the directory by one.
         l1 = len(t1) + len(b1)
         growing = max(0, min(m, c - l1))
-        pop_b2 = max(0, growing - (2 * c - l1 - len(t2) - len(b2)))
-        for _ in range(m - growing):
-            b1.popitem(False)
-        for _ in range(pop_b2):
-            b2.popitem(False)
+        pop_b2 = growing - (2 * c - l1 - len(t2) - len(b2))
+        if growing < m:
+            pop_b1 = b1.popitem
+            for _ in range(m - growing):
+                pop_b1(False)
+        if pop_b2 > 0:
+            for _ in range(pop_b2):
+                b2.popitem(False)
         t1.update(entries)
 
     def remove(self, key: bytes) -> V | None:
@@ -124,22 +127,25 @@ class ARCPolicy(EvictionPolicy[V]):
             return None
         skip = protected.__contains__
         from_t1 = filterfalse(skip, t1)
-        from_t2 = filterfalse(skip, t2)
         # REPLACE takes from T1 while |T1| > p, then from T2; a list without unprotected keys
         # left hands over to the other one.
         excess = len(t1) - self.p
         want_t1 = min(n, ceil(excess)) if excess > 0 else 0
         take_t1 = list(islice(from_t1, want_t1))
-        take_t2 = list(islice(from_t2, n - len(take_t1)))
-        if len(take_t1) == want_t1:
-            take_t1 += islice(from_t1, n - len(take_t1) - len(take_t2))
-        if len(take_t1) + len(take_t2) < n:
-            return None
-        pop1, pop2 = t1.pop, t2.pop
+        take_t2: list[bytes] = []
+        if len(take_t1) < n:
+            take_t2 = list(islice(filterfalse(skip, t2), n - len(take_t1)))
+            if len(take_t1) == want_t1:
+                take_t1 += islice(from_t1, n - len(take_t1) - len(take_t2))
+            if len(take_t1) + len(take_t2) < n:
+                return None
+        pop1 = t1.pop
         victims = [(key, pop1(key)) for key in take_t1]
-        victims += [(key, pop2(key)) for key in take_t2]
         self._b1.update(dict.fromkeys(take_t1))
-        self._b2.update(dict.fromkeys(take_t2))
+        if take_t2:
+            pop2 = t2.pop
+            victims += [(key, pop2(key)) for key in take_t2]
+            self._b2.update(dict.fromkeys(take_t2))
         return victims
 
     def check(self) -> None:
