@@ -139,11 +139,11 @@ def _hash_factory(algorithm: str) -> Callable[[bytes], _Hash]:
             from blake3 import blake3
         except ImportError as exc:
             raise ConfigError(
-                "key_algorithm", algorithm, "blake3 needs the `blake3` package (pip install blake3)"
+                "hash_algorithm", algorithm, "blake3 needs the `blake3` package (pip install blake3)"
             ) from exc
         factory: Callable[[bytes], _Hash] = blake3
         return factory
-    raise ConfigError("key_algorithm", algorithm, f"one of {', '.join(ALGORITHMS)}")
+    raise ConfigError("hash_algorithm", algorithm, f"one of {', '.join(ALGORITHMS)}")
 
 
 def _token_bytes(token_ids: Sequence[int] | np.ndarray[Any, Any]) -> memoryview:

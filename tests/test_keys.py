@@ -165,7 +165,7 @@ def test_token_ids_and_algorithms_and_chunk_size_matter() -> None:
 
 
 def test_invalid_inputs_raise_clear_errors() -> None:
-    with pytest.raises(ConfigError, match="key_algorithm"):
+    with pytest.raises(ConfigError, match="hash_algorithm"):
         ChunkHasher("md5", FP, C)
     with pytest.raises(ConfigError, match="chunk_tokens"):
         ChunkHasher("sha256", FP, 0)
