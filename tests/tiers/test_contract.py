@@ -25,18 +25,26 @@ from tests.conftest import (
     wait_jobs,
 )
 
-LOCAL_TIERS = ["memory", "fs"]
+SERVICE_TIERS = {"obj": "s3_tier_options", "redis": "redis_tier_options"}
+"""Tiers backed by a server: the fixture (in tests/services/) giving options for a fresh namespace."""
+PEER_TIERS = {"p2p"}
+"""Tiers whose contract needs a second instance: covered by their own tests."""
+CONTRACT_TIERS = [t for t in ("memory", "fs", *SERVICE_TIERS) if t in BUILTIN_TIERS]
 
 
-def tier_options(kind: str, tmp_path: Path) -> dict[str, object]:
-    return {"root_dir": str(tmp_path / "fs")} if kind == "fs" else {}
+def tier_options(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, object]:
+    if kind == "fs":
+        return {"root_dir": str(tmp_path / "fs")}
+    if kind in SERVICE_TIERS:
+        return dict(request.getfixturevalue(SERVICE_TIERS[kind]))
+    return {}
 
 
-@pytest.fixture(params=[(k, mode) for k in LOCAL_TIERS for mode in ("inproc", "process")],
+@pytest.fixture(params=[(k, mode) for k in CONTRACT_TIERS for mode in ("inproc", "process")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def tier(request, ctx: TierContext, region: HostRegion, tmp_path: Path) -> Iterator[object]:
     kind, mode = request.param
-    options = tier_options(kind, tmp_path)
+    options = tier_options(kind, request, tmp_path)
     if mode == "inproc":
         t = resolve_tier("t", kind, None)(ctx, **options)
         yield t
@@ -53,8 +61,8 @@ def tier(request, ctx: TierContext, region: HostRegion, tmp_path: Path) -> Itera
     proc.shutdown()
 
 
-def test_every_builtin_local_tier_is_covered() -> None:
-    assert set(LOCAL_TIERS) <= set(BUILTIN_TIERS)
+def test_every_builtin_tier_is_covered() -> None:
+    assert set(BUILTIN_TIERS) - PEER_TIERS == set(CONTRACT_TIERS)
 
 
 def test_store_then_load_round_trips_bytes(tier, ctx: TierContext) -> None:
