@@ -8,6 +8,9 @@ For each repeat and each contender, a fresh directory receives `chunks` chunks o
 submitted as jobs of `job_chunks` chunks, all at once, and timed from the first submit to the last
 completion. Throughput counts payload bytes only. Prints a table and a JSON document (medians).
 
+The contenders' order rotates from one repeat to the next, with a sync and a pause before each, so
+none always follows another's writes or deletes.
+
 Concurrency is the same for all three: `threads` I/Os in flight. fio runs `numjobs=threads`; both
 tiers get `n_read_threads = n_write_threads = threads / 2`, and both let all their threads serve a
 burst of one kind (kvtier's IoPool and vLLM's DualQueueThreadPool are both two-priority pools).
@@ -46,6 +49,12 @@ def drop_caches() -> bool:
         return True
     except OSError:
         return False
+
+
+def settle() -> None:
+    """Let the disk finish the previous contender's writes and deletes (discards) first."""
+    os.sync()
+    time.sleep(1.0)
 
 
 def fio(directory: Path, rw: str, total: int, threads: int) -> float:
@@ -186,22 +195,24 @@ def main(argv: list[str] | None = None) -> int:
                 d.mkdir()
                 return d
 
-            if not args.no_fio:
-                d = fresh("fio")
-                samples.setdefault("fio_write", []).append(fio(d, "write", total, args.threads))
-                drop_caches()
-                samples.setdefault("fio_read", []).append(fio(d, "read", total, args.threads))
-                shutil.rmtree(d)
-            d = fresh("ours")
-            w, r, direct = ours(d, region, chunk, args.chunks, args.threads, args.job_chunks)
-            samples.setdefault("ours_store", []).append(w)
-            samples.setdefault("ours_load", []).append(r)
-            shutil.rmtree(d)
-            if not args.no_vllm:
-                d = fresh("vllm")
-                w, r = vllm_fs(d, region, chunk, args.chunks, args.threads, args.job_chunks)
-                samples.setdefault("vllm_store", []).append(w)
-                samples.setdefault("vllm_load", []).append(r)
+            contenders = ["ours", *([] if args.no_fio else ["fio"]),
+                          *([] if args.no_vllm else ["vllm"])]
+            shift = rep % len(contenders)
+            for name in contenders[shift:] + contenders[:shift]:
+                settle()
+                d = fresh(name)
+                if name == "fio":
+                    w = fio(d, "write", total, args.threads)
+                    drop_caches()
+                    r = fio(d, "read", total, args.threads)
+                elif name == "ours":
+                    w, r, direct = ours(d, region, chunk, args.chunks, args.threads,
+                                        args.job_chunks)
+                else:
+                    w, r = vllm_fs(d, region, chunk, args.chunks, args.threads, args.job_chunks)
+                write_name, read_name = ("write", "read") if name == "fio" else ("store", "load")
+                samples.setdefault(f"{name}_{write_name}", []).append(w)
+                samples.setdefault(f"{name}_{read_name}", []).append(r)
                 shutil.rmtree(d)
             print(f"repeat {rep + 1}: " + ", ".join(
                 f"{k} {v[-1] / MiB:.0f}" for k, v in samples.items()) + " MiB/s", file=sys.stderr)
@@ -227,10 +238,11 @@ def main(argv: list[str] | None = None) -> int:
         "ratios": {k: round(v, 3) for k, v in ratios.items()},
     }
     print(f"{'':12}{'store/write':>14}{'load/read':>14}  (MiB/s, median of {args.repeats})")
-    for name, w, r in (("fio", "fio_write", "fio_read"), ("kvtier fs", "ours_store", "ours_load"),
-                       ("vLLM fs", "vllm_store", "vllm_load")):
-        if w in med:
-            print(f"{name:12}{med[w] / MiB:14.0f}{med[r] / MiB:14.0f}")
+    rows = (("fio", "fio_write", "fio_read"), ("kvtier fs", "ours_store", "ours_load"),
+            ("vLLM fs", "vllm_store", "vllm_load"))
+    for label, w_key, r_key in rows:
+        if w_key in med:
+            print(f"{label:12}{med[w_key] / MiB:14.0f}{med[r_key] / MiB:14.0f}")
     for k, v in ratios.items():
         print(f"{k}: {v:.2f}")
     print(json.dumps(doc, indent=2))
