@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import mmap
 import random
-from collections.abc import Iterator
+from collections.abc import Container, Iterator
 
 import numpy as np
 import pytest
@@ -254,6 +254,40 @@ def test_events_keep_their_order(buf: memoryview, policy_name: str) -> None:
         TierEvent(REMOVED, (k(1),)),
         TierEvent(STORED, (k(3),)),
     ]
+
+
+class ContractOnlyLRU(EvictionPolicy[int]):
+    """An external-style policy: only the contract's methods (no insert_many fast path)."""
+
+    def __init__(self, capacity: int) -> None:
+        super().__init__(capacity)
+        self.inner: LRUPolicy[int] = LRUPolicy(capacity)
+
+    def get(self, key: bytes) -> int | None:
+        return self.inner.get(key)
+
+    def insert(self, key: bytes, value: int) -> None:
+        self.inner.insert(key, value)
+
+    def remove(self, key: bytes) -> int | None:
+        return self.inner.remove(key)
+
+    def touch(self, key: bytes) -> None:
+        self.inner.touch(key)
+
+    def evict(self, n: int, protected: Container[bytes]) -> list[tuple[bytes, int]] | None:
+        return self.inner.evict(n, protected)
+
+    def __len__(self) -> int:
+        return len(self.inner)
+
+
+def test_policy_with_only_the_contract(buf: memoryview) -> None:
+    tier = HostTier(buf[: 4 * ROW], ROW, ContractOnlyLRU(4))
+    store(tier, ks(0, 1, 2, 3))
+    store(tier, ks(4))
+    assert tier.lookup(ks(0)) == 0 and tier.lookup(ks(1, 2, 3, 4)) == 4
+    tier.check()
 
 
 def test_check_detects_corruption(buf: memoryview, policy_name: str) -> None:
