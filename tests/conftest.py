@@ -12,6 +12,8 @@ import pytest
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import ChunkKey, JobResult, LookupResult, TierContext
 
+pytest_plugins = ["tests.services.redis_server"]
+
 ROW_BYTES = 3 * 4096
 SLOTS = 32
 LAYOUT_FP = "00112233445566778899aabbccddeeff"

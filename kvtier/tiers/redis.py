@@ -1,0 +1,555 @@
+"""The redis secondary tier: one Redis (or Valkey) string per chunk, shared by every instance using it.
+
+A chunk is stored as the `chunkfmt` bytes (4 KiB header + host row) under the key
+`<key_prefix>:<layout fingerprint>:<chunk key hex>`, optionally with a TTL (a load refreshes it, so
+expiry follows last use). Instances pointing at one server and prefix share chunks without
+configuration. A value that vanished (TTL, or the server's own maxmemory eviction) is a miss; a value
+that fails verification is counted, removed and reported as a failed key.
+
+Threads: the dispatch thread calls the contract methods, which only queue work. `io_threads` I/O
+threads move chunks in pipelined batches (up to `pipeline_depth` keys and about `batch_bytes`
+bytes per round trip); even-numbered threads take loads first and odd ones stores first, and either
+takes the other kind when its own is empty. One lookup thread answers lookups with pipelined EXISTS
+so they never wait behind bulk transfers. Each thread owns one connection.
+
+Copies: a store sends the header and the host row as separate buffers of one hand-framed SET (the
+row is never copied in Python); a load copies the received value into the slot once, after checking
+its header and checksum.
+
+Failures are values: a key that could not be moved fails its job. A connection error or timeout marks
+the server down for `reconnect_interval_s`: meanwhile batches fail at once and lookups answer MISS;
+then the next batch reconnects, so the tier recovers without a restart. Each failure cause is logged
+once per `LOG_INTERVAL_S`. The password in `url` never appears in logs, errors or reprs.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import math
+import threading
+import time
+from collections import Counter, OrderedDict, deque
+from collections.abc import Sequence
+from typing import Any
+from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+from redis.utils import HIREDIS_AVAILABLE
+
+from kvtier.errors import ConfigError
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.base import (
+    ChunkKey,
+    Job,
+    JobKind,
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TierEvent,
+    TierEventKind,
+)
+from kvtier.tiers.fs_pool import JobTracker
+
+LOG_INTERVAL_S = 600.0
+"""A failure cause already logged is logged again (with the count since) at most this often."""
+SCHEMES = ("redis", "rediss", "unix")
+_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+_DELETE_IF_SAME = (
+    "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then "
+    "return redis.call('DEL', KEYS[1]) end return 0"
+)
+"""Delete a bad value only if it is still the one that was read (another instance may have
+replaced it with a good copy meanwhile)."""
+
+_Item = tuple[JobTracker, int]
+"""One key of a job: the job's tracker and the key's index in it."""
+
+
+class _NoReply:
+    """The reply of a command that got none (connection error, server marked down)."""
+
+
+NO_REPLY = _NoReply()
+
+
+def redact_url(url: str) -> str:
+    """`url` with the password (userinfo or `password=` query argument) replaced by `***`."""
+    parts = urlsplit(url)
+    netloc = parts.netloc
+    userinfo, at, hostport = netloc.rpartition("@")
+    if at and ":" in userinfo:
+        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
+    query = parts.query
+    if query:
+        pairs = parse_qsl(query, keep_blank_values=True)
+        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
+    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+
+
+def _set_command(rkey: bytes, header: bytes, row: memoryview, px: bytes | None) -> list[Any]:
+    """A RESP `SET rkey header+row [PX px]` as buffers; the row goes out as it is, uncopied."""
+    n = len(header) + len(row)
+    argc = 3 if px is None else 5
+    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (argc, len(rkey), rkey, n)
+    tail = b"\r\n" if px is None else b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(px), px)
+    return [head + header, row, tail]
+
+
+def _number(key: str, value: object, allowed: str, *, low: float, integer: bool = False) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        raise ConfigError(key, value, allowed)
+    if (integer and not isinstance(value, int)) or not math.isfinite(value) or value < low:
+        raise ConfigError(key, value, allowed)
+    return float(value)
+
+
+class RedisTier(SecondaryTier):
+    """Chunks as Redis strings under `<key_prefix>:<layout fingerprint>:`, shared by every instance."""
+
+    def __init__(
+        self,
+        ctx: TierContext,
+        *,
+        url: str,
+        key_prefix: str = "kvtier",
+        ttl_s: float | None = None,
+        io_threads: int = 4,
+        pipeline_depth: int = 16,
+        batch_bytes: int = 8 << 20,
+        socket_timeout_s: float = 5.0,
+        connect_timeout_s: float = 2.0,
+        reconnect_interval_s: float = 0.5,
+        lookup_ttl_s: float = 1.0,
+        lookup_wait_s: float = 0.005,
+    ) -> None:
+        super().__init__(ctx)
+        self._check_options(url, key_prefix, ttl_s, io_threads, pipeline_depth, batch_bytes,
+                            socket_timeout_s, connect_timeout_s, reconnect_interval_s,
+                            lookup_ttl_s, lookup_wait_s)
+        self.url = redact_url(url)
+        self._secret = urlsplit(url).password or dict(parse_qsl(urlsplit(url).query)).get("password")
+        try:
+            self._fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
+        except ValueError as e:
+            raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
+        self._key_head = f"{key_prefix}:{ctx.layout_fingerprint}:".encode()
+        self.value_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
+        self._px = None if ttl_s is None else str(max(1, round(ttl_s * 1000))).encode()
+        self.pipeline_depth = pipeline_depth
+        self.batch_bytes = int(batch_bytes)
+        self.reconnect_interval_s = float(reconnect_interval_s)
+        self.lookup_ttl_s = float(lookup_ttl_s)
+        self.lookup_wait_s = float(lookup_wait_s)
+        try:
+            self._pool = redis.ConnectionPool.from_url(
+                url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
+                retry=Retry(NoBackoff(), 0), max_connections=io_threads + 2,
+                socket_read_size=1 << 20,
+            )
+        except (ValueError, RedisError) as e:
+            raise ConfigError("url", self.url, self._scrub(f"not a usable redis URL: {e}")) from None
+        self._probe()
+
+        self._lock = threading.Lock()
+        self._cv = threading.Condition(self._lock)
+        self._answered = threading.Condition(self._lock)
+        self._asked = threading.Condition(self._lock)
+        self._loads: deque[_Item] = deque()
+        self._stores: deque[_Item] = deque()
+        self._lookups: deque[bytes] = deque()
+        self._asking: set[bytes] = set()
+        self._answers: OrderedDict[bytes, tuple[LookupResult, float]] = OrderedDict()
+        self._finished: deque[JobResult] = deque()
+        self._events: list[tuple[TierEventKind, bytes]] = []
+        self._counters: Counter[str] = Counter()
+        self._logged: dict[str, tuple[float, int]] = {}
+        self._down_until = 0.0
+        self._down_cause = ""
+        self._stopping = False
+        self._closed = False
+        name = f"kvtier-redis-{ctx.tier_name}"
+        self._threads = [threading.Thread(target=self._lookup_loop, name=f"{name}-lookup", daemon=True)]
+        self._threads += [
+            threading.Thread(target=self._io_loop, args=(i % 2 == 0,), name=f"{name}-{i}", daemon=True)
+            for i in range(io_threads)
+        ]
+        for t in self._threads:
+            t.start()
+
+    def __repr__(self) -> str:
+        return f"RedisTier({self.ctx.tier_name!r}, url={self.url!r})"
+
+    # ---- setup -------------------------------------------------------------------------------
+
+    @staticmethod
+    def _check_options(
+        url: object, key_prefix: object, ttl_s: object, io_threads: object, pipeline_depth: object,
+        batch_bytes: object, socket_timeout_s: object, connect_timeout_s: object,
+        reconnect_interval_s: object, lookup_ttl_s: object, lookup_wait_s: object,
+    ) -> None:
+        if not isinstance(url, str) or urlsplit(url).scheme not in SCHEMES:
+            shown = redact_url(url) if isinstance(url, str) else url
+            raise ConfigError("url", shown, "must be a redis://, rediss:// or unix:// URL")
+        if not isinstance(key_prefix, str) or not key_prefix or any(c.isspace() for c in key_prefix):
+            raise ConfigError("key_prefix", key_prefix, "must be a non-empty string without spaces")
+        if ttl_s is not None:
+            _number("ttl_s", ttl_s, "must be None or a positive number of seconds", low=1e-3)
+        for name, value, high in (("io_threads", io_threads, 256),
+                                  ("pipeline_depth", pipeline_depth, 4096)):
+            if _number(name, value, f"must be an integer from 1 to {high}", low=1, integer=True) > high:
+                raise ConfigError(name, value, f"must be an integer from 1 to {high}")
+        _number("batch_bytes", batch_bytes, "must be a positive number of bytes", low=1)
+        for name, value in (("socket_timeout_s", socket_timeout_s),
+                            ("connect_timeout_s", connect_timeout_s)):
+            _number(name, value, "must be a positive number of seconds", low=1e-3)
+        for name, value in (("reconnect_interval_s", reconnect_interval_s),
+                            ("lookup_ttl_s", lookup_ttl_s), ("lookup_wait_s", lookup_wait_s)):
+            _number(name, value, "must be a non-negative number of seconds", low=0)
+
+    def _scrub(self, text: str) -> str:
+        return text.replace(self._secret, "***") if self._secret else text
+
+    def _probe(self) -> None:
+        """PING the server once; ConfigError naming `url` when it cannot be reached or refuses us."""
+        conn: Any = self._pool.make_connection()
+        try:
+            conn.send_command("PING")
+            reply = conn.read_response()
+        except (RedisError, OSError) as e:
+            self._pool.disconnect()
+            why = f"redis server did not answer PING: {type(e).__name__}: {e}"
+            raise ConfigError("url", self.url, self._scrub(why)) from None
+        finally:
+            conn.disconnect()
+        if reply not in (b"PONG", "PONG"):
+            raise ConfigError("url", self.url, f"unexpected PING reply {reply!r}")
+
+    # ---- contract ----------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[LookupResult]:
+        """Known answers (kept `lookup_ttl_s`); unknown keys are asked in one batch and answer RETRY
+        unless the answer arrives within `lookup_wait_s`."""
+        deadline = time.monotonic() + self.lookup_wait_s
+        with self._lock:
+            out = self._known(keys, ask=True)
+            while LookupResult.RETRY in out and not self._stopping:
+                left = deadline - time.monotonic()
+                if left <= 0 or not self._answered.wait(left):
+                    break
+                out = self._known(keys, ask=False)
+        return out
+
+    def submit_store(self, job: Job) -> None:
+        self._submit(job)
+
+    def submit_load(self, job: Job) -> None:
+        self._submit(job)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        with self._lock:
+            out = list(self._finished)
+            self._finished.clear()
+        return out
+
+    def take_events(self) -> list[TierEvent]:
+        with self._lock:
+            pending, self._events = self._events, []
+        out: list[TierEvent] = []
+        run: list[bytes] = []
+        for i, (kind, key) in enumerate(pending):
+            run.append(key)
+            if i + 1 == len(pending) or pending[i + 1][0] is not kind:
+                out.append(TierEvent(kind, tuple(run)))
+                run = []
+        return out
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            counters = dict(self._counters)
+            down = time.monotonic() < self._down_until
+        out = {"hiredis": float(HIREDIS_AVAILABLE), "down": float(down)}
+        for name in ("stored", "loaded", "store_failures", "load_failures", "load_misses",
+                     "bad_chunks", "lookups"):
+            out[name] = float(counters.pop(name, 0))
+        out.update({k: float(v) for k, v in counters.items()})
+        return out
+
+    def shutdown(self) -> None:
+        """Fail the queued keys, let the batches in flight finish, close connections. Idempotent."""
+        with self._lock:
+            if self._closed:
+                return
+            self._closed = self._stopping = True
+            abandoned = [*self._loads, *self._stores]
+            self._loads.clear()
+            self._stores.clear()
+            self._cv.notify_all()
+            self._asked.notify_all()
+            self._answered.notify_all()
+        for tracker, i in abandoned:
+            self._finish_key(tracker, i, False)
+        for t in self._threads:
+            t.join()
+        self._pool.disconnect()
+
+    # ---- jobs and lookups (dispatch thread) --------------------------------------------------
+
+    def _submit(self, job: Job) -> None:
+        tracker = JobTracker(job)
+        if not job.keys:
+            self._report(tracker)
+            return
+        items = [(tracker, i) for i in range(len(job.keys))]
+        with self._lock:
+            if not self._stopping:
+                (self._loads if job.kind is JobKind.LOAD else self._stores).extend(items)
+                self._cv.notify(len(items))
+                return
+        for tracker, i in items:
+            self._finish_key(tracker, i, False)
+
+    def _known(self, keys: Sequence[ChunkKey], ask: bool) -> list[LookupResult]:
+        """Answers from the cache, RETRY for the others (queued for asking when `ask`). Lock held."""
+        self._expire(time.monotonic())
+        out: list[LookupResult] = []
+        queued = len(self._lookups)
+        for key in keys:
+            answer = self._answers.get(key)
+            if answer is not None:
+                out.append(answer[0])
+                continue
+            out.append(LookupResult.RETRY)
+            if ask and key not in self._asking:
+                self._asking.add(key)
+                self._lookups.append(key)
+        if len(self._lookups) > queued:
+            self._asked.notify()
+        return out
+
+    def _expire(self, now: float) -> None:
+        """Drop the cached answers older than `lookup_ttl_s`. Lock held."""
+        while self._answers:
+            first, (_, t) = next(iter(self._answers.items()))
+            if now - t < self.lookup_ttl_s:
+                break
+            del self._answers[first]
+
+    def _remember(self, keys: Sequence[bytes], result: LookupResult) -> None:
+        now = time.monotonic()
+        with self._lock:
+            self._expire(now)
+            for key in keys:
+                self._answers[key] = (result, now)
+                self._answers.move_to_end(key)
+                self._asking.discard(key)
+            self._answered.notify_all()
+
+    # ---- worker threads ----------------------------------------------------------------------
+
+    def _rkey(self, key: bytes) -> bytes:
+        return self._key_head + key.hex().encode()
+
+    def _lookup_loop(self) -> None:
+        conn: Any = self._pool.make_connection()
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stopping or self._lookups):
+                        self._asked.wait()
+                    if self._stopping:
+                        return
+                    n = min(len(self._lookups), 1024)
+                    keys = [self._lookups.popleft() for _ in range(n)]
+                self._run_lookups(conn, keys)
+        finally:
+            conn.disconnect()
+
+    def _run_lookups(self, conn: Any, keys: list[bytes]) -> None:
+        self._count("lookups", len(keys))
+        replies = self._pipeline(conn, "lookup", [("EXISTS", self._rkey(k)) for k in keys])
+        hits = [k for k, r in zip(keys, replies, strict=True) if r == 1]
+        # Unanswerable (server down, errors) is MISS: the engine recomputes instead of waiting.
+        self._remember(hits, LookupResult.HIT)
+        self._remember([k for k, r in zip(keys, replies, strict=True) if r != 1], LookupResult.MISS)
+
+    def _io_loop(self, prefers_loads: bool) -> None:
+        conn: Any = self._pool.make_connection()
+        first, second = (self._loads, self._stores) if prefers_loads else (self._stores, self._loads)
+        try:
+            while True:
+                with self._lock:
+                    while not (self._stopping or first or second):
+                        self._cv.wait()
+                    if self._stopping:
+                        return
+                    source = first if first else second
+                    batch = [source.popleft()]
+                    size = self.value_bytes
+                    while source and len(batch) < self.pipeline_depth and size < self.batch_bytes:
+                        batch.append(source.popleft())
+                        size += self.value_bytes
+                if batch[0][0].job.kind is JobKind.LOAD:
+                    self._run_loads(conn, batch)
+                else:
+                    self._run_stores(conn, batch)
+        finally:
+            conn.disconnect()
+
+    def _pipeline(self, conn: Any, op: str, commands: list[Any]) -> list[Any]:
+        """Send `commands` (argument tuples, or lists of pre-framed buffers) in one write, read one
+        reply per command: the value, a ResponseError, or NO_REPLY when there was none (the server
+        is down or was just marked down by a connection error)."""
+        with self._lock:
+            if time.monotonic() < self._down_until:
+                return [NO_REPLY] * len(commands)
+        replies: list[Any] = []
+        try:
+            buffers: list[Any] = []
+            for cmd in commands:
+                buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
+            conn.send_packed_command(buffers, check_health=False)
+            for _ in commands:
+                try:
+                    replies.append(conn.read_response(disable_decoding=True))
+                except ResponseError as e:
+                    replies.append(e)
+        except _DOWN_ERRORS as e:
+            conn.disconnect()
+            self._mark_down(op, e)
+        except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
+            conn.disconnect()
+            self._failed(f"{op}:{type(e).__name__}", e)
+        else:
+            self._mark_up()
+        return replies + [NO_REPLY] * (len(commands) - len(replies))
+
+    def _run_stores(self, conn: Any, batch: list[_Item]) -> None:
+        commands: list[Any] = []
+        for tracker, i in batch:
+            row = self.ctx.slot_view(tracker.job.slots[i])
+            key = tracker.job.keys[i]
+            header = chunkfmt.header_bytes(key, self._fp, row)
+            commands.append(_set_command(self._rkey(key), header, row, self._px))
+        replies = self._pipeline(conn, "store", commands)
+        stored: list[bytes] = []
+        for (tracker, i), reply in zip(batch, replies, strict=True):
+            ok = reply == b"OK"
+            if isinstance(reply, ResponseError):
+                self._failed(f"store:{str(reply).split(' ', 1)[0]}", reply)
+            if ok:
+                stored.append(tracker.job.keys[i])
+            self._count("stored" if ok else "store_failures")
+            self._finish_key(tracker, i, ok)
+        self._remember(stored, LookupResult.HIT)
+        with self._lock:
+            self._events.extend((TierEventKind.STORED, k) for k in stored)
+
+    def _run_loads(self, conn: Any, batch: list[_Item]) -> None:
+        verb = "GET" if self._px is None else "GETEX"
+        extra = () if self._px is None else ("PX", self._px)
+        keys = [tracker.job.keys[i] for tracker, i in batch]
+        replies = self._pipeline(conn, "load", [(verb, self._rkey(k), *extra) for k in keys])
+        bad: list[tuple[bytes, bytes]] = []
+        gone: list[bytes] = []
+        for (tracker, i), key, reply in zip(batch, keys, replies, strict=True):
+            ok = False
+            if isinstance(reply, bytes):
+                ok = self._fill(key, reply, tracker.job.slots[i])
+                if not ok:
+                    bad.append((key, reply))
+            elif isinstance(reply, ResponseError):
+                self._failed(f"load:{str(reply).split(' ', 1)[0]}", reply)
+            elif reply is None:
+                gone.append(key)  # absent: never stored, expired or evicted by the server
+                self._count("load_misses")
+            self._count("loaded" if ok else "load_failures")
+            self._finish_key(tracker, i, ok)
+        if bad:
+            self._delete_bad(conn, bad)
+        lost = gone + [k for k, _ in bad]
+        self._remember(lost, LookupResult.MISS)
+        with self._lock:
+            self._events.extend((TierEventKind.REMOVED, k) for k in lost)
+
+    def _fill(self, key: bytes, value: bytes, slot: int) -> bool:
+        """Verify a stored value and copy its payload into `slot`; count and log a bad one."""
+        view = memoryview(value)
+        row = self.ctx.slot_view(slot)
+        err, digest = chunkfmt.check_header(view[: chunkfmt.HEADER_BYTES], key, self._fp, len(row))
+        payload = view[chunkfmt.HEADER_BYTES :]
+        if err is None and len(payload) != len(row):
+            err = chunkfmt.ChunkError.LENGTH
+        if err is None and chunkfmt.checksum(payload) != digest:
+            err = chunkfmt.ChunkError.CHECKSUM
+        if err is None:
+            row[:] = payload
+            return True
+        with self._lock:
+            self._counters["bad_chunks"] += 1
+            self._counters[f"bad_{err.value}"] += 1
+        self._failed(f"bad:{err.value}", ValueError(f"removing bad value {self._rkey(key).decode()}"))
+        return False
+
+    def _delete_bad(self, conn: Any, bad: list[tuple[bytes, bytes]]) -> None:
+        script = [("EVAL", _DELETE_IF_SAME, 1, self._rkey(k), hashlib.sha1(v).hexdigest())
+                  for k, v in bad]
+        replies = self._pipeline(conn, "delete", script)
+        fallback = [("DEL", self._rkey(k)) for (k, _), r in zip(bad, replies, strict=True)
+                    if isinstance(r, ResponseError)]  # scripting disabled on this server
+        if fallback:
+            self._pipeline(conn, "delete", fallback)
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _finish_key(self, tracker: JobTracker, i: int, ok: bool) -> None:
+        if tracker.finish_key(i, ok):
+            self._report(tracker)
+
+    def _report(self, tracker: JobTracker) -> None:
+        job = tracker.job
+        done = tuple(k for k, ok in zip(job.keys, tracker.ok, strict=True) if ok)
+        result = JobResult(job.job_id, success=len(done) == len(job.keys), successful_keys=done,
+                           bytes_moved=len(done) * self.ctx.row_bytes,
+                           seconds=time.perf_counter() - tracker.start)
+        with self._lock:
+            self._finished.append(result)
+        self.ctx.wakeup()
+
+    def _count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def _mark_down(self, op: str, exc: BaseException) -> None:
+        with self._lock:
+            self._down_until = time.monotonic() + self.reconnect_interval_s
+            self._down_cause = f"{op}:{type(exc).__name__}"
+            self._counters["connection_errors"] += 1
+        self._failed(self._down_cause, exc)
+
+    def _mark_up(self) -> None:
+        with self._lock:
+            if not self._down_cause:
+                return
+            cause, self._down_cause = self._down_cause, ""
+        self.ctx.log.info("redis tier %s: %s answers again (after %s)", self.ctx.tier_name,
+                          self.url, cause)
+
+    def _failed(self, cause: str, exc: BaseException) -> None:
+        """Log a failure cause once per LOG_INTERVAL_S, however many chunks it hits."""
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._logged.get(cause, (-math.inf, 0))
+            if now - last < LOG_INTERVAL_S:
+                self._logged[cause] = (last, suppressed + 1)
+                return
+            self._logged[cause] = (now, 0)
+        more = f" ({suppressed} more since the last report)" if suppressed else ""
+        self.ctx.log.warning("redis tier %s (%s): %s: %s%s", self.ctx.tier_name, self.url, cause,
+                             self._scrub(str(exc)), more)
+
