@@ -21,6 +21,7 @@ from __future__ import annotations
 from collections import Counter
 from collections.abc import Callable, Container, Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from itertools import takewhile
 from typing import Protocol, runtime_checkable
 
@@ -59,6 +60,12 @@ class _InsertMany(Protocol):
     `insert`)."""
 
     def insert_many(self, entries: Mapping[bytes, int]) -> None: ...
+
+
+def _insert_each(policy: EvictionPolicy[int], entries: Mapping[bytes, int]) -> None:
+    insert = policy.insert
+    for key, slot in entries.items():
+        insert(key, slot)
 
 
 class _Protected:
@@ -103,13 +110,8 @@ class HostTier:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._events: list[TierEvent] = []
         self._insert_many: Callable[[Mapping[bytes, int]], None] = (
-            policy.insert_many if isinstance(policy, _InsertMany) else self._insert_each
+            policy.insert_many if isinstance(policy, _InsertMany) else partial(_insert_each, policy)
         )
-
-    def _insert_each(self, entries: Mapping[bytes, int]) -> None:
-        insert = self._policy.insert
-        for key, slot in entries.items():
-            insert(key, slot)
 
     # Queries: no pin, no recency change.
 
