@@ -10,13 +10,17 @@ The owner decides when to evict, so ARC's request handling is split in two:
 - `insert` is ARC's miss path without the replacement: a key found in B1 (B2) raises (lowers) `p`
   as ARC does and enters T2; a new key enters T1 after the directory is trimmed the way ARC trims
   it (LRU of B1 when |T1|+|B1| reaches c, else LRU of B2 when the directory reaches 2c).
+- `insert_many` is `insert` of each key in order; when none is a ghost, the trimming is computed
+  in bulk.
+- `touch` is ARC's hit (Case I): the key moves to the MRU end of T2.
 - `evict(n)` runs ARC's REPLACE `n` times: take from T1 while |T1| > p, else from T2, moving each
-  victim to its ghost list. Protected keys are skipped (when one list has no unprotected key left,
-  the other is used). All victims are chosen before anything changes, so a failed eviction changes
-  nothing.
+  victim to its ghost list. The incoming key is not known at eviction time, so REPLACE's tie-break
+  for a B2 hit at |T1| == p is left out. Protected keys are skipped (when one list has no
+  unprotected key left, the other is used). All victims are chosen before anything changes, so a
+  failed eviction changes nothing.
 
 Holds after every call: T1, T2, B1, B2 are disjoint; |T1|+|T2| <= c; |T1|+|B1| <= c;
-|T1|+|T2|+|B1|+|B2| <= 2c (so each ghost list holds at most 2c keys); 0 <= p <= c. Called on the
+|T1|+|T2|+|B1|+|B2| <= 2c (so |B1| <= c and |B2| <= 2c); 0 <= p <= c. Called on the
 owning thread only; not thread-safe.
 """
 
