@@ -1,0 +1,90 @@
+"""The KV geometry of the model vLLM serves: chunk keys' model fingerprint and the canonical layout.
+
+Both halves of the connector compute it from the same vLLM config, so the scheduler (which sizes
+host rows and hashes keys) and every worker (which copies bytes) agree without talking. Called once
+per connector, at construction.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.errors import ConfigError
+from kvtier.keys import ModelFingerprint
+from kvtier.layout import CanonicalLayout
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class EngineGeometry:
+    """What kvtier needs to know about the engine's KV cache.
+
+    `layer_names` are the attention layers in model order (canonical page order in a host row).
+    """
+
+    fingerprint: ModelFingerprint
+    layout: CanonicalLayout
+    block_size: int
+    blocks_per_chunk: int
+    layer_names: tuple[str, ...]
+    tp_size: int
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.layout.chunk_tokens
+
+
+def engine_geometry(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, blocks_per_chunk: int
+) -> EngineGeometry:
+    """Read the geometry from vLLM's config; ConfigError for a cache kvtier cannot hold yet.
+
+    Supported: one KV cache group of full attention, K and V of the same head size, an unquantized
+    KV cache (`kv_cache_dtype` "auto" or a plain float dtype).
+    """
+    from vllm.model_executor.models.utils import extract_layer_index
+    from vllm.v1.kv_cache_interface import FullAttentionSpec
+
+    groups = kv_cache_config.kv_cache_groups
+    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
+        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
+        raise ConfigError("model", kinds, "kvtier needs one KV cache group of full attention")
+    spec = groups[0].kv_cache_spec
+    if spec.head_size_v != spec.head_size:
+        raise ConfigError("model", (spec.head_size, spec.head_size_v), "K and V head sizes differ")
+    cache_dtype = vllm_config.cache_config.cache_dtype
+    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
+        raise ConfigError("kv_cache_dtype", cache_dtype, "kvtier does not hold quantized KV yet")
+    model = vllm_config.model_config
+    layer_names = tuple(sorted(groups[0].layer_names, key=extract_layer_index))
+    num_kv_heads = model.get_total_num_kv_heads()
+    chunk_tokens = spec.block_size * blocks_per_chunk
+    fingerprint = ModelFingerprint(
+        model=str(model.model),
+        revision=str(model.revision or ""),
+        dtype=str(model.dtype),
+        kv_dtype=str(spec.dtype),
+        num_layers=len(layer_names),
+        num_kv_heads=num_kv_heads,
+        head_dim=spec.head_size,
+        quantization=str(model.quantization or ""),
+    )
+    layout = CanonicalLayout(
+        num_layers=len(layer_names),
+        num_kv_heads=num_kv_heads,
+        head_dim=spec.head_size,
+        chunk_tokens=chunk_tokens,
+        dtype=spec.dtype,
+    )
+    return EngineGeometry(
+        fingerprint=fingerprint,
+        layout=layout,
+        block_size=spec.block_size,
+        blocks_per_chunk=blocks_per_chunk,
+        layer_names=layer_names,
+        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+    )

@@ -1,0 +1,72 @@
+"""What the two halves of the connector tell each other every engine step.
+
+Scheduler → worker (`KVTierMetadata`, built on the scheduler thread by `build_connector_meta`,
+bound on each worker before the forward pass): the host region's name, and the chunk copies to run
+this step. It holds plain ints and strings only, so vLLM may ship it to worker processes; a worker
+needs nothing else from the scheduler process (it attaches the region by name).
+
+Worker → scheduler (`KVTierWorkerMetadata`, built after the step by `build_connector_worker_meta`,
+aggregated over all workers by vLLM and handed to `update_connector_output`): which store jobs each
+worker finished, and whether each copy succeeded. Finished loads travel through vLLM's own
+`finished_recving` set instead, keyed by request id.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorMetadata,
+    KVConnectorWorkerMetadata,
+)
+
+
+@dataclass(frozen=True)
+class ChunkCopy:
+    """One batch of chunk copies for one request, between engine blocks and host slots.
+
+    `block_ids[i]` are the `blocks_per_chunk` engine blocks of chunk i, in token order; `slots[i]`
+    is its host row; `keys[i]` its chunk key (for logs, events and checks: copies need none). A load
+    whose `slots` is empty could not pin its host rows: the worker fails it.
+    """
+
+    job_id: int
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[tuple[int, ...], ...]
+    slots: tuple[int, ...]
+
+    @property
+    def all_block_ids(self) -> list[int]:
+        return [b for chunk in self.block_ids for b in chunk]
+
+
+@dataclass
+class KVTierMetadata(KVConnectorMetadata):
+    """This step's work for the worker half.
+
+    `loads` run in `start_load_kv` (host → device, for requests waiting for their KV); `stores` run
+    in `wait_for_save`, after the forward pass computed the blocks (device → host).
+    """
+
+    region_name: str
+    shm_dir: str
+    loads: tuple[ChunkCopy, ...] = ()
+    stores: tuple[ChunkCopy, ...] = ()
+
+
+@dataclass
+class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
+    """Store jobs finished by workers: job id → (how many workers finished it, all succeeded)."""
+
+    stores: dict[int, tuple[int, bool]] = field(default_factory=dict)
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        """Merge another worker's report: counts add up, one failure fails the job."""
+        if not isinstance(other, KVTierWorkerMetadata):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into KVTierWorkerMetadata")
+        merged = dict(self.stores)
+        for job_id, (count, ok) in other.stores.items():
+            have_count, have_ok = merged.get(job_id, (0, True))
+            merged[job_id] = (have_count + count, have_ok and ok)
+        return KVTierWorkerMetadata(merged)

@@ -1,0 +1,234 @@
+"""The scheduler half of the connector: which chunks to load and store, and host-tier bookkeeping.
+
+Runs in vLLM's scheduler (engine core) process, on its scheduler thread; every method is called
+there and none blocks: host-tier calls are in-memory, and secondary tiers are reached only through
+the tiering manager's non-blocking calls.
+
+Loads are asynchronous (vLLM's `load_kv_async`): `get_num_new_matched_tokens` reports the chunks
+ready in the host tier past vLLM's own device prefix hit (None, "ask again", while a promotion from
+a secondary tier is in flight); `update_state_after_alloc` pins their host rows; the next
+`build_connector_meta` sends the copies; the worker reports the request in `finished_recving` and
+`update_connector_output` releases the pins.
+
+Stores: `build_connector_meta` allocates host rows (WRITING) for every full prompt chunk that this
+step completes; the worker copies device → host in `wait_for_save`, before the step ends, so the
+device blocks are never held past the step; `update_connector_output` publishes the rows
+(`complete_store`) once every worker reported its copy, then cascades them to the secondary tiers.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.geometry import EngineGeometry
+from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier.keys import ChunkHasher
+from kvtier.manager import TieringManager
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+log = logging.getLogger("kvtier.vllm.scheduler")
+
+BlockIdsFn = Callable[[str], list[int]]
+
+
+@dataclass
+class _Request:
+    """A live request: its prompt chunk keys and how far loads and stores have got."""
+
+    request: Request
+    keys: list[bytes]
+    load_from: int = 0
+    stored: int = 0
+
+
+@dataclass
+class _Store:
+    keys: list[bytes]
+    acks: int = 0
+    ok: bool = True
+
+
+class KVTierScheduler:
+    """Scheduler-side state of one engine: the tiering manager and per-request progress."""
+
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, world_size: int) -> None:
+        layout = geometry.layout
+        self.geometry = geometry
+        self.manager = TieringManager.from_config(config, layout.row_bytes, layout.fingerprint)
+        self.hasher = ChunkHasher(config.hash_algorithm, geometry.fingerprint, layout.chunk_tokens)
+        self.shm_dir = config.shm_dir
+        self.world_size = world_size
+        self.counters: Counter[str] = Counter()
+        self._block_ids_of: BlockIdsFn | None = None
+        self._requests: dict[str, _Request] = {}
+        self._loads_to_send: list[ChunkCopy] = []
+        self._loading: dict[str, list[bytes]] = {}
+        self._stores: dict[int, _Store] = {}
+        self._job_ids = itertools.count(1)
+
+    @property
+    def region_name(self) -> str:
+        region = self.manager.region
+        if region is None:
+            raise RuntimeError("kvtier: the host region is closed")
+        return region.name
+
+    def bind_block_ids(self, block_ids_of: BlockIdsFn) -> None:
+        """Called once by the connector when vLLM binds its KV cache manager: `block_ids_of(req_id)`
+        gives a running request's block ids (first KV cache group)."""
+        self._block_ids_of = block_ids_of
+
+    # -- loads ---------------------------------------------------------------------------------
+
+    def get_num_new_matched_tokens(
+        self, request: Request, num_computed_tokens: int
+    ) -> tuple[int | None, bool]:
+        """How many tokens past the device hit `num_computed_tokens` the host tier can load.
+
+        Called by vLLM's scheduler for a waiting request, possibly on several steps. Returns
+        (tokens, load asynchronously), or (None, False) while a promotion is in flight. Never
+        offers the last prompt token (as vLLM's own prefix cache, so hit lengths agree).
+        """
+        state = self._state(request)
+        ct = self.geometry.chunk_tokens
+        if state is None or num_computed_tokens % ct:
+            return 0, False
+        start = num_computed_tokens // ct
+        keys = state.keys[start : (request.num_tokens - 1) // ct]
+        if not keys:
+            return 0, False
+        found = self.manager.lookup_prefix(keys)
+        if found.pending:
+            return None, False
+        state.load_from = start
+        return found.ready * ct, found.ready > 0
+
+    def update_state_after_alloc(
+        self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
+    ) -> None:
+        """Pin the host rows of the chunks vLLM just allocated blocks for, and queue their load.
+
+        Called right after `get_num_new_matched_tokens` returned `num_external_tokens` for this
+        request in the same scheduler step (0: nothing to load).
+        """
+        if num_external_tokens == 0:
+            return
+        state = self._requests[request.request_id]
+        bpc = self.geometry.blocks_per_chunk
+        first = state.load_from
+        count = num_external_tokens // self.geometry.chunk_tokens
+        keys = state.keys[first : first + count]
+        ids = blocks.get_block_ids()[0]
+        chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c in range(first, first + count))
+        slots = self.manager.host.prepare_load(keys)
+        if slots is None:
+            self.counters["load_pin_failures"] += 1
+            slots = []
+        else:
+            self._loading[request.request_id] = keys
+        job = ChunkCopy(next(self._job_ids), request.request_id, tuple(keys), chunks, tuple(slots))
+        self._loads_to_send.append(job)
+        self.counters["load_chunks"] += len(slots)
+
+    # -- each step -----------------------------------------------------------------------------
+
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVTierMetadata:
+        """The loads queued since the last step and the stores of chunks this step completes.
+
+        Called once per scheduler step, after every request was scheduled and before the requests'
+        `num_computed_tokens` advance.
+        """
+        self.manager.poll()
+        stores: list[ChunkCopy] = []
+        for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(req_id)
+            if state is not None:
+                store = self._plan_store(state, state.request.num_computed_tokens + num_new)
+                if store is not None:
+                    stores.append(store)
+        loads, self._loads_to_send = tuple(self._loads_to_send), []
+        return KVTierMetadata(self.region_name, self.shm_dir, loads, tuple(stores))
+
+    def _plan_store(self, state: _Request, computed: int) -> ChunkCopy | None:
+        done = min(computed // self.geometry.chunk_tokens, len(state.keys))
+        if done <= state.stored or self._block_ids_of is None:
+            return None
+        first, state.stored = state.stored, done
+        keys = state.keys[first:done]
+        slots = self.manager.host.prepare_store(keys)
+        if slots is None:
+            self.counters["store_no_space"] += len(keys)
+            return None
+        new = [(c, key) for c, key in enumerate(keys, first) if key in slots]
+        if not new:
+            return None
+        ids = self._block_ids_of(state.request.request_id)
+        bpc = self.geometry.blocks_per_chunk
+        chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c, _ in new)
+        job_id = next(self._job_ids)
+        self._stores[job_id] = _Store([key for _, key in new])
+        req_id = state.request.request_id
+        new_keys = tuple(key for _, key in new)
+        return ChunkCopy(job_id, req_id, new_keys, chunks, tuple(slots[k] for k in new_keys))
+
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
+        """Publish finished stores (then cascade them), release the pins of finished loads.
+
+        Called once per step with the workers' aggregated output of an earlier step.
+        """
+        host = self.manager.host
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata):
+            for job_id, (acks, ok) in meta.stores.items():
+                store = self._stores.get(job_id)
+                if store is None:
+                    continue
+                store.acks += acks
+                store.ok = store.ok and ok
+                if store.acks < self.world_size:
+                    continue
+                del self._stores[job_id]
+                host.complete_store(store.keys, success=store.ok)
+                self.counters["store_chunks" if store.ok else "store_failures"] += len(store.keys)
+                if store.ok:
+                    self.manager.cascade(store.keys)
+        for req_id in output.finished_recving or ():
+            keys = self._loading.pop(req_id, None)
+            if keys is not None:
+                host.complete_load(keys)
+        self.manager.poll()
+
+    def request_finished(self, request: Request) -> None:
+        """Forget the request. Called once when it finishes or is aborted; its stores already
+        copied (stores run in the step that computes the blocks), so no block is held."""
+        self._requests.pop(request.request_id, None)
+
+    def shutdown(self) -> None:
+        """Stop the secondary tiers and remove the host region. Idempotent."""
+        self.manager.shutdown()
+
+    def _state(self, request: Request) -> _Request | None:
+        """The request's state, keyed on first sight; None when it cannot be cached (multimodal
+        inputs or prompt embeddings are not hashed yet)."""
+        state = self._requests.get(request.request_id)
+        if state is not None:
+            return state
+        if request.prompt_token_ids is None or request.mm_features:
+            return None
+        lora = request.lora_request.lora_name if request.lora_request else None
+        keys = self.hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
+        state = _Request(request, keys)
+        self._requests[request.request_id] = state
+        return state
+

@@ -1,0 +1,88 @@
+"""An in-process vLLM engine (CPU backend, real SmolLM2) with the KVTierConnector, for slow tests.
+
+`vllm_env` points vLLM's temp files, sockets and caches at a private temp dir and runs the engine
+in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the test sees both connector halves.
+`make_llm(extra_config)` starts one engine (about 10 s on 2 cores) and shuts it down at the end of
+the module; tests of one module share it.
+"""
+
+from __future__ import annotations
+
+import tempfile
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+BLOCK_SIZE = 32  # the smallest block size vLLM's CPU attention accepts (a multiple of 32)
+DEVICE_BLOCKS = 64
+
+
+def _model_path() -> Path:
+    try:
+        from kvtier.models import prepare_smollm2
+    except ImportError:
+        pytest.skip("kvtier.models is not available to prepare the test model")
+    return prepare_smollm2(quiet=True)
+
+
+@pytest.fixture(scope="module")
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    tmp = tmp_path_factory.mktemp("vllm")
+    env = {
+        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
+        "HF_HUB_OFFLINE": "1",
+        "TMPDIR": str(tmp),
+        "VLLM_RPC_BASE_PATH": str(tmp),
+        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
+        "VLLM_NO_USAGE_STATS": "1",
+    }
+    with pytest.MonkeyPatch.context() as mp:
+        for key, value in env.items():
+            mp.setenv(key, value)
+        mp.setattr(tempfile, "tempdir", str(tmp))
+        yield tmp
+
+
+@pytest.fixture(scope="module")
+def make_llm(vllm_env: Path) -> Iterator[Callable[..., Any]]:
+    model = _model_path()
+    started: list[Any] = []
+
+    def make(extra_config: dict[str, Any], **kwargs: Any) -> Any:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        transfer = KVTransferConfig(
+            kv_connector="KVTierConnector",
+            kv_connector_module_path="kvtier.integrations.vllm",
+            kv_role="kv_both",
+            kv_connector_extra_config=extra_config,
+        )
+        options: dict[str, Any] = {
+            "enforce_eager": True,
+            "block_size": BLOCK_SIZE,
+            "num_gpu_blocks_override": DEVICE_BLOCKS,
+            "kv_cache_memory_bytes": 64 << 20,
+            "max_model_len": 1024,
+            "max_num_seqs": 4,
+            "seed": 0,
+        }
+        options.update(kwargs)
+        llm = LLM(model=str(model), kv_transfer_config=transfer, **options)
+        started.append(llm)
+        return llm
+
+    yield make
+    for llm in reversed(started):
+        llm.llm_engine.engine_core.shutdown()
+
+
+def connector_halves(llm: Any) -> tuple[Any, Any]:
+    """(scheduler half, worker half) of the engine's KVTierConnector (in-process engine only)."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    return scheduler, get_kv_transfer_group().worker
+

@@ -1,0 +1,147 @@
+"""Real vLLM (CPU backend, in-process) on real SmolLM2 with the KVTierConnector: the reload oracle.
+
+A request whose prefix is reloaded from a kvtier tier after `reset_prefix_cache()` must give the
+same greedy tokens as the same request served from vLLM's own device prefix cache at the same hit
+length, and the reloaded device KV must be byte-identical to the KV vLLM originally computed.
+(A full recompute is not the reference: its matmul shapes differ, so its last bits may too.)
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from tests.integrations.conftest import BLOCK_SIZE, connector_halves
+from tests.integrations.prompts import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+CHUNK = BLOCK_SIZE  # blocks_per_chunk = 1
+ROW_BYTES = 30 * 2 * 3 * CHUNK * 64 * 2  # SmolLM2: 30 layers, 3 KV heads, head_dim 64, bf16
+HOST_SLOTS = 8
+
+
+@dataclass(frozen=True)
+class Result:
+    prompt: list[int]
+    tokens: list[int]
+    cached: int
+
+
+class KVSpy:
+    """Device KV bytes of each chunk (by key) when the worker stores it and after it loads it."""
+
+    def __init__(self, worker: Any, mp: pytest.MonkeyPatch) -> None:
+        self.stored: dict[bytes, bytes] = {}
+        self.loaded: dict[bytes, bytes] = {}
+        tensors = worker.transfer.layer_tensors
+        save, start_load = worker.save, worker.start_load
+
+        def chunk_bytes(block_ids: tuple[int, ...]) -> bytes:
+            ids = list(block_ids)
+            return b"".join(t[ids].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
+
+        def spy_save(meta: Any) -> None:
+            for job in meta.stores:
+                for key, ids in zip(job.keys, job.block_ids, strict=True):
+                    self.stored[key] = chunk_bytes(ids)
+            save(meta)
+
+        def spy_load(meta: Any) -> None:
+            start_load(meta)
+            for job in meta.loads:
+                for key, ids in zip(job.keys, job.block_ids, strict=True):
+                    self.loaded[key] = chunk_bytes(ids)
+
+        mp.setattr(worker, "save", spy_save)
+        mp.setattr(worker, "start_load", spy_load)
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm: Callable[..., Any], tmp_path_factory: pytest.TempPathFactory) -> Any:
+    fs_dir: Path = tmp_path_factory.mktemp("fs")
+    return make_llm(
+        {
+            "cpu_bytes_to_use": HOST_SLOTS * ROW_BYTES,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}],
+        }
+    )
+
+
+@pytest.fixture
+def spy(llm: Any) -> Iterator[KVSpy]:
+    with pytest.MonkeyPatch.context() as mp:
+        yield KVSpy(connector_halves(llm)[1], mp)
+
+
+def generate(llm: Any, prompt: str) -> Result:
+    from vllm import SamplingParams
+
+    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+    return Result(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.num_cached_tokens)
+
+
+def settle(scheduler: Any, timeout_s: float = 20.0) -> None:
+    """Wait until every cascade and promotion finished (so host rows are no longer pinned)."""
+    deadline = time.monotonic() + timeout_s
+    while scheduler.manager.in_flight:
+        assert time.monotonic() < deadline, "tier jobs did not finish"
+        time.sleep(0.02)
+        scheduler.manager.poll()
+
+
+def reference(llm: Any, prompt: str) -> tuple[Result, int, list[bytes]]:
+    """Serve `prompt` once (computed, stored) and again from vLLM's device prefix cache; return the
+    second result, the hit length and the keys of the hit's chunks."""
+    scheduler, _ = connector_halves(llm)
+    first = generate(llm, prompt)
+    ref = generate(llm, prompt)
+    hit = (len(first.prompt) - 1) // CHUNK * CHUNK
+    assert hit >= 3 * CHUNK
+    assert ref.cached == hit
+    return ref, hit, scheduler.hasher.keys(first.prompt)[: hit // CHUNK]
+
+
+def test_reload_from_host_tier_matches_device_prefix_cache(llm: Any, spy: KVSpy) -> None:
+    scheduler, _ = connector_halves(llm)
+    ref, hit, keys = reference(llm, PROMPTS["lighthouse"])
+    assert all(scheduler.manager.host.contains(k) for k in keys)
+    loads = scheduler.counters["load_chunks"]
+
+    assert llm.reset_prefix_cache()
+    again = generate(llm, PROMPTS["lighthouse"])
+
+    assert again.cached == hit
+    assert scheduler.counters["load_chunks"] - loads == len(keys)
+    assert again.tokens == ref.tokens
+    for key in keys:
+        assert spy.loaded[key] == spy.stored[key]
+
+
+def test_reload_from_fs_tier_after_host_eviction(llm: Any, spy: KVSpy) -> None:
+    scheduler, _ = connector_halves(llm)
+    host, manager = scheduler.manager.host, scheduler.manager
+    ref, hit, keys = reference(llm, PROMPTS["bread"])
+    for filler in ("library", "birds", "railway", "chess"):
+        settle(scheduler)
+        if not any(host.contains(k) for k in keys):
+            break
+        generate(llm, PROMPTS[filler])
+    assert not any(host.contains(k) for k in keys), "the fillers did not evict the prompt"
+    settle(scheduler)
+    fs_loads = manager.counters["load_chunks:fs"]
+
+    assert llm.reset_prefix_cache()
+    again = generate(llm, PROMPTS["bread"])
+
+    assert again.cached == hit
+    assert manager.counters["load_chunks:fs"] - fs_loads == len(keys)
+    assert again.tokens == ref.tokens
+    for key in keys:
+        assert spy.loaded[key] == spy.stored[key]
