@@ -19,11 +19,9 @@ policy skips), never to the capacity; only the constructor and `check()` walk ev
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Container, Mapping, Sequence
+from collections.abc import Container, Sequence
 from dataclasses import dataclass
-from functools import partial
 from itertools import takewhile
-from typing import Protocol, runtime_checkable
 
 from kvtier.errors import KVTierError
 from kvtier.policies.base import EvictionPolicy
@@ -52,20 +50,6 @@ class HostTierStats:
     @property
     def capacity_bytes(self) -> int:
         return self.capacity * self.row_bytes
-
-
-@runtime_checkable
-class _InsertMany(Protocol):
-    """A policy that also inserts a batch at once (LRU and ARC do; the contract only asks for
-    `insert`)."""
-
-    def insert_many(self, entries: Mapping[bytes, int]) -> None: ...
-
-
-def _insert_each(policy: EvictionPolicy[int], entries: Mapping[bytes, int]) -> None:
-    insert = policy.insert
-    for key, slot in entries.items():
-        insert(key, slot)
 
 
 class _Protected:
@@ -109,9 +93,6 @@ class HostTier:
         # A stack: slot 0 is handed out first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._events: list[TierEvent] = []
-        self._insert_many: Callable[[Mapping[bytes, int]], None] = (
-            policy.insert_many if isinstance(policy, _InsertMany) else partial(_insert_each, policy)
-        )
 
     # Queries: no pin, no recency change.
 
@@ -175,7 +156,7 @@ class HostTier:
         if not done:
             return
         if success:
-            self._insert_many(done)
+            self._policy.insert_many(done)
             self._ready.update(done)
             self._events.append(TierEvent(TierEventKind.STORED, tuple(done)))
         else:

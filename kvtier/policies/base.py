@@ -7,7 +7,7 @@ time proportional to the keys it touches, never to the capacity.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container
+from collections.abc import Container, Mapping
 from typing import Generic, TypeVar
 
 V = TypeVar("V")
@@ -32,6 +32,11 @@ class EvictionPolicy(ABC, Generic[V]):
     @abstractmethod
     def insert(self, key: bytes, value: V) -> None:
         """Make `key` resident. Precondition: it is not resident and len(self) < capacity."""
+
+    def insert_many(self, entries: Mapping[bytes, V]) -> None:
+        """`insert` of each entry in order; policies override it with a faster batch path."""
+        for key, value in entries.items():
+            self.insert(key, value)
 
     @abstractmethod
     def remove(self, key: bytes) -> V | None:
