@@ -22,7 +22,10 @@ from kvtier.tiers.base import Job, JobKind, JobResult
 from kvtier.tiers.process import TierProcess, TierSpec
 
 BENCH_LAYOUT_FP = "62656e63682d6c61796f75742d763031"
-THREAD_OPTIONS: dict[str, tuple[str, ...]] = {"fs": ("n_read_threads", "n_write_threads")}
+THREAD_OPTIONS: dict[str, tuple[str, ...]] = {
+    "fs": ("n_read_threads", "n_write_threads"),
+    "redis": ("io_threads",),
+}
 
 
 def _progress(msg: str) -> None:
@@ -93,6 +96,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p = sub.add_parser("tier-bench", help="store and load chunks through a real tier process")
     p.add_argument("--tier", required=True, help="tier type (memory, fs, ...)")
     p.add_argument("--root", help="fs: the root directory")
+    p.add_argument("--url", help="redis: the server URL (redis://, rediss://, unix://)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                    help="any other tier option, value as JSON (repeatable)")
     p.add_argument("--chunk-bytes", type=int, default=2 << 20)
@@ -106,6 +110,8 @@ def run_command(args: argparse.Namespace) -> int:
     options: dict[str, Any] = {}
     if args.root is not None:
         options["root_dir"] = args.root
+    if args.url is not None:
+        options["url"] = args.url
     for item in args.option:
         name, sep, value = item.partition("=")
         if not sep:

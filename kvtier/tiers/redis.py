@@ -31,7 +31,7 @@ import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Sequence
 from typing import Any
-from urllib.parse import parse_qsl, urlencode, urlsplit, urlunsplit
+from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -89,7 +89,10 @@ def redact_url(url: str) -> str:
     if query:
         pairs = parse_qsl(query, keep_blank_values=True)
         query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
-    return urlunsplit((parts.scheme, netloc, parts.path, query, parts.fragment))
+    if (netloc, query) == (parts.netloc, parts.query):
+        return url
+    tail = (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
+    return f"{parts.scheme}://{netloc}{parts.path}{tail}"
 
 
 def _set_command(rkey: bytes, header: bytes, row: memoryview, px: bytes | None) -> list[Any]:
@@ -205,11 +208,11 @@ class RedisTier(SecondaryTier):
             if _number(name, value, f"must be an integer from 1 to {high}", low=1, integer=True) > high:
                 raise ConfigError(name, value, f"must be an integer from 1 to {high}")
         _number("batch_bytes", batch_bytes, "must be a positive number of bytes", low=1)
-        for name, value in (("socket_timeout_s", socket_timeout_s),
+        for name, value in (("socket_timeout_s", socket_timeout_s), ("lookup_ttl_s", lookup_ttl_s),
                             ("connect_timeout_s", connect_timeout_s)):
             _number(name, value, "must be a positive number of seconds", low=1e-3)
         for name, value in (("reconnect_interval_s", reconnect_interval_s),
-                            ("lookup_ttl_s", lookup_ttl_s), ("lookup_wait_s", lookup_wait_s)):
+                            ("lookup_wait_s", lookup_wait_s)):
             _number(name, value, "must be a non-negative number of seconds", low=0)
 
     def _scrub(self, text: str) -> str:
@@ -315,8 +318,12 @@ class RedisTier(SecondaryTier):
             self._finish_key(tracker, i, False)
 
     def _known(self, keys: Sequence[ChunkKey], ask: bool) -> list[LookupResult]:
-        """Answers from the cache, RETRY for the others (queued for asking when `ask`). Lock held."""
-        self._expire(time.monotonic())
+        """Answers from the cache, RETRY for the others (queued for asking when `ask`); MISS for all
+        while the server is marked down. Lock held."""
+        now = time.monotonic()
+        if now < self._down_until:
+            return [LookupResult.MISS] * len(keys)
+        self._expire(now)
         out: list[LookupResult] = []
         queued = len(self._lookups)
         for key in keys:
@@ -457,6 +464,7 @@ class RedisTier(SecondaryTier):
         replies = self._pipeline(conn, "load", [(verb, self._rkey(k), *extra) for k in keys])
         bad: list[tuple[bytes, bytes]] = []
         gone: list[bytes] = []
+        loaded: list[bytes] = []
         for (tracker, i), key, reply in zip(batch, keys, replies, strict=True):
             ok = False
             if isinstance(reply, bytes):
@@ -468,11 +476,14 @@ class RedisTier(SecondaryTier):
             elif reply is None:
                 gone.append(key)  # absent: never stored, expired or evicted by the server
                 self._count("load_misses")
+            if ok:
+                loaded.append(key)
             self._count("loaded" if ok else "load_failures")
             self._finish_key(tracker, i, ok)
         if bad:
             self._delete_bad(conn, bad)
         lost = gone + [k for k, _ in bad]
+        self._remember(loaded, LookupResult.HIT)
         self._remember(lost, LookupResult.MISS)
         with self._lock:
             self._events.extend((TierEventKind.REMOVED, k) for k in lost)
@@ -528,6 +539,7 @@ class RedisTier(SecondaryTier):
     def _mark_down(self, op: str, exc: BaseException) -> None:
         with self._lock:
             self._down_until = time.monotonic() + self.reconnect_interval_s
+            self._answers.clear()  # what the server held before may be gone (restart)
             self._down_cause = f"{op}:{type(exc).__name__}"
             self._counters["connection_errors"] += 1
         self._failed(self._down_cause, exc)
