@@ -12,7 +12,7 @@ import pytest
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import ChunkKey, JobResult, LookupResult, TierContext
 
-pytest_plugins = ["tests.services.redis_server"]
+pytest_plugins = ["tests.services.redis_server", "tests.services.s3"]
 
 ROW_BYTES = 3 * 4096
 SLOTS = 32

@@ -17,6 +17,7 @@ from kvtier.tiers.base import SecondaryTier
 BUILTIN_TIERS: dict[str, str] = {
     "memory": "kvtier.tiers.memory:MemoryTier",
     "fs": "kvtier.tiers.fs:FsTier",
+    "obj": "kvtier.tiers.obj:ObjTier",
     "redis": "kvtier.tiers.redis:RedisTier",
 }
 

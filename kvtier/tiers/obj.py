@@ -1,0 +1,404 @@
+"""The obj secondary tier: one object per chunk in an S3-compatible bucket, shared across machines.
+
+An object is the `chunkfmt` header (4 KiB) followed by the host row, named
+`<prefix>/<layout fingerprint>/<key hex>`. Every instance pointed at the same bucket and prefix
+shares the chunks without configuration; a put is atomic in S3, so a reader sees no object or a
+whole one. A load verifies the header fields and the checksum; a bad object is counted, deleted and
+reported as a failed key.
+
+Client: boto3 (see `obj_client`), chosen over obstore after measuring both against the same
+SeaweedFS server at 2 MiB chunks with 8 requests in flight (`benchmarks/obj_results.md`): their
+throughput was the same within the noise of the run, the server being the bottleneck, and boto3 is
+the dependency kvtier already declares, reads every standard AWS credential source (environment,
+shared files, profiles, SSO, instance roles) and names S3 errors precisely for the start-up probe.
+
+Threads: the dispatch thread calls the contract methods, which only enqueue work. An `IoPool` of
+`io_threads` threads does one request per task: HEADs for lookups and GETs for loads come first
+(half the threads prefer them), PUTs for stores on the others, and every thread takes the other
+kind of work when its own queue is empty. `ObjIndex` holds what is known about keys.
+
+Lookups are asynchronous: an unknown key is RETRY while a HEAD for it is in flight; a present key
+stays HIT until a load of it fails, an absent one is MISS for `negative_ttl_s` from
+the first time it is reported. A HEAD that fails
+for another reason (server down) answers MISS for the same time, so lookups never hang.
+
+Failures are values: a request that fails ends its key as failed; the error is logged once per
+cause (operation and S3 error code or exception) per `LOG_INTERVAL_S`, and the first success after
+failures is logged once. The client reconnects by itself, so the tier recovers without a restart
+when the server comes back. Credentials are never logged, kept in attributes or put in errors.
+
+`max_bytes` bounds the bytes of the objects this instance knows of (stored, loaded or found under
+its layout prefix at start); beyond it the least recently used known objects are deleted.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import queue
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+from kvtier.errors import ConfigError
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.base import (
+    ChunkKey,
+    Job,
+    JobKind,
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TierEvent,
+    TierEventKind,
+)
+from kvtier.tiers.fs_pool import IoPool, JobTracker
+from kvtier.tiers.obj_client import NOT_FOUND, ChunkIO, error_code, make_client, probe
+from kvtier.tiers.obj_index import ObjIndex
+
+LOG_INTERVAL_S = 600.0
+"""A failure cause already logged is logged again (with the count since) at most this often."""
+
+_KeyWork = Callable[[ChunkKey, int], bool]
+"""Moves one key between its slot and its object; True on success. Runs on an I/O thread."""
+
+
+def _positive(key: str, value: object, *, integer: bool, allow_none: bool = False) -> None:
+    if value is None and allow_none:
+        return
+    number = isinstance(value, int if integer else int | float) and not isinstance(value, bool)
+    if number and math.isfinite(value) and value > 0:  # type: ignore[arg-type, operator]
+        return
+    kind = "a positive integer" if integer else "a positive number"
+    raise ConfigError(key, value, f"must be {kind}" + (" or null" if allow_none else ""))
+
+
+def _text(key: str, value: object, *, allow_none: bool) -> None:
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str) or (not value and not allow_none):
+        raise ConfigError(key, "<hidden>" if "secret" in key else value, "must be a string")
+
+
+class ObjTier(SecondaryTier):
+    """Chunks as objects under `<prefix>/<layout fingerprint>/` in one S3 bucket."""
+
+    def __init__(
+        self,
+        ctx: TierContext,
+        *,
+        bucket: str,
+        endpoint: str | None = None,
+        prefix: str = "kvtier",
+        region: str | None = None,
+        access_key_id: str | None = None,
+        secret_access_key: str | None = None,
+        session_token: str | None = None,
+        io_threads: int = 8,
+        max_bytes: int | float | None = None,
+        negative_ttl_s: float = 1.5,
+        connect_timeout_s: float = 2.0,
+        read_timeout_s: float = 20.0,
+        path_style: bool | None = None,
+        create_bucket: bool = False,
+    ) -> None:
+        super().__init__(ctx)
+        _text("bucket", bucket, allow_none=False)
+        _text("endpoint", endpoint, allow_none=True)
+        _text("prefix", prefix, allow_none=True)
+        _text("region", region, allow_none=True)
+        _text("access_key_id", access_key_id, allow_none=True)
+        _text("secret_access_key", secret_access_key, allow_none=True)
+        _text("session_token", session_token, allow_none=True)
+        if (access_key_id is None) != (secret_access_key is None):
+            missing = "secret_access_key" if secret_access_key is None else "access_key_id"
+            raise ConfigError(missing, None, "access_key_id and secret_access_key go together")
+        _positive("io_threads", io_threads, integer=True)
+        if io_threads > 256:
+            raise ConfigError("io_threads", io_threads, "must be an integer from 1 to 256")
+        for name, value in (("negative_ttl_s", negative_ttl_s), ("connect_timeout_s",
+                            connect_timeout_s), ("read_timeout_s", read_timeout_s)):
+            _positive(name, value, integer=False)
+        for name, flag in (("path_style", path_style), ("create_bucket", create_bucket)):
+            if flag is not None and not isinstance(flag, bool):
+                raise ConfigError(name, flag, "must be true or false")
+        try:
+            self._fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
+        except ValueError as e:
+            raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
+        object_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
+        _positive("max_bytes", max_bytes, integer=False, allow_none=True)
+        if max_bytes is not None and max_bytes < object_bytes:
+            raise ConfigError("max_bytes", max_bytes, f"must hold at least one object "
+                              f"({object_bytes} bytes)")
+
+        clean = (prefix or "").strip("/")
+        self.bucket = bucket
+        self.layout_prefix = f"{clean}/{ctx.layout_fingerprint}/" if clean else \
+            f"{ctx.layout_fingerprint}/"
+        self.negative_ttl_s = float(negative_ttl_s)
+        new_client = functools.partial(
+            make_client, endpoint=endpoint, region=region, access_key_id=access_key_id,
+            secret_access_key=secret_access_key, session_token=session_token,
+            path_style=endpoint is not None if path_style is None else path_style,
+        )
+        probe_client = new_client(connect_timeout_s=connect_timeout_s,
+                                   read_timeout_s=connect_timeout_s, pool_connections=1, attempts=1)
+        probe(probe_client, endpoint=endpoint, bucket=bucket, layout_prefix=self.layout_prefix,
+              create_bucket=create_bucket)
+        probe_client.close()
+        client = new_client(connect_timeout_s=connect_timeout_s,
+                             read_timeout_s=read_timeout_s, pool_connections=io_threads + 1,
+                             attempts=2)
+        self._io = ChunkIO(client, bucket, self._fp, ctx.row_bytes)
+        self._index = ObjIndex(object_bytes, None if max_bytes is None else int(max_bytes),
+                               self.negative_ttl_s)
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._logged: dict[str, tuple[float, int]] = {}
+        self._failing = False
+        self._events: list[tuple[TierEventKind, bytes]] = []
+        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        n_read = max(1, io_threads // 2)
+        self._pool = IoPool(n_read, io_threads - n_read, f"kvtier-obj-{ctx.tier_name}")
+        if max_bytes is not None:
+            self._pool.submit(False, [self._scan])
+        self._closed = False
+
+    # ---- contract ----------------------------------------------------------------------------
+
+    def lookup(self, keys: Sequence[ChunkKey]) -> list[LookupResult]:
+        answers, ask = self._index.lookup(keys, time.monotonic())
+        if ask:
+            self._pool.submit(True, [functools.partial(self._head, key) for key in ask])
+        return answers
+
+    def submit_store(self, job: Job) -> None:
+        self._submit(job, self._store_key)
+
+    def submit_load(self, job: Job) -> None:
+        self._submit(job, self._load_key)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        out: list[JobResult] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self._finished.get_nowait())
+        return out
+
+    def take_events(self) -> list[TierEvent]:
+        with self._lock:
+            pending, self._events = self._events, []
+        out: list[TierEvent] = []
+        run: list[bytes] = []
+        for i, (kind, key) in enumerate(pending):
+            run.append(key)
+            if i + 1 == len(pending) or pending[i + 1][0] is not kind:
+                out.append(TierEvent(kind, tuple(run)))
+                run = []
+        return out
+
+    def stats(self) -> dict[str, float]:
+        with self._lock:
+            counters = dict(self._counters)
+        out = {"bytes_used": float(self._index.bytes_used), "objects": float(self._index.present)}
+        for name in ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored",
+                     "loaded", "evictions", "heads", "lookup_failures"):
+            out[name] = float(counters.pop(name, 0))
+        out.update({k: float(v) for k, v in counters.items()})
+        if self._index.max_bytes is not None:
+            out["max_bytes"] = float(self._index.max_bytes)
+        return out
+
+    def shutdown(self) -> None:
+        """Wait for the requests in progress, fail the queued keys. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for task in self._pool.shutdown():
+            task()
+        self._io.client.close()
+
+    # ---- jobs --------------------------------------------------------------------------------
+
+    def _submit(self, job: Job, work: _KeyWork) -> None:
+        tracker = JobTracker(job)
+        if not job.keys:
+            self._finish(tracker)
+            return
+        tasks = [functools.partial(self._run_key, tracker, i, work) for i in range(len(job.keys))]
+        if not self._pool.submit(job.kind is JobKind.LOAD, tasks):
+            for i in range(len(job.keys)):
+                self._run_key(tracker, i, None)
+
+    def _run_key(self, tracker: JobTracker, i: int, work: _KeyWork | None) -> None:
+        """Do one key (None: the tier is shut down) and complete the job after its last key."""
+        ok = False
+        try:
+            ok = work is not None and work(tracker.job.keys[i], tracker.job.slots[i])
+        except Exception as e:  # a failed request, or a bug: the key fails, the job goes on
+            self._failed(f"{tracker.job.kind.value}:{error_code(e)}", e)
+        if not ok:
+            self._count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
+        if tracker.finish_key(i, ok):
+            self._finish(tracker)
+
+    def _finish(self, tracker: JobTracker) -> None:
+        job = tracker.job
+        done = tuple(k for k, ok in zip(job.keys, tracker.ok, strict=True) if ok)
+        self._finished.put(
+            JobResult(
+                job.job_id,
+                success=len(done) == len(job.keys),
+                successful_keys=done,
+                bytes_moved=len(done) * self.ctx.row_bytes,
+                seconds=time.perf_counter() - tracker.start,
+            )
+        )
+        self.ctx.wakeup()
+
+    # ---- per-key requests (I/O threads) ------------------------------------------------------
+
+    def _name(self, key: bytes) -> str:
+        return self.layout_prefix + key.hex()
+
+    def _store_key(self, key: ChunkKey, slot: int) -> bool:
+        if len(key) != 32:
+            self._failed("store:invalid_key", ValueError("chunk key must be 32 bytes"))
+            return False
+        row = self.ctx.slot_view(slot)
+        if self._index.touch(key):
+            return True  # present (content-named: the same key is the same bytes)
+        granted, victims = self._index.reserve()
+        self._delete(victims)
+        if not granted:
+            self._failed("store:max_bytes", ValueError("every known object is being loaded"))
+            return False
+        try:
+            self._io.put(self._name(key), key, row)
+        finally:
+            self._index.release()
+        self._succeeded()
+        if self._index.add(key):
+            self._event(TierEventKind.STORED, key)
+        self._count("stored")
+        return True
+
+    def _load_key(self, key: ChunkKey, slot: int) -> bool:
+        from botocore.exceptions import ClientError
+
+        if len(key) != 32:
+            self._failed("load:invalid_key", ValueError("chunk key must be 32 bytes"))
+            return False
+        name = self._name(key)
+        self._index.pin(key)
+        try:
+            bad = self._io.get(name, key, self.ctx.slot_view(slot))
+        except ClientError as e:
+            if error_code(e) not in NOT_FOUND:
+                raise
+            self._succeeded()
+            self._count("load_misses")
+            self._forget(key)
+            return False
+        finally:
+            self._index.unpin(key)
+        self._succeeded()
+        if bad is not None:
+            self._drop_bad(name, key, bad)
+            return False
+        if self._index.add(key):
+            self._event(TierEventKind.STORED, key)
+        self._count("loaded")
+        return True
+
+    def _head(self, key: ChunkKey) -> None:
+        """Answer one pending lookup; a failed HEAD is a brief MISS (never a hang)."""
+        present: bool | None = None
+        try:
+            present = self._io.exists(self._name(key))
+            self._succeeded()
+        except Exception as e:
+            self._failed(f"lookup:{error_code(e)}", e)
+            self._count("lookup_failures")
+        self._count("heads")
+        self._index.answer(key, present)
+
+    def _drop_bad(self, name: str, key: bytes, reason: chunkfmt.ChunkError) -> None:
+        with self._lock:
+            self._counters["bad_chunks"] += 1
+            self._counters[f"bad_{reason.value}"] += 1
+        self._failed(f"bad:{reason.value}", ValueError(f"deleted bad object {name}"))
+        try:
+            self._io.delete(name)
+        except Exception as e:
+            self._failed(f"delete:{error_code(e)}", e)
+        self._forget(key)
+
+    def _delete(self, victims: list[bytes]) -> None:
+        for key in victims:
+            try:
+                self._io.delete(self._name(key))
+            except Exception as e:
+                self._failed(f"evict:{error_code(e)}", e)
+            self._event(TierEventKind.REMOVED, key)
+            self._count("evictions")
+
+    def _forget(self, key: bytes) -> None:
+        if self._index.remove(key):
+            self._event(TierEventKind.REMOVED, key)
+
+    def _scan(self) -> None:
+        """Learn the objects already under the layout prefix (for `max_bytes`); a pool task."""
+        try:
+            listed = self._io.list_names(self.layout_prefix)
+        except Exception as e:
+            self._failed(f"list:{error_code(e)}", e)
+            return
+        found: list[tuple[bytes, float]] = []
+        for name, size, mtime in listed:
+            hex_key = name[len(self.layout_prefix):]
+            if size == self._io.object_bytes and len(hex_key) == 64:
+                with contextlib.suppress(ValueError):
+                    found.append((bytes.fromhex(hex_key), mtime))
+        found.sort(key=lambda item: item[1])
+        self._index.merge_listed([k for k, _ in found])
+        self._delete(self._index.reserve(0)[1])
+
+    # ---- bookkeeping -------------------------------------------------------------------------
+
+    def _count(self, name: str) -> None:
+        with self._lock:
+            self._counters[name] += 1
+
+    def _event(self, kind: TierEventKind, key: bytes) -> None:
+        with self._lock:
+            self._events.append((kind, key))
+
+    def _succeeded(self) -> None:
+        """A request got an answer from the server: log once that it is reachable again."""
+        if not self._failing:
+            return
+        with self._lock:
+            was, self._failing = self._failing, False
+            self._logged.clear()
+        if was:
+            self.ctx.log.info("obj tier %s: bucket %s answers again", self.ctx.tier_name,
+                              self.bucket)
+
+    def _failed(self, cause: str, exc: BaseException) -> None:
+        """Log a failure cause once per LOG_INTERVAL_S, however many chunks it hits."""
+        now = time.monotonic()
+        with self._lock:
+            if not cause.startswith("bad:"):
+                self._failing = True
+            last, suppressed = self._logged.get(cause, (-math.inf, 0))
+            if now - last < LOG_INTERVAL_S:
+                self._logged[cause] = (last, suppressed + 1)
+                return
+            self._logged[cause] = (now, 0)
+        more = f" ({suppressed} more since the last report)" if suppressed else ""
+        self.ctx.log.warning("obj tier %s: %s: %s%s", self.ctx.tier_name, cause, exc, more)

@@ -1,0 +1,210 @@
+"""S3 I/O for the obj tier: the shared boto3 client, the start-up probe, and one chunk's requests.
+
+Client: one boto3 client per tier, shared by all I/O threads (boto3 clients are thread-safe), with
+a connection pool of at least `io_threads` connections. Payload signing and boto3's own request and
+response checksums are off: every object carries the `chunkfmt` xxh3-128 checksum, verified on load,
+so hashing each body again (SHA-256 over plain HTTP, CRC32) would only cost CPU under the GIL.
+Credentials given as options go straight into the client and are kept nowhere else; no message
+built here contains them.
+
+Copies: boto3 takes a request body only as one bytes-like object or a file-like one (read in 16 KiB
+pieces), so a put packs header and row into a per-thread, pre-touched buffer (one memcpy of the row)
+and sends it in one `sendall`. A get reads the header, then the row with `readinto` straight into
+the host-region slot (urllib3 reads into its own buffer first: one more memcpy, not avoidable
+without reaching into urllib3's internals).
+"""
+
+from __future__ import annotations
+
+import secrets
+import threading
+from typing import Any
+
+from kvtier.errors import ConfigError
+from kvtier.tiers import chunkfmt
+
+HIDDEN = "<hidden>"
+"""What a ConfigError shows instead of a credential."""
+NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
+_BAD_KEY_ID = frozenset({"InvalidAccessKeyId", "InvalidClientTokenId", "UnrecognizedClientException"})
+_BAD_SECRET = frozenset({"SignatureDoesNotMatch", "InvalidSignature"})
+_DENIED = frozenset({"AccessDenied", "403", "Forbidden", "ExpiredToken", "InvalidToken"})
+
+
+def error_code(exc: BaseException) -> str:
+    """A short, credential-free name for a failure: the S3 error code, else the exception class."""
+    response = getattr(exc, "response", None)
+    if isinstance(response, dict):
+        code = response.get("Error", {}).get("Code")
+        if code:
+            return str(code)
+    return type(exc).__name__
+
+
+def make_client(
+    *,
+    endpoint: str | None,
+    region: str | None,
+    access_key_id: str | None,
+    secret_access_key: str | None,
+    session_token: str | None,
+    connect_timeout_s: float,
+    read_timeout_s: float,
+    pool_connections: int,
+    path_style: bool,
+    attempts: int,
+) -> Any:
+    """A boto3 S3 client; credentials not given come from the environment or the AWS chain."""
+    import boto3
+    from botocore.config import Config
+
+    config = Config(
+        region_name=region,
+        connect_timeout=connect_timeout_s,
+        read_timeout=read_timeout_s,
+        retries={"max_attempts": attempts, "mode": "standard"},
+        max_pool_connections=pool_connections,
+        tcp_keepalive=True,
+        s3={"addressing_style": "path" if path_style else "auto", "payload_signing_enabled": False},
+        request_checksum_calculation="when_required",
+        response_checksum_validation="when_required",
+    )
+    session = boto3.session.Session(
+        aws_access_key_id=access_key_id, aws_secret_access_key=secret_access_key,
+        aws_session_token=session_token, region_name=region,
+    )
+    return session.client("s3", endpoint_url=endpoint, config=config)
+
+
+def probe(client: Any, *, endpoint: str | None, bucket: str, layout_prefix: str,
+          create_bucket: bool) -> None:
+    """Check at start-up that the bucket can be listed, written and deleted from.
+
+    Raises ConfigError naming the option at fault (endpoint, bucket, credentials); the client given
+    must have short timeouts and no retries, so an unreachable endpoint fails within seconds.
+    """
+    from botocore.exceptions import BotoCoreError, ClientError, NoCredentialsError
+
+    where = endpoint or "the default AWS endpoint"
+    try:
+        try:
+            client.list_objects_v2(Bucket=bucket, Prefix=layout_prefix, MaxKeys=1)
+        except ClientError as e:
+            if error_code(e) != "NoSuchBucket" or not create_bucket:
+                raise
+            client.create_bucket(Bucket=bucket)
+        name = f"{layout_prefix}probe-{secrets.token_hex(8)}"
+        client.put_object(Bucket=bucket, Key=name, Body=b"kvtier probe")
+        client.delete_object(Bucket=bucket, Key=name)
+    except NoCredentialsError:
+        raise ConfigError("access_key_id", None, "no S3 credentials in the tier options, the "
+                          "environment or the AWS configuration files") from None
+    except ClientError as e:
+        code = error_code(e)
+        if code in ("NoSuchBucket", "404"):
+            raise ConfigError("bucket", bucket, f"no such bucket at {where} (create it, or set "
+                              "create_bucket: true)") from None
+        if code in _BAD_KEY_ID:
+            raise ConfigError("access_key_id", HIDDEN, f"{where} does not know this access key "
+                              f"({code})") from None
+        if code in _BAD_SECRET:
+            raise ConfigError("secret_access_key", HIDDEN, f"{where} rejects the request "
+                              f"signature: wrong secret key ({code})") from None
+        if code in _DENIED:
+            raise ConfigError("access_key_id", HIDDEN, f"these credentials may not list, write "
+                              f"and delete objects in bucket {bucket!r} at {where} ({code})") from None
+        raise ConfigError("endpoint", endpoint, f"the S3 probe of bucket {bucket!r} failed: "
+                          f"{code}") from None
+    except BotoCoreError as e:
+        raise ConfigError("endpoint", endpoint, f"cannot reach S3 at {where}: "
+                          f"{type(e).__name__}") from None
+
+
+class ChunkIO:
+    """One chunk object's requests. Methods are called from I/O threads; raise botocore errors."""
+
+    def __init__(self, client: Any, bucket: str, layout_fp: bytes, row_bytes: int) -> None:
+        self.client = client
+        self.bucket = bucket
+        self.layout_fp = layout_fp
+        self.object_bytes = chunkfmt.HEADER_BYTES + row_bytes
+        self._local = threading.local()
+
+    def _put_buffer(self) -> bytearray:
+        buf: bytearray | None = getattr(self._local, "put", None)
+        if buf is None:
+            buf = bytearray(self.object_bytes)  # zero-filled: touched once, reused per request
+            self._local.put = buf
+        return buf
+
+    def _header_buffer(self) -> memoryview:
+        buf: memoryview | None = getattr(self._local, "header", None)
+        if buf is None:
+            buf = memoryview(bytearray(chunkfmt.HEADER_BYTES))
+            self._local.header = buf
+        return buf
+
+    def put(self, name: str, key: bytes, row: memoryview) -> None:
+        buf = self._put_buffer()
+        view = memoryview(buf)
+        view[chunkfmt.HEADER_BYTES :] = row
+        chunkfmt.pack_header(view, key, self.layout_fp, view[chunkfmt.HEADER_BYTES :])
+        self.client.put_object(Bucket=self.bucket, Key=name, Body=buf)
+
+    def exists(self, name: str) -> bool:
+        """HEAD the object: True if present, False if absent; other failures raise."""
+        from botocore.exceptions import ClientError
+
+        try:
+            self.client.head_object(Bucket=self.bucket, Key=name)
+        except ClientError as e:
+            if error_code(e) in NOT_FOUND:
+                return False
+            raise
+        return True
+
+    def get(self, name: str, key: bytes, row: memoryview) -> chunkfmt.ChunkError | None:
+        """Fill `row` from the object; None when it is a valid chunk of `key`, else why not (the
+        row then holds garbage). A missing object raises ClientError with a NOT_FOUND code."""
+        response = self.client.get_object(Bucket=self.bucket, Key=name)
+        body = response["Body"]
+        complete = False
+        try:
+            header = self._header_buffer()
+            got = _fill(body, header)
+            err, digest = chunkfmt.check_header(header[:got], key, self.layout_fp, len(row))
+            if err is not None:
+                return err
+            if response.get("ContentLength") != self.object_bytes:
+                return chunkfmt.ChunkError.LENGTH
+            if _fill(body, row) < len(row) or body.read(1):
+                return chunkfmt.ChunkError.SHORT
+            complete = True
+            return chunkfmt.ChunkError.CHECKSUM if chunkfmt.checksum(row) != digest else None
+        finally:
+            if not complete:
+                body.close()  # unread bytes: drop the connection rather than drain it
+
+    def delete(self, name: str) -> None:
+        self.client.delete_object(Bucket=self.bucket, Key=name)
+
+    def list_names(self, prefix: str) -> list[tuple[str, int, float]]:
+        """(name, size, last-modified timestamp) of every object under `prefix`."""
+        out: list[tuple[str, int, float]] = []
+        pages = self.client.get_paginator("list_objects_v2").paginate(Bucket=self.bucket,
+                                                                      Prefix=prefix)
+        for page in pages:
+            for item in page.get("Contents", ()):
+                out.append((item["Key"], int(item["Size"]), item["LastModified"].timestamp()))
+        return out
+
+
+def _fill(body: Any, view: memoryview) -> int:
+    """Read from a response body into `view` until it is full or the body ends; bytes read."""
+    got = 0
+    while got < len(view):
+        n = body.readinto(view[got:])
+        if not n:
+            break
+        got += n
+    return got

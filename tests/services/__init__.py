@@ -1,0 +1,1 @@
+"""Real servers for tests that need one (SeaweedFS for S3, ...), started by pytest fixtures."""
