@@ -401,10 +401,16 @@ class RedisTier(SecondaryTier):
                     while source and len(batch) < self.pipeline_depth and size < self.batch_bytes:
                         batch.append(source.popleft())
                         size += self.value_bytes
-                if batch[0][0].job.kind is JobKind.LOAD:
-                    self._run_loads(conn, batch)
-                else:
-                    self._run_stores(conn, batch)
+                kind = batch[0][0].job.kind
+                try:
+                    run = self._run_loads if kind is JobKind.LOAD else self._run_stores
+                    outcomes = run(conn, batch)
+                except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
+                    conn.disconnect()
+                    self._failed(f"{kind.value}:{type(e).__name__}", e)
+                    outcomes = [False] * len(batch)
+                for (tracker, i), ok in zip(batch, outcomes, strict=True):
+                    self._finish_key(tracker, i, ok)
         finally:
             conn.disconnect()
 
@@ -436,7 +442,8 @@ class RedisTier(SecondaryTier):
             self._mark_up()
         return replies + [NO_REPLY] * (len(commands) - len(replies))
 
-    def _run_stores(self, conn: Any, batch: list[_Item]) -> None:
+    def _run_stores(self, conn: Any, batch: list[_Item]) -> list[bool]:
+        """Store a batch of keys in one round trip; whether each key was stored."""
         commands: list[Any] = []
         for tracker, i in batch:
             row = self.ctx.slot_view(tracker.job.slots[i])
@@ -444,20 +451,20 @@ class RedisTier(SecondaryTier):
             header = chunkfmt.header_bytes(key, self._fp, row)
             commands.append(_set_command(self._rkey(key), header, row, self._px))
         replies = self._pipeline(conn, "store", commands)
-        stored: list[bytes] = []
-        for (tracker, i), reply in zip(batch, replies, strict=True):
-            ok = reply == b"OK"
-            if isinstance(reply, ResponseError):
+        outcomes = [reply == b"OK" for reply in replies]
+        for reply in replies:
+            if isinstance(reply, ResponseError):  # e.g. OOM: maxmemory with the noeviction policy
                 self._failed(f"store:{str(reply).split(' ', 1)[0]}", reply)
-            if ok:
-                stored.append(tracker.job.keys[i])
-            self._count("stored" if ok else "store_failures")
-            self._finish_key(tracker, i, ok)
+        stored = [tracker.job.keys[i] for (tracker, i), ok in zip(batch, outcomes, strict=True) if ok]
         self._remember(stored, LookupResult.HIT)
         with self._lock:
+            self._counters["stored"] += len(stored)
+            self._counters["store_failures"] += len(batch) - len(stored)
             self._events.extend((TierEventKind.STORED, k) for k in stored)
+        return outcomes
 
-    def _run_loads(self, conn: Any, batch: list[_Item]) -> None:
+    def _run_loads(self, conn: Any, batch: list[_Item]) -> list[bool]:
+        """Load a batch of keys in one round trip; whether each key's slot now holds its row."""
         verb = "GET" if self._px is None else "GETEX"
         extra = () if self._px is None else ("PX", self._px)
         keys = [tracker.job.keys[i] for tracker, i in batch]
@@ -465,21 +472,22 @@ class RedisTier(SecondaryTier):
         bad: list[tuple[bytes, bytes]] = []
         gone: list[bytes] = []
         loaded: list[bytes] = []
-        for (tracker, i), key, reply in zip(batch, keys, replies, strict=True):
-            ok = False
+        outcomes = [False] * len(batch)
+        for n, ((tracker, i), key, reply) in enumerate(zip(batch, keys, replies, strict=True)):
             if isinstance(reply, bytes):
-                ok = self._fill(key, reply, tracker.job.slots[i])
-                if not ok:
+                outcomes[n] = self._fill(key, reply, tracker.job.slots[i])
+                if outcomes[n]:
+                    loaded.append(key)
+                else:
                     bad.append((key, reply))
             elif isinstance(reply, ResponseError):
                 self._failed(f"load:{str(reply).split(' ', 1)[0]}", reply)
             elif reply is None:
                 gone.append(key)  # absent: never stored, expired or evicted by the server
-                self._count("load_misses")
-            if ok:
-                loaded.append(key)
-            self._count("loaded" if ok else "load_failures")
-            self._finish_key(tracker, i, ok)
+        with self._lock:
+            self._counters["loaded"] += len(loaded)
+            self._counters["load_failures"] += len(batch) - len(loaded)
+            self._counters["load_misses"] += len(gone)
         if bad:
             self._delete_bad(conn, bad)
         lost = gone + [k for k, _ in bad]
@@ -487,6 +495,7 @@ class RedisTier(SecondaryTier):
         self._remember(lost, LookupResult.MISS)
         with self._lock:
             self._events.extend((TierEventKind.REMOVED, k) for k in lost)
+        return outcomes
 
     def _fill(self, key: bytes, value: bytes, slot: int) -> bool:
         """Verify a stored value and copy its payload into `slot`; count and log a bad one."""

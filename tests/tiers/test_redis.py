@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import signal
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -197,6 +198,43 @@ def test_a_restarted_server_fails_jobs_as_values_then_the_tier_recovers(
     # The restarted server kept nothing: the old chunk is a miss, never garbage.
     assert result.successful_keys == (key,) and bytes(ctx.slot_view(5)) == data
     assert tier.stats()["bad_chunks"] == 0
+
+
+def test_a_hung_server_fails_jobs_within_the_socket_timeout(make_tier, ctx, redis_server_factory) -> None:
+    server: RedisServer = redis_server_factory()
+    tier = make_tier(url=server.url, key_prefix=fresh_prefix(), socket_timeout_s=0.5,
+                     reconnect_interval_s=0.2, lookup_ttl_s=0.05)
+    key = random_key()
+    data = fill_slot(ctx, 0)
+    assert server.proc is not None
+    server.proc.send_signal(signal.SIGSTOP)
+    try:
+        start = time.monotonic()
+        tier.submit_store(Job(1, JobKind.STORE, (key,), (0,)))
+        [result] = wait_jobs(tier, 1, timeout_s=3)
+        assert not result.success and time.monotonic() - start < 2
+        assert settle_lookup(tier, [key], timeout_s=3) == [LookupResult.MISS]
+    finally:
+        server.proc.send_signal(signal.SIGCONT)
+    deadline = time.monotonic() + 5
+    while True:
+        tier.submit_store(Job(2, JobKind.STORE, (key,), (0,)))
+        if wait_jobs(tier, 1)[0].success:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.1)
+    tier.submit_load(Job(3, JobKind.LOAD, (key,), (1,)))
+    assert wait_jobs(tier, 1)[0].success and bytes(ctx.slot_view(1)) == data
+
+
+def test_a_job_with_an_invalid_slot_fails_as_a_value(make_tier, ctx, redis_tier_options) -> None:
+    tier = make_tier(**redis_tier_options)
+    tier.submit_store(Job(1, JobKind.STORE, (random_key(),), (SLOTS + 5,)))
+    [result] = wait_jobs(tier, 1)
+    assert not result.success
+    key = random_key()
+    fill_slot(ctx, 0)
+    store(tier, ctx, [key], job_id=2)
 
 
 def test_the_servers_own_maxmemory_eviction_gives_misses_never_bad_data(
