@@ -13,6 +13,7 @@ model (`model_dir`, `is_complete`) is cheap. Run as ``python -m kvtier.models [-
 from __future__ import annotations
 
 import argparse
+import contextlib
 import importlib.util
 import json
 import os
@@ -116,6 +117,16 @@ def _convert_into(out: Path, gguf: Path) -> None:
     tokenizer.save_pretrained(str(out))
 
 
+def _remove_stale_temps(dest: Path, max_age_s: float = 2 * 3600) -> None:
+    """Remove temp dirs that a killed conversion left next to `dest` (~270 MB each)."""
+    now = time.time()
+    for pattern in (f".{dest.name}.tmp-*", f".{dest.name}.old-*"):
+        for path in dest.parent.glob(pattern):
+            with contextlib.suppress(OSError):
+                if now - path.stat().st_mtime > max_age_s:
+                    shutil.rmtree(path, ignore_errors=True)
+
+
 def prepare_smollm2(dest: Path | None = None, *, force: bool = False, quiet: bool = False) -> Path:
     """Make sure the converted model exists at `dest` (default `model_dir()`); return its path.
 
@@ -127,6 +138,7 @@ def prepare_smollm2(dest: Path | None = None, *, force: bool = False, quiet: boo
         return dest
     gguf = find_gguf()
     dest.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_temps(dest)
     started = time.monotonic()
     if not quiet:
         print(f"converting {gguf} -> {dest} (bf16 safetensors)", flush=True)
@@ -182,7 +194,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         prepare_smollm2(dest, force=args.force)
-    except ModelPrepError as exc:
+    except (ModelPrepError, OSError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -29,8 +29,9 @@ SETUP_STARTED=$SECONDS
 step() { printf '==> [setup %3ss] %s\n' "$((SECONDS - SETUP_STARTED))" "$*"; }
 skip() { printf '    ok: %s\n' "$*"; }
 warn() { printf '    warning: %s\n' "$*" >&2; }
-die() { printf 'setup failed: %s\n' "$*" >&2; exit 1; }
-trap 'rc=$?; [ $rc -eq 0 ] || printf "setup failed (exit %s) at line %s: %s\n" "$rc" "$LINENO" "$BASH_COMMAND" >&2' EXIT
+DIED=0
+die() { DIED=1; printf 'setup failed: %s\n' "$*" >&2; exit 1; }
+trap 'rc=$?; [ $rc -eq 0 ] || [ $DIED -eq 1 ] || printf "setup failed (exit %s): %s\n" "$rc" "$BASH_COMMAND" >&2' EXIT
 
 export PIP_DISABLE_PIP_VERSION_CHECK=1
 export DEBIAN_FRONTEND=noninteractive
