@@ -24,6 +24,7 @@ from kvtier.tiers.process import TierProcess, TierSpec
 BENCH_LAYOUT_FP = "62656e63682d6c61796f75742d763031"
 THREAD_OPTIONS: dict[str, tuple[str, ...]] = {
     "fs": ("n_read_threads", "n_write_threads"),
+    "obj": ("io_threads",),
     "redis": ("io_threads",),
 }
 
@@ -97,6 +98,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--tier", required=True, help="tier type (memory, fs, ...)")
     p.add_argument("--root", help="fs: the root directory")
     p.add_argument("--url", help="redis: the server URL (redis://, rediss://, unix://)")
+    p.add_argument("--endpoint", help="obj: the S3 endpoint URL (default: AWS)")
+    p.add_argument("--bucket", help="obj: the bucket (credentials: --option or the AWS chain)")
     p.add_argument("--option", action="append", default=[], metavar="KEY=JSON",
                    help="any other tier option, value as JSON (repeatable)")
     p.add_argument("--chunk-bytes", type=int, default=2 << 20)
@@ -112,6 +115,10 @@ def run_command(args: argparse.Namespace) -> int:
         options["root_dir"] = args.root
     if args.url is not None:
         options["url"] = args.url
+    if args.endpoint is not None:
+        options["endpoint"] = args.endpoint
+    if args.bucket is not None:
+        options["bucket"] = args.bucket
     for item in args.option:
         name, sep, value = item.partition("=")
         if not sep:

@@ -62,7 +62,7 @@ def make_client(
         region_name=region,
         connect_timeout=connect_timeout_s,
         read_timeout=read_timeout_s,
-        retries={"max_attempts": attempts, "mode": "standard"},
+        retries={"total_max_attempts": attempts, "mode": "standard"},
         max_pool_connections=pool_connections,
         tcp_keepalive=True,
         s3={"addressing_style": "path" if path_style else "auto", "payload_signing_enabled": False},

@@ -137,7 +137,7 @@ class SeaweedServer:
         return boto3.client(
             "s3", endpoint_url=self.endpoint, region_name=REGION,
             aws_access_key_id=self.access_key_id, aws_secret_access_key=self.secret_access_key,
-            config=Config(retries={"max_attempts": 1}, **config),
+            config=Config(retries={"total_max_attempts": 1}, **config),
         )
 
     def kill(self) -> None:

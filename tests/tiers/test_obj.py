@@ -1,0 +1,372 @@
+"""The obj tier against a real SeaweedFS S3 server: round trips, bad objects, sharing between tier
+processes, a server killed and restarted, and the start-up probe (credentials, bucket, endpoint)."""
+
+from __future__ import annotations
+
+import logging
+import os
+import socket
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.errors import ConfigError
+from kvtier.host.region import HostRegion
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierEventKind
+from kvtier.tiers.obj import ObjTier
+from kvtier.tiers.process import TierProcess, TierSpec
+from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
+from tests.services.s3 import SeaweedServer, free_ports
+
+OBJECT_BYTES = chunkfmt.HEADER_BYTES + ROW_BYTES
+OTHER_FP = "ffeeddccbbaa99887766554433221100"
+LOGGER = "kvtier.tier"
+
+
+@pytest.fixture
+def make_tier(ctx: TierContext) -> Iterator[Any]:
+    """Build in-process obj tiers on the test's context; all are shut down after the test."""
+    built: list[ObjTier] = []
+
+    def make(options: dict[str, Any], **extra: Any) -> ObjTier:
+        tier = ObjTier(ctx, **{**options, **extra})
+        built.append(tier)
+        return tier
+
+    yield make
+    for tier in built:
+        tier.shutdown()
+
+
+def object_name(key: bytes, fp: str = LAYOUT_FP) -> str:
+    return f"kvtier/{fp}/{key.hex()}"
+
+
+def store(tier: Any, ctx: TierContext, keys: list[bytes], job_id: int = 1) -> list[bytes]:
+    data = [fill_slot(ctx, s) for s in range(len(keys))]
+    tier.submit_store(Job(job_id, JobKind.STORE, tuple(keys), tuple(range(len(keys)))))
+    [result] = wait_jobs(tier, 1)
+    assert result.success
+    return data
+
+
+def load(tier: Any, keys: list[bytes], job_id: int = 2, first_slot: int = 16) -> Any:
+    slots = tuple(range(first_slot, first_slot + len(keys)))
+    tier.submit_load(Job(job_id, JobKind.LOAD, tuple(keys), slots))
+    [result] = wait_jobs(tier, 1, timeout_s=30)
+    return result
+
+
+def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
+    return [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+
+
+# ---- round trip and stored form ---------------------------------------------------------------
+
+
+def test_an_object_is_the_chunk_header_then_the_row(make_tier, ctx, s3_server, s3_tier_options) -> None:
+    tier = make_tier(s3_tier_options)
+    keys = [random_key() for _ in range(3)]
+    data = store(tier, ctx, keys)
+    client = s3_server.client()
+    for key, row in zip(keys, data, strict=True):
+        body = client.get_object(Bucket=s3_tier_options["bucket"], Key=object_name(key))["Body"].read()
+        assert len(body) == OBJECT_BYTES and body[chunkfmt.HEADER_BYTES :] == row
+        assert chunkfmt.verify(body[: chunkfmt.HEADER_BYTES], body[chunkfmt.HEADER_BYTES :], key,
+                               bytes.fromhex(LAYOUT_FP)) is None
+    for s in range(16, 19):
+        ctx.slot_view(s)[:] = bytes(ROW_BYTES)
+    assert load(tier, keys).success
+    assert [bytes(ctx.slot_view(16 + i)) for i in range(3)] == data
+    stats = tier.stats()
+    assert stats["stored"] == 3 and stats["loaded"] == 3 and stats["bytes_used"] == 3 * OBJECT_BYTES
+
+
+def test_lookups_are_asynchronous_and_misses_expire(make_tier, ctx, s3_server, s3_tier_options) -> None:
+    tier = make_tier(s3_tier_options, negative_ttl_s=0.3)
+    key = random_key()
+    assert tier.lookup([key]) == [LookupResult.RETRY]
+    assert settle_lookup(tier, [key]) == [LookupResult.MISS]
+    # Another writer puts the object: seen once the cached miss has expired.
+    header = chunkfmt.header_bytes(key, bytes.fromhex(LAYOUT_FP), bytes(ROW_BYTES))
+    s3_server.client().put_object(Bucket=s3_tier_options["bucket"], Key=object_name(key),
+                                  Body=header + bytes(ROW_BYTES))
+    assert tier.lookup([key]) == [LookupResult.MISS]
+    time.sleep(0.35)
+    assert settle_lookup(tier, [key]) == [LookupResult.HIT]
+    assert load(tier, [key]).success
+
+
+def test_credentials_may_come_from_the_environment(make_tier, ctx, s3_tier_options, monkeypatch) -> None:
+    monkeypatch.setenv("AWS_ACCESS_KEY_ID", s3_tier_options.pop("access_key_id"))
+    monkeypatch.setenv("AWS_SECRET_ACCESS_KEY", s3_tier_options.pop("secret_access_key"))
+    tier = make_tier(s3_tier_options)
+    key = random_key()
+    data = store(tier, ctx, [key])
+    assert load(tier, [key]).success and bytes(ctx.slot_view(16)) == data[0]
+
+
+def test_max_bytes_evicts_the_least_recently_used_objects(make_tier, ctx, s3_server,
+                                                          s3_tier_options) -> None:
+    tier = make_tier(s3_tier_options, max_bytes=2 * OBJECT_BYTES)
+    keys = [random_key() for _ in range(3)]
+    for i, key in enumerate(keys):
+        store(tier, ctx, [key], job_id=i)
+    names = {o["Key"] for o in s3_server.client().list_objects_v2(
+        Bucket=s3_tier_options["bucket"]).get("Contents", [])}
+    assert names == {object_name(k) for k in keys[1:]}
+    removed = {k for e in tier.take_events() if e.kind is TierEventKind.REMOVED for k in e.keys}
+    assert removed == {keys[0]}
+    assert tier.stats()["evictions"] == 1 and tier.stats()["bytes_used"] == 2 * OBJECT_BYTES
+    # A restarted instance learns the existing objects and keeps the bound.
+    tier.shutdown()
+    again = make_tier(s3_tier_options, max_bytes=2 * OBJECT_BYTES)
+    deadline = time.monotonic() + 5
+    while again.stats()["objects"] < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    store(again, ctx, [random_key()], job_id=9)
+    assert again.stats()["objects"] == 2 and again.stats()["evictions"] == 1
+
+
+# ---- bad objects --------------------------------------------------------------------------------
+
+
+def _bad_body(kind: str, key: bytes, row: bytes) -> bytes:
+    fp = bytes.fromhex(LAYOUT_FP)
+    good = chunkfmt.header_bytes(key, fp, row) + row
+    if kind == "checksum":
+        return good[:-1] + bytes([good[-1] ^ 1])
+    if kind == "truncated":
+        return good[: chunkfmt.HEADER_BYTES + ROW_BYTES // 2]
+    if kind == "short":
+        return good[:100]
+    if kind == "foreign_format":
+        return os.urandom(OBJECT_BYTES)
+    if kind == "wrong_layout":
+        return chunkfmt.header_bytes(key, bytes.fromhex(OTHER_FP), row) + row
+    if kind == "wrong_key":
+        return chunkfmt.header_bytes(random_key(), fp, row) + row
+    raise ValueError(kind)
+
+
+@pytest.mark.parametrize("kind, reason", [
+    ("checksum", "checksum"), ("truncated", "wrong_length"), ("short", "short"),
+    ("foreign_format", "foreign_format"), ("wrong_layout", "wrong_layout"), ("wrong_key", "wrong_key"),
+])
+def test_a_bad_object_is_counted_deleted_and_fails_its_key(make_tier, ctx, s3_server, s3_tier_options,
+                                                           kind: str, reason: str, caplog) -> None:
+    tier = make_tier(s3_tier_options)
+    good, bad = random_key(), random_key()
+    data = store(tier, ctx, [good, bad])
+    client, bucket = s3_server.client(), s3_tier_options["bucket"]
+    client.put_object(Bucket=bucket, Key=object_name(bad), Body=_bad_body(kind, bad, data[1]))
+    with caplog.at_level(logging.WARNING, logger=LOGGER):
+        result = load(tier, [bad, good])
+    assert not result.success and result.successful_keys == (good,)
+    assert bytes(ctx.slot_view(17)) == data[0]
+    stats = tier.stats()
+    assert stats["bad_chunks"] == 1 and stats[f"bad_{reason}"] == 1
+    assert client.list_objects_v2(Bucket=bucket, Prefix=object_name(bad)).get("KeyCount") == 0
+    assert any(e.kind is TierEventKind.REMOVED and bad in e.keys for e in tier.take_events())
+    assert settle_lookup(tier, [bad, good]) == [LookupResult.MISS, LookupResult.HIT]
+    assert len([m for m in warnings(caplog) if reason in m]) == 1
+
+
+def test_invalid_keys_fail_as_values(make_tier, ctx, s3_tier_options) -> None:
+    tier = make_tier(s3_tier_options)
+    fill_slot(ctx, 0)
+    tier.submit_store(Job(1, JobKind.STORE, (b"short",), (0,)))
+    tier.submit_load(Job(2, JobKind.LOAD, (b"short",), (1,)))
+    assert [r.success for r in wait_jobs(tier, 2)] == [False, False]
+
+
+# ---- several instances --------------------------------------------------------------------------
+
+
+def _tier_process(region: HostRegion, options: dict[str, Any], **kw: Any) -> TierProcess:
+    spec = TierSpec(
+        tier_name="obj", type="obj", module_path=None, options=options, config_key="secondary_tiers[0]",
+        region_name=region.name, shm_dir=os.path.dirname(region.path), row_bytes=ROW_BYTES,
+        num_slots=SLOTS, layout_fingerprint=LAYOUT_FP,
+    )
+    return TierProcess(spec, job_timeout_s=30, **kw)
+
+
+def test_two_tier_processes_share_one_bucket(region, ctx, s3_tier_options) -> None:
+    other = HostRegion.create(ROW_BYTES * SLOTS)
+    a, b = _tier_process(region, s3_tier_options), _tier_process(other, s3_tier_options)
+    try:
+        a.launch()
+        b.launch()
+        a.wait_ready()
+        b.wait_ready()
+        keys = [random_key() for _ in range(4)]
+        data = store(a, ctx, keys)
+        assert settle_lookup(b, keys) == [LookupResult.HIT] * 4
+        assert load(b, keys, first_slot=8).success
+        other_ctx = TierContext(other.buf, ROW_BYTES, SLOTS, LAYOUT_FP, "other")
+        assert [bytes(other_ctx.slot_view(8 + i)) for i in range(4)] == data
+    finally:
+        a.shutdown()
+        b.shutdown()
+        other.close()
+
+
+# ---- a server that dies and comes back ----------------------------------------------------------
+
+
+def test_a_killed_server_fails_jobs_as_values_then_the_tier_recovers(tmp_path: Path, ctx, caplog) -> None:
+    server = SeaweedServer(tmp_path)
+    server.start()
+    tier: ObjTier | None = None
+    try:
+        options = server.tier_options(server.new_bucket())
+        tier = ObjTier(ctx, **options, connect_timeout_s=1.0, read_timeout_s=3.0)
+        before = [random_key() for _ in range(4)]
+        data = store(tier, ctx, before)
+        # Kill the server with a burst of stores in flight.
+        keys = [random_key() for _ in range(8)]
+        for s in range(8):
+            fill_slot(ctx, 8 + s)
+        with caplog.at_level(logging.WARNING, logger=LOGGER):
+            tier.submit_store(Job(10, JobKind.STORE, tuple(keys), tuple(range(8, 16))))
+            server.kill()
+            start = time.monotonic()
+            tier.submit_load(Job(11, JobKind.LOAD, tuple(before), tuple(range(16, 20))))
+            fresh = [random_key() for _ in range(20)]
+            t0 = time.monotonic()
+            assert all(a is not LookupResult.HIT for a in tier.lookup(fresh))
+            assert time.monotonic() - t0 < 0.1
+            results = {r.job_id: r for r in wait_jobs(tier, 2, timeout_s=15)}
+            assert time.monotonic() - start < 15
+            assert not results[11].success and results[11].successful_keys == ()
+            assert settle_lookup(tier, fresh) == [LookupResult.MISS] * len(fresh)
+        # One line per cause, however many chunks it hit.
+        lines = warnings(caplog)
+        assert 0 < len(lines) <= 6, lines
+
+        server.restart()
+        deadline = time.monotonic() + 20
+        while True:
+            tier.submit_load(Job(12, JobKind.LOAD, tuple(before), tuple(range(16, 20))))
+            if wait_jobs(tier, 1, timeout_s=15)[0].success:
+                break
+            assert time.monotonic() < deadline, "the tier did not recover"
+            time.sleep(0.2)
+        assert [bytes(ctx.slot_view(16 + i)) for i in range(4)] == data
+        store(tier, ctx, [random_key()], job_id=13)
+    finally:
+        if tier is not None:
+            tier.shutdown()
+        server.kill()
+
+
+# ---- the start-up probe ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("option", ["access_key_id", "secret_access_key"])
+def test_wrong_credentials_are_a_config_error_that_never_shows_them(ctx, s3_tier_options, option,
+                                                                    caplog) -> None:
+    wrong = f"wrong-{option}-{random_key().hex()}"
+    options = {**s3_tier_options, option: wrong}
+    with caplog.at_level(logging.DEBUG), pytest.raises(ConfigError) as info:
+        ObjTier(ctx, **options)
+    assert info.value.key == option
+    for secret in (wrong, s3_tier_options["secret_access_key"]):
+        assert secret not in str(info.value) and secret not in repr(info.value.value)
+    # botocore's own DEBUG lines show the access key id (never the secret); nothing else does.
+    assert s3_tier_options["secret_access_key"] not in caplog.text
+    if option == "secret_access_key":
+        assert wrong not in caplog.text
+    shown = [r for r in caplog.records if r.levelno >= logging.INFO or r.name.startswith("kvtier")]
+    assert not any(wrong in r.getMessage() for r in shown)
+
+
+def test_wrong_credentials_in_a_tier_process_are_a_config_error(region, s3_tier_options) -> None:
+    secret = f"wrong-{random_key().hex()}"
+    proc = _tier_process(region, {**s3_tier_options, "secret_access_key": secret})
+    with pytest.raises(ConfigError) as info:
+        proc.start()
+    assert info.value.key == "secondary_tiers[0].secret_access_key"
+    assert secret not in str(info.value)
+
+
+def test_a_missing_bucket_is_a_config_error_unless_asked_to_create_it(make_tier, ctx, s3_server,
+                                                                      s3_tier_options) -> None:
+    options = {**s3_tier_options, "bucket": f"{s3_tier_options['bucket']}-missing"}
+    with pytest.raises(ConfigError) as info:
+        ObjTier(ctx, **options)
+    assert info.value.key == "bucket" and "create_bucket" in str(info.value)
+    tier = make_tier(options, create_bucket=True)
+    store(tier, ctx, [random_key()])
+    s3_server.client().delete_bucket(Bucket=options["bucket"])
+
+
+def _silent_listener() -> tuple[socket.socket, int]:
+    """A socket that accepts connections (through its backlog) and never answers."""
+    sock = socket.socket()
+    sock.bind(("127.0.0.1", 0))
+    sock.listen(16)
+    return sock, sock.getsockname()[1]
+
+
+@pytest.mark.parametrize("where", ["closed_port", "silent_server"])
+def test_an_unreachable_endpoint_is_a_config_error_within_seconds(ctx, s3_tier_options, where) -> None:
+    listener = None
+    if where == "closed_port":
+        port = free_ports(1)[0]
+    else:
+        listener, port = _silent_listener()
+    options = {**s3_tier_options, "endpoint": f"http://127.0.0.1:{port}"}
+    start = time.monotonic()
+    try:
+        with pytest.raises(ConfigError) as info:
+            ObjTier(ctx, **options)
+    finally:
+        if listener is not None:
+            listener.close()
+    assert time.monotonic() - start < 5
+    assert info.value.key == "endpoint"
+
+
+@pytest.mark.parametrize("option, value", [
+    ("bucket", ""), ("bucket", 3), ("io_threads", 0), ("io_threads", 1.5), ("io_threads", True),
+    ("max_bytes", 10), ("negative_ttl_s", -1), ("connect_timeout_s", float("nan")),
+    ("create_bucket", "yes"), ("endpoint", 5),
+])
+def test_bad_options_name_themselves(ctx, s3_tier_options, option: str, value: object) -> None:
+    with pytest.raises(ConfigError) as info:
+        ObjTier(ctx, **{**s3_tier_options, option: value})
+    assert info.value.key == option
+
+
+def test_a_secret_without_its_key_id_is_a_config_error(ctx, s3_tier_options) -> None:
+    s3_tier_options.pop("access_key_id")
+    with pytest.raises(ConfigError) as info:
+        ObjTier(ctx, **s3_tier_options)
+    assert info.value.key == "access_key_id"
+    assert s3_tier_options["secret_access_key"] not in str(info.value)
+
+
+def test_a_burst_of_lookups_never_blocks_the_caller(make_tier, ctx, s3_tier_options) -> None:
+    tier = make_tier(s3_tier_options)
+    keys = [random_key() for _ in range(200)]
+    worst, deadline = 0.0, time.monotonic() + 10
+    while time.monotonic() < deadline:
+        t0 = time.monotonic()
+        answers = tier.lookup(keys)
+        worst = max(worst, time.monotonic() - t0)
+        if LookupResult.RETRY not in answers:
+            break
+    assert answers == [LookupResult.MISS] * 200 and worst < 0.05
+
+
+def test_tier_bench_runs_against_seaweedfs(s3_tier_options) -> None:
+    from kvtier.bench.tier_bench import run_tier_bench
+
+    report = run_tier_bench("obj", s3_tier_options, chunk_bytes=64 << 10, chunks=16, threads=4)
+    assert report["tier_stats"].get("stored", 0) >= 0 and report["load_gib_s"] > 0
