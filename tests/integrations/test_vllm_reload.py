@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 CHUNK = BLOCK_SIZE  # blocks_per_chunk = 1
 ROW_BYTES = 30 * 2 * 3 * CHUNK * 64 * 2  # SmolLM2: 30 layers, 3 KV heads, head_dim 64, bf16
-HOST_SLOTS = 8
+HOST_SLOTS = 6  # two prompts of 3 chunks
 
 
 @dataclass(frozen=True)
@@ -80,10 +80,11 @@ def spy(llm: Any) -> Iterator[KVSpy]:
         yield KVSpy(connector_halves(llm)[1], mp)
 
 
-def generate(llm: Any, prompt: str) -> Result:
+def generate(llm: Any, prompt: str, max_tokens: int = 8) -> Result:
     from vllm import SamplingParams
 
-    out = llm.generate([prompt], SamplingParams(temperature=0.0, max_tokens=16), use_tqdm=False)[0]
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out = llm.generate([prompt], params, use_tqdm=False)[0]
     return Result(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.num_cached_tokens)
 
 
@@ -132,7 +133,7 @@ def test_reload_from_fs_tier_after_host_eviction(llm: Any, spy: KVSpy) -> None:
         settle(scheduler)
         if not any(host.contains(k) for k in keys):
             break
-        generate(llm, PROMPTS[filler])
+        generate(llm, PROMPTS[filler], max_tokens=1)
     assert not any(host.contains(k) for k in keys), "the fillers did not evict the prompt"
     settle(scheduler)
     fs_loads = manager.counters["load_chunks:fs"]
