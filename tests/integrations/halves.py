@@ -1,0 +1,77 @@
+"""Small stand-ins for vLLM's scheduler objects, to drive the connector halves without an engine.
+
+A tiny model (2 layers, 2 KV heads, head_dim 8, bf16) with 4-token blocks; the halves see the same
+attributes vLLM gives them (`Request`, `KVCacheBlocks`, `SchedulerOutput`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from kvtier.integrations.vllm.geometry import EngineGeometry
+from kvtier.keys import ModelFingerprint
+from kvtier.layout import CanonicalLayout
+
+LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 8, 4
+ROW_BYTES = 4096  # 2 layers * 2 (K, V) * 2 heads * 4 tokens * 8 dims * 2 bytes = 512, padded
+
+
+def geometry(blocks_per_chunk: int = 1) -> EngineGeometry:
+    fingerprint = ModelFingerprint("tiny", "", "torch.bfloat16", "torch.bfloat16", LAYERS, HEADS, HEAD_DIM)
+    layout = CanonicalLayout(LAYERS, HEADS, HEAD_DIM, BLOCK * blocks_per_chunk, torch.bfloat16)
+    names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
+    return EngineGeometry(fingerprint, layout, BLOCK, blocks_per_chunk, names, tp_size=1)
+
+
+def kv_caches(num_blocks: int, seed: int = 0) -> dict[str, torch.Tensor]:
+    """Random per-layer tensors in vLLM's CPU shape `[num_blocks, H, block_size, 2 * D]`."""
+    gen = torch.Generator().manual_seed(seed)
+    shape = (num_blocks, HEADS, BLOCK, 2 * HEAD_DIM)
+    return {
+        name: torch.randn(shape, generator=gen).to(torch.bfloat16) for name in geometry().layer_names
+    }
+
+
+@dataclass
+class FakeRequest:
+    request_id: str
+    prompt_token_ids: list[int]
+    num_computed_tokens: int = 0
+    mm_features: list[Any] = field(default_factory=list)
+    lora_request: Any = None
+    cache_salt: str | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class FakeBlocks:
+    ids: list[int]
+
+    def get_block_ids(self) -> tuple[list[int], ...]:
+        return (self.ids,)
+
+
+@dataclass
+class FakeSchedulerOutput:
+    num_scheduled_tokens: dict[str, int]
+
+
+def store_in_child(region_name: str, shm_dir: str, job: Any, seed: int) -> tuple[int, bool]:
+    """Run in a spawned process: a worker half with `kv_caches(16, seed)` stores `job` into the
+    host region it attaches by name; returns its acknowledgement for the job."""
+    from kvtier.integrations.vllm.metadata import KVTierMetadata
+    from kvtier.integrations.vllm.worker import KVTierWorker
+
+    worker = KVTierWorker(geometry(), tp_rank=0)
+    worker.register_kv_caches(kv_caches(16, seed))
+    worker.save(KVTierMetadata(region_name, shm_dir, stores=(job,)))
+    meta = worker.take_worker_meta()
+    worker.shutdown()
+    assert meta is not None
+    return meta.stores[job.job_id]

@@ -1,0 +1,107 @@
+"""The connector's scheduler half without an engine: lookups, pins, two-phase stores."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+from vllm.v1.outputs import KVConnectorOutput
+
+from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from tests.integrations.halves import (
+    ROW_BYTES,
+    FakeBlocks,
+    FakeRequest,
+    FakeSchedulerOutput,
+    geometry,
+)
+
+PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4
+
+
+@pytest.fixture
+def sched() -> Iterator[KVTierScheduler]:
+    s = KVTierScheduler(KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES}), geometry(), 1)
+    blocks: dict[str, list[int]] = {}
+    s.bind_block_ids(blocks.__getitem__)
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    yield s
+    s.shutdown()
+
+
+def compute_prompt(s: KVTierScheduler, req: FakeRequest, block_ids: list[int], ok: bool = True) -> None:
+    """One step that computes the whole prompt, then the worker's acknowledgement of its stores."""
+    s.test_blocks[req.request_id] = block_ids  # type: ignore[attr-defined]
+    assert s.get_num_new_matched_tokens(req, 0) == (0, False)
+    meta = s.build_connector_meta(FakeSchedulerOutput({req.request_id: req.num_tokens}))
+    req.num_computed_tokens = req.num_tokens
+    acks = {job.job_id: (1, ok) for job in meta.stores}
+    s.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata(acks)))
+    s.request_finished(req)  # type: ignore[arg-type]
+
+
+def test_store_is_published_only_after_the_worker_copied_it(sched: KVTierScheduler) -> None:
+    req = FakeRequest("a", PROMPT)
+    sched.test_blocks["a"] = [7, 3, 5, 9]  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    meta = sched.build_connector_meta(FakeSchedulerOutput({"a": 14}))
+    (job,) = meta.stores
+    assert job.block_ids == ((7,), (3,), (5,)) and len(job.slots) == 3
+    keys = sched.hasher.keys(PROMPT)
+    assert list(job.keys) == keys
+    assert meta.region_name == sched.region_name
+    assert all(sched.manager.host.is_pending(k) for k in keys)
+    sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata({job.job_id: (1, True)}))
+    )
+    assert all(sched.manager.host.contains(k) for k in keys)
+
+
+def test_failed_store_frees_its_rows(sched: KVTierScheduler) -> None:
+    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3], ok=False)
+    assert sched.manager.host.stats().used == 0
+    assert sched.counters["store_failures"] == 3
+
+
+def test_lookup_goes_past_the_device_hit_and_never_offers_the_last_token(
+    sched: KVTierScheduler,
+) -> None:
+    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    assert sched.get_num_new_matched_tokens(FakeRequest("b", PROMPT), 0) == (12, True)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(FakeRequest("c", PROMPT), 4) == (8, True)  # type: ignore[arg-type]
+    # 12 tokens: 3 chunks are stored, but the last token must be computed: 2 chunks.
+    assert sched.get_num_new_matched_tokens(FakeRequest("d", PROMPT[:12]), 0) == (8, True)  # type: ignore[arg-type]
+    assert sched.get_num_new_matched_tokens(FakeRequest("e", PROMPT), 12) == (0, False)  # type: ignore[arg-type]
+    other = [1, *PROMPT[1:]]
+    assert sched.get_num_new_matched_tokens(FakeRequest("f", other), 0) == (0, False)  # type: ignore[arg-type]
+
+
+def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> None:
+    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    req = FakeRequest("b", PROMPT)
+    keys = sched.hasher.keys(PROMPT)
+    assert sched.get_num_new_matched_tokens(req, 4) == (8, True)  # type: ignore[arg-type]
+    sched.update_state_after_alloc(req, FakeBlocks([0, 11, 12, 13]), 8)  # type: ignore[arg-type]
+    assert [sched.manager.host.pin_count(k) for k in keys] == [0, 1, 1]
+    meta = sched.build_connector_meta(FakeSchedulerOutput({}))
+    (load,) = meta.loads
+    assert load.req_id == "b" and load.block_ids == ((11,), (12,)) and list(load.keys) == keys[1:]
+    assert sched.build_connector_meta(FakeSchedulerOutput({})).loads == ()
+    sched.update_connector_output(KVConnectorOutput(finished_recving={"b"}))
+    assert [sched.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
+
+
+def test_requests_that_cannot_be_keyed_are_left_alone(sched: KVTierScheduler) -> None:
+    req = FakeRequest("mm", PROMPT, mm_features=["image"])
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    assert sched.build_connector_meta(FakeSchedulerOutput({"mm": 14})).stores == ()
+
+
+def test_worker_metadata_aggregates_over_ranks() -> None:
+    a = KVTierWorkerMetadata({1: (1, True), 2: (1, True)})
+    b = KVTierWorkerMetadata({1: (1, False), 3: (1, True)})
+    merged = a.aggregate(b)
+    assert isinstance(merged, KVTierWorkerMetadata)
+    assert merged.stores == {1: (2, False), 2: (1, True), 3: (1, True)}

@@ -1,0 +1,104 @@
+"""The connector's worker half and `kvtier.transfer` without an engine: copies through the host
+region, attached by name (also from another process), and failures reported as values."""
+
+from __future__ import annotations
+
+import multiprocessing
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kvtier.host.region import HostRegion
+from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata
+from kvtier.integrations.vllm.worker import KVTierWorker
+from kvtier.layout import CopyPlan, TPShard, engine_layout
+from kvtier.transfer import HostTransfer
+from tests.integrations.halves import (
+    BLOCK,
+    HEAD_DIM,
+    HEADS,
+    ROW_BYTES,
+    geometry,
+    kv_caches,
+    store_in_child,
+)
+
+KEYS = (b"a" * 32, b"b" * 32)
+
+
+@pytest.fixture
+def region() -> Iterator[HostRegion]:
+    r = HostRegion.create(8 * ROW_BYTES)
+    yield r
+    r.close()
+
+
+def worker_with(caches: dict[str, torch.Tensor]) -> KVTierWorker:
+    worker = KVTierWorker(geometry(), tp_rank=0)
+    worker.register_kv_caches(caches)
+    return worker
+
+
+def same_blocks(a: dict[str, torch.Tensor], ia: int, b: dict[str, torch.Tensor], ib: int) -> bool:
+    return all(torch.equal(a[n][ia].view(torch.int16), b[n][ib].view(torch.int16)) for n in a)
+
+
+def test_store_then_load_restores_the_exact_bytes(region: HostRegion) -> None:
+    caches = kv_caches(16)
+    worker = worker_with(caches)
+    store = ChunkCopy(1, "r1", KEYS, ((2,), (5,)), (0, 3))
+    worker.save(KVTierMetadata(region.name, "/dev/shm", stores=(store,)))
+    meta = worker.take_worker_meta()
+    assert meta is not None and meta.stores == {1: (1, True)}
+    assert worker.take_worker_meta() is None
+
+    load = ChunkCopy(2, "r2", KEYS, ((9,), (10,)), (0, 3))
+    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=(load,)))
+    assert worker.take_finished_loads() == {"r2"}
+    assert worker.take_load_errors() == set()
+    assert same_blocks(caches, 9, caches, 2) and same_blocks(caches, 10, caches, 5)
+    assert not same_blocks(caches, 9, caches, 5)
+    worker.shutdown()
+
+
+def test_load_without_pinned_rows_fails_its_blocks(region: HostRegion) -> None:
+    worker = worker_with(kv_caches(16))
+    load = ChunkCopy(1, "r1", KEYS, ((4,), (6,)), ())
+    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=(load,)))
+    assert worker.take_finished_loads() == {"r1"}
+    assert worker.take_load_errors() == {4, 6}
+    worker.shutdown()
+
+
+def test_register_rejects_an_unexpected_layout() -> None:
+    caches = {n: t[:, :1] for n, t in kv_caches(4).items()}  # one head where two are expected
+    with pytest.raises(ValueError, match=r"layer model\.layers\.0"):
+        worker_with(caches)
+    with pytest.raises(ValueError, match="no KV cache tensor"):
+        worker_with({})
+
+
+def test_transfer_refuses_non_cpu_tensors() -> None:
+    layout = geometry().layout
+    plan = CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(HEADS), BLOCK)
+    meta_kv = torch.empty((4, HEADS, BLOCK, 2 * HEAD_DIM), dtype=torch.bfloat16, device="meta")
+    with pytest.raises(NotImplementedError, match="CPU tensors only"):
+        HostTransfer(plan, [meta_kv, meta_kv])
+
+
+@pytest.mark.slow
+def test_a_worker_in_another_process_writes_the_same_rows(region: HostRegion) -> None:
+    job = ChunkCopy(7, "r", KEYS, ((1,), (2,)), (4, 5))
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        ack = pool.apply(store_in_child, (region.name, "/dev/shm", job, 1))
+    assert ack == (1, True)
+    caches = kv_caches(16, seed=2)
+    worker = worker_with(caches)
+    load = ChunkCopy(8, "r", KEYS, ((11,), (12,)), (4, 5))
+    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=(load,)))
+    assert worker.take_load_errors() == set()
+    child = kv_caches(16, seed=1)
+    assert same_blocks(caches, 11, child, 1) and same_blocks(caches, 12, child, 2)
+    worker.shutdown()
