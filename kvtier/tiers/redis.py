@@ -29,12 +29,13 @@ import math
 import threading
 import time
 from collections import Counter, OrderedDict, deque
-from collections.abc import Sequence
-from typing import Any
+from collections.abc import Callable, Sequence
+from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
+from redis.connection import parse_url as _redis_parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError, ResponseError
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -56,6 +57,8 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.fs_pool import JobTracker
 
+_parse_url = cast(Callable[[str], dict[str, Any]], _redis_parse_url)
+"""redis-py's own URL parser (untyped there): scheme, host or path, credentials, query arguments."""
 LOG_INTERVAL_S = 600.0
 """A failure cause already logged is logged again (with the count since) at most this often."""
 SCHEMES = ("redis", "rediss", "unix")
@@ -150,12 +153,14 @@ class RedisTier(SecondaryTier):
         self.lookup_ttl_s = float(lookup_ttl_s)
         self.lookup_wait_s = float(lookup_wait_s)
         try:
-            self._pool = redis.ConnectionPool.from_url(
-                url, socket_timeout=socket_timeout_s, socket_connect_timeout=connect_timeout_s,
-                retry=Retry(NoBackoff(), 0), max_connections=io_threads + 2,
-                socket_read_size=1 << 20,
-            )
-        except (ValueError, RedisError) as e:
+            # Query arguments in the URL (ssl_ca_certs=..., socket_timeout=...) win, except the
+            # ones the threading model depends on: one connection per thread, no hidden retries.
+            kwargs: dict[str, Any] = {"socket_timeout": socket_timeout_s,
+                                      "socket_connect_timeout": connect_timeout_s,
+                                      "socket_read_size": 1 << 20, **_parse_url(url)}
+            kwargs.update(max_connections=io_threads + 2, retry=Retry(NoBackoff(), 0))
+            self._pool = redis.ConnectionPool(**kwargs)
+        except (ValueError, TypeError, RedisError) as e:
             raise ConfigError("url", self.url, self._scrub(f"not a usable redis URL: {e}")) from None
         self._probe()
 

@@ -6,7 +6,9 @@ from __future__ import annotations
 import hashlib
 import logging
 import os
+import shutil
 import signal
+import subprocess
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
@@ -30,7 +32,7 @@ from tests.conftest import (
     settle_lookup,
     wait_jobs,
 )
-from tests.services.redis_server import RedisServer, fresh_prefix
+from tests.services.redis_server import RedisServer, free_port, fresh_prefix
 from tests.tiers import test_contract as contract
 
 MakeTier = Callable[..., RedisTier]
@@ -284,8 +286,10 @@ def test_ttl_expires_values_and_loads_refresh_it(make_tier, ctx, redis_tier_opti
     assert settle_lookup(tier, [kept, dropped]) == [LookupResult.HIT, LookupResult.MISS]
 
 
-def test_a_unix_socket_url_works(make_tier, ctx, redis_server) -> None:
-    tier = make_tier(url=redis_server.unix_url, key_prefix=fresh_prefix())
+def test_a_unix_socket_url_works_and_its_query_cannot_starve_the_threads(make_tier, ctx,
+                                                                         redis_server) -> None:
+    url = f"{redis_server.unix_url}?max_connections=1&socket_timeout=3"
+    tier = make_tier(url=url, key_prefix=fresh_prefix(), io_threads=3)
     key = random_key()
     data = fill_slot(ctx, 0)
     store(tier, ctx, [key])
@@ -293,11 +297,34 @@ def test_a_unix_socket_url_works(make_tier, ctx, redis_server) -> None:
     assert wait_jobs(tier, 1)[0].success and bytes(ctx.slot_view(3)) == data
 
 
+def test_rediss_with_the_servers_ca_works_and_an_unverifiable_server_is_refused(
+    make_tier, ctx, redis_server_factory, tmp_path
+) -> None:
+    if shutil.which("openssl") is None:
+        pytest.skip("openssl is not installed")
+    cert, key_file = tmp_path / "cert.pem", tmp_path / "key.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1",
+                    "-keyout", str(key_file), "-out", str(cert), "-subj", "/CN=127.0.0.1",
+                    "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    tls_port = free_port()
+    redis_server_factory("--tls-port", str(tls_port), "--tls-cert-file", str(cert),
+                         "--tls-key-file", str(key_file), "--tls-ca-cert-file", str(cert),
+                         "--tls-auth-clients", "no")
+    url = f"rediss://127.0.0.1:{tls_port}/0"
+    tier = make_tier(url=f"{url}?ssl_ca_certs={cert}", key_prefix=fresh_prefix())
+    key = random_key()
+    data = fill_slot(ctx, 0)
+    store(tier, ctx, [key])
+    tier.submit_load(Job(2, JobKind.LOAD, (key,), (3,)))
+    assert wait_jobs(tier, 1)[0].success and bytes(ctx.slot_view(3)) == data
+    with pytest.raises(ConfigError, match="certificate verify failed") as e:
+        RedisTier(ctx, url=url)
+    assert e.value.key == "url"
+
+
 @pytest.mark.parametrize("url", ["http://127.0.0.1:1", "redis://127.0.0.1:{port}",
                                  "unix:///nonexistent/kvtier.sock", "redis://127.0.0.1:notaport", 42])
 def test_a_bad_or_unreachable_url_is_a_config_error_at_once(ctx, url: object) -> None:
-    from tests.services.redis_server import free_port
-
     if isinstance(url, str):
         url = url.format(port=free_port())
     start = time.monotonic()
