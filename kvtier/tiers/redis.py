@@ -13,8 +13,8 @@ takes the other kind when its own is empty. One lookup thread answers lookups wi
 so they never wait behind bulk transfers. Each thread owns one connection.
 
 Copies: a store sends the header and the host row as separate buffers of one hand-framed SET (the
-row is never copied in Python); a load copies the received value into the slot once, after checking
-its header and checksum.
+row is never copied in Python); a load reads the GET reply's payload from the socket straight into
+the slot (`_ReplyReader`), then checks the header and checksum before reporting the key loaded.
 
 Failures are values: a key that could not be moved fails its job. A connection error or timeout marks
 the server down for `reconnect_interval_s`: meanwhile batches fail at once and lookups answer MISS;
@@ -30,6 +30,7 @@ import threading
 import time
 from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, cast
 from urllib.parse import parse_qsl, urlencode, urlsplit
 
@@ -79,6 +80,77 @@ class _NoReply:
 
 
 NO_REPLY = _NoReply()
+
+
+@dataclass(frozen=True)
+class _Bad:
+    """A load reply that is not a valid chunk of its key: why, and the SHA-1 of what was read."""
+
+    reason: chunkfmt.ChunkError
+    sha1: str
+
+
+class _ReplyReader:
+    """RESP replies read straight from a connection's socket, bulk payloads into caller buffers.
+
+    redis-py's parsers hand a bulk reply over as a new `bytes` (after copying it through their own
+    buffer); this reads a chunk's row from the socket into its host-region slot instead. It is used
+    between sending a pipeline and reading all of its replies, while redis-py's parser holds none
+    of them (that parser reads only inside `read_response`, which is not called meanwhile).
+    """
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+        self._buf = bytearray(64 << 10)
+        self._view = memoryview(self._buf)
+        self._start = self._end = 0
+
+    def _recv(self, out: memoryview) -> int:
+        got: int = self._sock.recv_into(out)
+        if got == 0:
+            raise RedisConnectionError("connection closed by the server")
+        return got
+
+    def line(self) -> bytes:
+        """The next reply line, without its CRLF."""
+        while (i := self._buf.find(b"\r\n", self._start, self._end)) < 0:
+            if self._start:
+                n = self._end - self._start
+                self._buf[:n] = self._view[self._start : self._end]
+                self._start, self._end = 0, n
+            if self._end == len(self._buf):
+                raise RedisConnectionError("reply line too long")
+            self._end += self._recv(self._view[self._end :])
+        out = bytes(self._view[self._start : i])
+        self._start = i + 2
+        return out
+
+    def read_into(self, out: memoryview) -> None:
+        """Fill `out` with the next len(out) bytes of the stream."""
+        have = min(len(out), self._end - self._start)
+        out[:have] = self._view[self._start : self._start + have]
+        self._start += have
+        while have < len(out):
+            have += self._recv(out[have:])
+
+    def drain(self, n: int, sink: Callable[[memoryview], object]) -> None:
+        """Pass the next `n` bytes of the stream to `sink`, a bounded piece at a time."""
+        while n:
+            if self._start == self._end:
+                self._start, self._end = 0, self._recv(self._view)
+            take = min(n, self._end - self._start)
+            sink(self._view[self._start : self._start + take])
+            self._start += take
+            n -= take
+
+    def end_bulk(self) -> None:
+        if self.line():
+            raise RedisConnectionError("a bulk reply did not end where its length said")
+
+    def finish(self) -> None:
+        """Check that nothing beyond the expected replies arrived."""
+        if self._start != self._end:
+            raise RedisConnectionError("unexpected bytes after the pipeline's replies")
 
 
 def redact_url(url: str) -> str:
@@ -419,10 +491,14 @@ class RedisTier(SecondaryTier):
         finally:
             conn.disconnect()
 
-    def _pipeline(self, conn: Any, op: str, commands: list[Any]) -> list[Any]:
+    def _pipeline(
+        self, conn: Any, op: str, commands: list[Any],
+        read_reply: Callable[[_ReplyReader, int], Any] | None = None,
+    ) -> list[Any]:
         """Send `commands` (argument tuples, or lists of pre-framed buffers) in one write, read one
         reply per command: the value, a ResponseError, or NO_REPLY when there was none (the server
-        is down or was just marked down by a connection error)."""
+        is down or was just marked down by a connection error). `read_reply(reader, n)`, when
+        given, reads the reply to command `n` itself, straight from the socket."""
         with self._lock:
             if time.monotonic() < self._down_until:
                 return [NO_REPLY] * len(commands)
@@ -432,7 +508,12 @@ class RedisTier(SecondaryTier):
             for cmd in commands:
                 buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
             conn.send_packed_command(buffers, check_health=False)
-            for _ in commands:
+            if read_reply is not None:
+                reader = _ReplyReader(conn._sock)  # connected by send_packed_command
+                for n in range(len(commands)):
+                    replies.append(read_reply(reader, n))
+                reader.finish()
+            for _ in range(len(commands) - len(replies)):
                 try:
                     replies.append(conn.read_response(disable_decoding=True))
                 except ResponseError as e:
@@ -473,22 +554,29 @@ class RedisTier(SecondaryTier):
         verb = "GET" if self._px is None else "GETEX"
         extra = () if self._px is None else ("PX", self._px)
         keys = [tracker.job.keys[i] for tracker, i in batch]
-        replies = self._pipeline(conn, "load", [(verb, self._rkey(k), *extra) for k in keys])
-        bad: list[tuple[bytes, bytes]] = []
+        rows = [self.ctx.slot_view(tracker.job.slots[i]) for tracker, i in batch]
+
+        def read(reader: _ReplyReader, n: int) -> Any:
+            return self._read_value(reader, keys[n], rows[n])
+
+        commands = [(verb, self._rkey(k), *extra) for k in keys]
+        replies = self._pipeline(conn, "load", commands, read)
+        outcomes = [reply is True for reply in replies]
+        bad: list[tuple[bytes, str]] = []
         gone: list[bytes] = []
-        loaded: list[bytes] = []
-        outcomes = [False] * len(batch)
-        for n, ((tracker, i), key, reply) in enumerate(zip(batch, keys, replies, strict=True)):
-            if isinstance(reply, bytes):
-                outcomes[n] = self._fill(key, reply, tracker.job.slots[i])
-                if outcomes[n]:
-                    loaded.append(key)
-                else:
-                    bad.append((key, reply))
+        for key, reply in zip(keys, replies, strict=True):
+            if isinstance(reply, _Bad):
+                bad.append((key, reply.sha1))
+                with self._lock:
+                    self._counters["bad_chunks"] += 1
+                    self._counters[f"bad_{reply.reason.value}"] += 1
+                self._failed(f"bad:{reply.reason.value}",
+                             ValueError(f"removing bad value {self._rkey(key).decode()}"))
             elif isinstance(reply, ResponseError):
                 self._failed(f"load:{str(reply).split(' ', 1)[0]}", reply)
             elif reply is None:
                 gone.append(key)  # absent: never stored, expired or evicted by the server
+        loaded = [k for k, ok in zip(keys, outcomes, strict=True) if ok]
         with self._lock:
             self._counters["loaded"] += len(loaded)
             self._counters["load_failures"] += len(batch) - len(loaded)
@@ -502,28 +590,38 @@ class RedisTier(SecondaryTier):
             self._events.extend((TierEventKind.REMOVED, k) for k in lost)
         return outcomes
 
-    def _fill(self, key: bytes, value: bytes, slot: int) -> bool:
-        """Verify a stored value and copy its payload into `slot`; count and log a bad one."""
-        view = memoryview(value)
-        row = self.ctx.slot_view(slot)
-        err, digest = chunkfmt.check_header(view[: chunkfmt.HEADER_BYTES], key, self._fp, len(row))
-        payload = view[chunkfmt.HEADER_BYTES :]
-        if err is None and len(payload) != len(row):
-            err = chunkfmt.ChunkError.LENGTH
-        if err is None and chunkfmt.checksum(payload) != digest:
-            err = chunkfmt.ChunkError.CHECKSUM
-        if err is None:
-            row[:] = payload
-            return True
-        with self._lock:
-            self._counters["bad_chunks"] += 1
-            self._counters[f"bad_{err.value}"] += 1
-        self._failed(f"bad:{err.value}", ValueError(f"removing bad value {self._rkey(key).decode()}"))
-        return False
+    def _read_value(self, reader: _ReplyReader, key: bytes, row: memoryview) -> Any:
+        """Read one GET reply: the payload straight into `row`, then verify it. True when `row`
+        holds the chunk; None when the key is absent; a ResponseError; or _Bad."""
+        line = reader.line()
+        if line in (b"$-1", b"_"):  # RESP2 / RESP3 null
+            return None
+        if line[:1] == b"-":
+            return ResponseError(line[1:].decode(errors="replace"))
+        if line[:1] != b"$":
+            raise RedisConnectionError(f"unexpected reply {line[:40]!r} to GET")
+        size = int(line[1:])
+        head = memoryview(bytearray(min(size, chunkfmt.HEADER_BYTES)))
+        reader.read_into(head)
+        sha1 = hashlib.sha1(head)
+        if size == self.value_bytes:
+            reader.read_into(row)
+            reader.end_bulk()
+            err, digest = chunkfmt.check_header(head, key, self._fp, len(row))
+            if err is None and chunkfmt.checksum(row) != digest:
+                err = chunkfmt.ChunkError.CHECKSUM
+            if err is None:
+                return True
+            sha1.update(row)
+        else:
+            reader.drain(size - len(head), sha1.update)
+            reader.end_bulk()
+            err = chunkfmt.check_header(head, key, self._fp, len(row))[0] or chunkfmt.ChunkError.LENGTH
+        return _Bad(err, sha1.hexdigest())
 
-    def _delete_bad(self, conn: Any, bad: list[tuple[bytes, bytes]]) -> None:
-        script = [("EVAL", _DELETE_IF_SAME, 1, self._rkey(k), hashlib.sha1(v).hexdigest())
-                  for k, v in bad]
+    def _delete_bad(self, conn: Any, bad: list[tuple[bytes, str]]) -> None:
+        """Delete each bad value (key, SHA-1 hex of the value read) unless it changed since."""
+        script = [("EVAL", _DELETE_IF_SAME, 1, self._rkey(k), sha1) for k, sha1 in bad]
         replies = self._pipeline(conn, "delete", script)
         fallback = [("DEL", self._rkey(k)) for (k, _), r in zip(bad, replies, strict=True)
                     if isinstance(r, ResponseError)]  # scripting disabled on this server

@@ -87,12 +87,17 @@ def _corrupt(kind: str, value: bytes, other: bytes) -> bytes:
         return b"not a chunk"
     if kind == "foreign_format":
         return os.urandom(len(value))
+    if kind == "oversized":
+        return value + os.urandom(300_000)
     return other  # wrong_key: a valid chunk of another key under this key's name
 
 
-@pytest.mark.parametrize("kind", ["checksum", "wrong_length", "short", "foreign_format", "wrong_key"])
+@pytest.mark.parametrize(("kind", "reason"), [
+    ("checksum", "checksum"), ("wrong_length", "wrong_length"), ("oversized", "wrong_length"),
+    ("short", "short"), ("foreign_format", "foreign_format"), ("wrong_key", "wrong_key"),
+])
 def test_a_bad_value_is_counted_deleted_and_fails_its_key(make_tier, ctx, redis_tier_options,
-                                                           kind: str) -> None:
+                                                           kind: str, reason: str) -> None:
     tier = make_tier(**redis_tier_options, lookup_ttl_s=0.05)
     key, other, good = random_key(), random_key(), random_key()
     fill_slot(ctx, 0)
@@ -109,11 +114,36 @@ def test_a_bad_value_is_counted_deleted_and_fails_its_key(make_tier, ctx, redis_
     assert not result.success and result.successful_keys == (good,)
     assert bytes(ctx.slot_view(9)) == data
     stats = tier.stats()
-    assert stats["bad_chunks"] == 1 and stats[f"bad_{kind}"] == 1
+    assert stats["bad_chunks"] == 1 and stats[f"bad_{reason}"] == 1
     assert r.exists(name) == 0
     assert settle_lookup(tier, [key, good]) == [LookupResult.MISS, LookupResult.HIT]
     removed = {k for e in tier.take_events() if e.kind is TierEventKind.REMOVED for k in e.keys}
     assert removed == {key}
+
+
+def test_a_value_of_another_type_fails_its_key_only(make_tier, ctx, redis_tier_options) -> None:
+    tier = make_tier(**redis_tier_options)
+    key, good = random_key(), random_key()
+    data = fill_slot(ctx, 1)
+    tier.submit_store(Job(1, JobKind.STORE, (good,), (1,)))
+    assert wait_jobs(tier, 1)[0].success
+    client(redis_tier_options).rpush(value_key(redis_tier_options, key), b"x")
+    tier.submit_load(Job(2, JobKind.LOAD, (key, good), (5, 6)))
+    [result] = wait_jobs(tier, 1)
+    assert result.successful_keys == (good,) and bytes(ctx.slot_view(6)) == data
+    assert tier.stats()["bad_chunks"] == 0 and tier.stats()["down"] == 0
+
+
+@pytest.mark.parametrize("protocol", [2, 3])
+def test_resp2_and_resp3_round_trip_and_miss(make_tier, ctx, redis_server, protocol: int) -> None:
+    tier = make_tier(url=f"{redis_server.url}?protocol={protocol}", key_prefix=fresh_prefix())
+    key = random_key()
+    data = fill_slot(ctx, 0)
+    store(tier, ctx, [key])
+    tier.submit_load(Job(2, JobKind.LOAD, (random_key(), key), (3, 4)))
+    [result] = wait_jobs(tier, 1)
+    assert result.successful_keys == (key,) and bytes(ctx.slot_view(4)) == data
+    assert tier.stats()["load_misses"] == 1
 
 
 def test_a_bad_value_replaced_meanwhile_by_a_good_one_is_kept(make_tier, ctx, redis_tier_options) -> None:
@@ -123,7 +153,7 @@ def test_a_bad_value_replaced_meanwhile_by_a_good_one_is_kept(make_tier, ctx, re
     store(tier, ctx, [key])
     conn = client(redis_tier_options).connection_pool.make_connection()
     try:
-        tier._delete_bad(conn, [(key, b"the bad value that was read")])
+        tier._delete_bad(conn, [(key, hashlib.sha1(b"the bad value that was read").hexdigest())])
     finally:
         conn.disconnect()
     assert client(redis_tier_options).exists(value_key(redis_tier_options, key)) == 1
