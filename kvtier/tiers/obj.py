@@ -18,14 +18,16 @@ Threads: the dispatch thread calls the contract methods, which only enqueue work
 kind of work when its own queue is empty. `ObjIndex` holds what is known about keys.
 
 Lookups are asynchronous: an unknown key is RETRY while a HEAD for it is in flight; a present key
-stays HIT until a load of it fails, an absent one is MISS for `negative_ttl_s` from
-the first time it is reported. A HEAD that fails
-for another reason (server down) answers MISS for the same time, so lookups never hang.
+stays HIT until a load finds it missing or bad, an absent one is MISS for `negative_ttl_s` from
+the first time it is reported. A HEAD that fails for another reason (server down) answers MISS for
+the same time, so lookups never hang.
 
 Failures are values: a request that fails ends its key as failed; the error is logged once per
 cause (operation and S3 error code or exception) per `LOG_INTERVAL_S`, and the first success after
-failures is logged once. The client reconnects by itself, so the tier recovers without a restart
-when the server comes back. Credentials are never logged, kept in attributes or put in errors.
+failures is logged once. After a connection-level failure no request is sent for `DOWN_S`, so a
+dead or hung server fails a backlog of keys at once rather than one timeout each. The client
+reconnects by itself: the tier recovers without a restart when the server comes back.
+Credentials are never logged, kept in attributes or put in errors.
 
 `max_bytes` bounds the bytes of the objects this instance knows of (stored, loaded or found under
 its layout prefix at start); beyond it the least recently used known objects are deleted.
@@ -56,11 +58,21 @@ from kvtier.tiers.base import (
     TierEventKind,
 )
 from kvtier.tiers.fs_pool import IoPool, JobTracker
-from kvtier.tiers.obj_client import NOT_FOUND, ChunkIO, error_code, make_client, probe
+from kvtier.tiers.obj_client import (
+    NOT_FOUND,
+    ChunkIO,
+    error_code,
+    is_connection_error,
+    make_client,
+    probe,
+)
 from kvtier.tiers.obj_index import ObjIndex
 
 LOG_INTERVAL_S = 600.0
 """A failure cause already logged is logged again (with the count since) at most this often."""
+DOWN_S = 1.0
+"""After a connection-level failure (refused, timed out, closed), requests are not sent for this
+long: queued keys fail at once and lookups answer MISS, instead of each waiting for a timeout."""
 
 _KeyWork = Callable[[ChunkKey, int], bool]
 """Moves one key between its slot and its object; True on success. Runs on an I/O thread."""
@@ -160,6 +172,7 @@ class ObjTier(SecondaryTier):
         self._counters: Counter[str] = Counter()
         self._logged: dict[str, tuple[float, int]] = {}
         self._failing = False
+        self._down_until = 0.0
         self._events: list[tuple[TierEventKind, bytes]] = []
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         n_read = max(1, io_threads // 2)
@@ -238,7 +251,8 @@ class ObjTier(SecondaryTier):
         """Do one key (None: the tier is shut down) and complete the job after its last key."""
         ok = False
         try:
-            ok = work is not None and work(tracker.job.keys[i], tracker.job.slots[i])
+            if work is not None and not self._server_down():
+                ok = work(tracker.job.keys[i], tracker.job.slots[i])
         except Exception as e:  # a failed request, or a bug: the key fails, the job goes on
             self._failed(f"{tracker.job.kind.value}:{error_code(e)}", e)
         if not ok:
@@ -319,8 +333,9 @@ class ObjTier(SecondaryTier):
         """Answer one pending lookup; a failed HEAD is a brief MISS (never a hang)."""
         present: bool | None = None
         try:
-            present = self._io.exists(self._name(key))
-            self._succeeded()
+            if not self._server_down():
+                present = self._io.exists(self._name(key))
+                self._succeeded()
         except Exception as e:
             self._failed(f"lookup:{error_code(e)}", e)
             self._count("lookup_failures")
@@ -353,10 +368,12 @@ class ObjTier(SecondaryTier):
 
     def _scan(self) -> None:
         """Learn the objects already under the layout prefix (for `max_bytes`); a pool task."""
+        self._index.start_scan()
         try:
             listed = self._io.list_names(self.layout_prefix)
         except Exception as e:
             self._failed(f"list:{error_code(e)}", e)
+            self._index.merge_listed([])
             return
         found: list[tuple[bytes, float]] = []
         for name, size, mtime in listed:
@@ -389,10 +406,16 @@ class ObjTier(SecondaryTier):
             self.ctx.log.info("obj tier %s: bucket %s answers again", self.ctx.tier_name,
                               self.bucket)
 
+    def _server_down(self) -> bool:
+        """Whether a connection-level failure happened less than DOWN_S ago."""
+        return time.monotonic() < self._down_until
+
     def _failed(self, cause: str, exc: BaseException) -> None:
         """Log a failure cause once per LOG_INTERVAL_S, however many chunks it hits."""
         now = time.monotonic()
         with self._lock:
+            if is_connection_error(exc):
+                self._down_until = now + DOWN_S
             if not cause.startswith("bad:"):
                 self._failing = True
             last, suppressed = self._logged.get(cause, (-math.inf, 0))

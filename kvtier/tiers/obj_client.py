@@ -41,6 +41,13 @@ def error_code(exc: BaseException) -> str:
     return type(exc).__name__
 
 
+def is_connection_error(exc: BaseException) -> bool:
+    """Whether the server could not be reached or stopped answering (not an S3 error reply)."""
+    from botocore.exceptions import ConnectionError, HTTPClientError
+
+    return isinstance(exc, ConnectionError | HTTPClientError)
+
+
 def make_client(
     *,
     endpoint: str | None,

@@ -36,6 +36,8 @@ class ObjIndex:
         self._pending: set[bytes] = set()
         self._pins: Counter[bytes] = Counter()
         self._reserved = 0
+        self._dropped: set[bytes] | None = None
+        """Keys removed since `start_scan` (None: no scan running): a listing must not revive them."""
         self._lock = threading.Lock()
 
     @property
@@ -115,6 +117,8 @@ class ObjIndex:
             if key not in self._present:
                 return False
             del self._present[key]
+            if self._dropped is not None:
+                self._dropped.add(key)
             return True
 
     def pin(self, key: bytes) -> None:
@@ -144,6 +148,8 @@ class ObjIndex:
                         victims.append(key)
                 for key in victims:
                     del self._present[key]
+                if self._dropped is not None:
+                    self._dropped.update(victims)
             granted = len(self._present) + self._reserved + n <= limit
             if granted:
                 self._reserved += n
@@ -154,11 +160,17 @@ class ObjIndex:
             with self._lock:
                 self._reserved -= n
 
+    def start_scan(self) -> None:
+        """Call before listing the bucket; `merge_listed` then skips keys removed meanwhile."""
+        with self._lock:
+            self._dropped = set()
+
     def merge_listed(self, keys: Iterable[bytes]) -> None:
         """Add keys found by a listing, oldest first, as less recently used than known ones."""
         with self._lock:
+            dropped, self._dropped = self._dropped or set(), None
             for key in reversed(list(keys)):
-                if key not in self._present:
+                if key not in self._present and key not in dropped:
                     self._absent.pop(key, None)
                     self._present[key] = None
                     self._present.move_to_end(key, last=False)

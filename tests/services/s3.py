@@ -149,6 +149,15 @@ class SeaweedServer:
             os.killpg(proc.pid, signal.SIGKILL)
         proc.wait()
 
+    def pause(self) -> None:
+        """SIGSTOP the server: connections are accepted by the kernel, nothing is answered."""
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGSTOP)
+
+    def resume(self) -> None:
+        if self.proc is not None:
+            os.killpg(self.proc.pid, signal.SIGCONT)
+
     def new_bucket(self) -> str:
         name = f"kvt-{secrets.token_hex(6)}"
         self.client().create_bucket(Bucket=name)

@@ -128,8 +128,12 @@ def test_max_bytes_evicts_the_least_recently_used_objects(make_tier, ctx, s3_ser
     deadline = time.monotonic() + 5
     while again.stats()["objects"] < 2 and time.monotonic() < deadline:
         time.sleep(0.01)
-    store(again, ctx, [random_key()], job_id=9)
-    assert again.stats()["objects"] == 2 and again.stats()["evictions"] == 1
+    newest = random_key()
+    store(again, ctx, [newest], job_id=9)
+    # SeaweedFS may still list the object deleted above for a moment (it is then evicted again), and
+    # keys[1] and keys[2] may share a last-modified second: either may be the one evicted.
+    assert again.stats()["objects"] == 2 and again.stats()["evictions"] >= 1
+    assert settle_lookup(again, [newest]) == [LookupResult.HIT]
 
 
 # ---- bad objects --------------------------------------------------------------------------------
@@ -265,6 +269,39 @@ def test_a_killed_server_fails_jobs_as_values_then_the_tier_recovers(tmp_path: P
         server.kill()
 
 
+def test_a_hung_server_fails_jobs_within_the_timeouts_and_lookups_answer(tmp_path: Path, ctx) -> None:
+    server = SeaweedServer(tmp_path)
+    server.start()
+    tier: ObjTier | None = None
+    try:
+        tier = ObjTier(ctx, **server.tier_options(server.new_bucket()), connect_timeout_s=1.0,
+                       read_timeout_s=1.5, io_threads=4)
+        before = [random_key() for _ in range(4)]
+        store(tier, ctx, before)
+        server.pause()
+        start = time.monotonic()
+        keys = [random_key() for _ in range(16)]
+        tier.submit_load(Job(5, JobKind.LOAD, tuple(keys), tuple(range(16, 32))))
+        for _ in range(50):
+            t0 = time.monotonic()
+            tier.lookup(keys)
+            assert time.monotonic() - t0 < 0.1
+            time.sleep(0.01)
+        [result] = wait_jobs(tier, 1, timeout_s=20)
+        # Two attempts of one read timeout for the keys in flight; the backlog fails at once.
+        assert not result.success and time.monotonic() - start < 2 * 1.5 + 3
+        server.resume()
+        deadline = time.monotonic() + 20
+        while not load(tier, before, job_id=6).success:
+            assert time.monotonic() < deadline, "the tier did not recover"
+            time.sleep(0.2)
+    finally:
+        server.resume()
+        if tier is not None:
+            tier.shutdown()
+        server.kill()
+
+
 # ---- the start-up probe ---------------------------------------------------------------------------
 
 
@@ -353,16 +390,20 @@ def test_a_secret_without_its_key_id_is_a_config_error(ctx, s3_tier_options) -> 
 
 
 def test_a_burst_of_lookups_never_blocks_the_caller(make_tier, ctx, s3_tier_options) -> None:
-    tier = make_tier(s3_tier_options)
+    # Misses are kept long enough here that none expires before the last HEAD of the burst is done.
+    tier = make_tier(s3_tier_options, negative_ttl_s=30.0)
     keys = [random_key() for _ in range(200)]
-    worst, deadline = 0.0, time.monotonic() + 10
+    worst, deadline = 0.0, time.monotonic() + 20
     while time.monotonic() < deadline:
         t0 = time.monotonic()
         answers = tier.lookup(keys)
         worst = max(worst, time.monotonic() - t0)
         if LookupResult.RETRY not in answers:
             break
-    assert answers == [LookupResult.MISS] * 200 and worst < 0.05
+        time.sleep(0.001)
+    assert answers == [LookupResult.MISS] * 200
+    assert worst < 0.2, f"a lookup of 200 keys took {worst * 1000:.0f} ms"
+    assert tier.stats()["heads"] == 200
 
 
 def test_tier_bench_runs_against_seaweedfs(s3_tier_options) -> None:
