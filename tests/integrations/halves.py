@@ -43,10 +43,15 @@ class FakeRequest:
     mm_features: list[Any] = field(default_factory=list)
     lora_request: Any = None
     cache_salt: str | None = None
+    output_token_ids: list[int] = field(default_factory=list)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_token_ids)
+        return len(self.all_token_ids)
 
 
 @dataclass
@@ -60,6 +65,7 @@ class FakeBlocks:
 @dataclass
 class FakeSchedulerOutput:
     num_scheduled_tokens: dict[str, int]
+    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
 
 
 def store_in_child(region_name: str, shm_dir: str, job: Any, seed: int) -> tuple[int, bool]:

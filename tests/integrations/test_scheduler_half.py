@@ -93,6 +93,22 @@ def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> Non
     assert [sched.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
 
 
+def test_chunks_filled_during_decode_are_stored_when_computed(sched: KVTierScheduler) -> None:
+    req = FakeRequest("a", PROMPT[:6])  # one full chunk, then decode
+    sched.test_blocks["a"] = [4, 2]  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    (first,) = sched.build_connector_meta(FakeSchedulerOutput({"a": 6})).stores
+    req.num_computed_tokens = 6
+    req.output_token_ids = [7]  # sampled; its KV is computed by the next step
+    assert sched.build_connector_meta(FakeSchedulerOutput({"a": 1})).stores == ()
+    req.num_computed_tokens = 7
+    req.output_token_ids = [7, 8, 9]  # with one draft token: not final, not stored
+    spec = FakeSchedulerOutput({"a": 2}, {"a": [9]})
+    (second,) = sched.build_connector_meta(spec).stores
+    assert second.block_ids == ((2,),)
+    assert list(first.keys + second.keys) == sched.hasher.keys([*PROMPT[:6], 7, 8])
+
+
 def test_requests_that_cannot_be_keyed_are_left_alone(sched: KVTierScheduler) -> None:
     req = FakeRequest("mm", PROMPT, mm_features=["image"])
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]

@@ -10,9 +10,11 @@ a secondary tier is in flight); `update_state_after_alloc` pins their host rows;
 `build_connector_meta` sends the copies; the worker reports the request in `finished_recving` and
 `update_connector_output` releases the pins.
 
-Stores: `build_connector_meta` allocates host rows (WRITING) for every full prompt chunk that this
-step completes; the worker copies device → host in `wait_for_save`, before the step ends, so the
-device blocks are never held past the step; `update_connector_output` publishes the rows
+Stores: `build_connector_meta` allocates host rows (WRITING) for every full chunk that this step
+completes, prompt chunks and the chunks filled during decode alike (in multi-turn chat the reply is
+part of the next turn's prefix); a chunk the request only partly fills is never stored. The worker
+copies device → host in `wait_for_save`, before the step ends, so no device block is held past its
+step (nor after the request finishes); `update_connector_output` publishes the rows
 (`complete_store`) once every worker reported its copy, then cascades them to the secondary tiers.
 """
 
@@ -44,10 +46,12 @@ BlockIdsFn = Callable[[str], list[int]]
 
 @dataclass
 class _Request:
-    """A live request: its prompt chunk keys and how far loads and stores have got."""
+    """A live request: the keys of its full chunks known so far (the prompt's, then those its
+    decode fills), and how far loads and stores have got."""
 
     request: Request
     keys: list[bytes]
+    lora: str | None
     load_from: int = 0
     stored: int = 0
 
@@ -151,14 +155,27 @@ class KVTierScheduler:
         """
         self.manager.poll()
         stores: list[ChunkCopy] = []
+        speculative = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(req_id)
-            if state is not None:
-                store = self._plan_store(state, state.request.num_computed_tokens + num_new)
-                if store is not None:
-                    stores.append(store)
+            if state is None:
+                continue
+            # Draft tokens may be rejected: their KV is not final, so it is not stored.
+            computed = state.request.num_computed_tokens + num_new - len(speculative.get(req_id, ()))
+            self._extend_keys(state, computed)
+            store = self._plan_store(state, computed)
+            if store is not None:
+                stores.append(store)
         loads, self._loads_to_send = tuple(self._loads_to_send), []
         return KVTierMetadata(self.region_name, self.shm_dir, loads, tuple(stores))
+
+    def _extend_keys(self, state: _Request, computed: int) -> None:
+        """Key the full chunks that decode filled up to `computed` tokens."""
+        if computed // self.geometry.chunk_tokens <= len(state.keys):
+            return
+        request = state.request
+        tokens = request.all_token_ids[:computed]
+        state.keys += self.hasher.extend(state.keys, tokens, cache_salt=request.cache_salt, lora=state.lora)
 
     def _plan_store(self, state: _Request, computed: int) -> ChunkCopy | None:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
@@ -228,7 +245,7 @@ class KVTierScheduler:
             return None
         lora = request.lora_request.lora_name if request.lora_request else None
         keys = self.hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
-        state = _Request(request, keys)
+        state = _Request(request, keys, lora)
         self._requests[request.request_id] = state
         return state
 
