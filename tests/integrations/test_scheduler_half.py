@@ -121,3 +121,23 @@ def test_worker_metadata_aggregates_over_ranks() -> None:
     merged = a.aggregate(b)
     assert isinstance(merged, KVTierWorkerMetadata)
     assert merged.stores == {1: (2, False), 2: (1, True), 3: (1, True)}
+
+
+def test_chunks_of_two_blocks() -> None:
+    config = KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES, "blocks_per_chunk": 2})
+    s = KVTierScheduler(config, geometry(blocks_per_chunk=2), 1)
+    try:
+        s.bind_block_ids({"a": [6, 1, 8, 3]}.__getitem__)
+        prompt = list(range(17))  # two full chunks of 8 tokens
+        req = FakeRequest("a", prompt)
+        assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+        (job,) = s.build_connector_meta(FakeSchedulerOutput({"a": 17})).stores
+        assert job.block_ids == ((6, 1), (8, 3))
+        acks = KVTierWorkerMetadata({job.job_id: (1, True)})
+        s.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=acks))
+        assert s.get_num_new_matched_tokens(FakeRequest("b", prompt), 0) == (16, True)  # type: ignore[arg-type]
+        assert s.get_num_new_matched_tokens(FakeRequest("c", prompt), 8) == (8, True)  # type: ignore[arg-type]
+        # A device hit that ends inside a chunk: that chunk cannot be loaded in part; recompute.
+        assert s.get_num_new_matched_tokens(FakeRequest("d", prompt), 4) == (0, False)  # type: ignore[arg-type]
+    finally:
+        s.shutdown()
