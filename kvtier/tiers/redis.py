@@ -32,7 +32,7 @@ from collections import Counter, OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import parse_qsl, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -188,7 +188,15 @@ def _number(key: str, value: object, allowed: str, *, low: float, integer: bool 
 
 
 class RedisTier(SecondaryTier):
-    """Chunks as Redis strings under `<key_prefix>:<layout fingerprint>:`, shared by every instance."""
+    """Chunks as Redis strings under `<key_prefix>:<layout fingerprint>:`, shared by every instance.
+
+    Options: `url` (redis://, rediss:// or unix://; its query arguments such as `ssl_ca_certs` are
+    redis-py's), `key_prefix`, `ttl_s` (None: no expiry), `io_threads`, `pipeline_depth` and
+    `batch_bytes` (a batch's bound in keys and bytes), `socket_timeout_s` and `connect_timeout_s`
+    (how long a dead or hung server can hold a batch), `reconnect_interval_s` (how long the server
+    stays marked down after a connection error), `lookup_ttl_s` (how long an answer is reused) and
+    `lookup_wait_s` (how long `lookup` waits for answers before saying RETRY).
+    """
 
     def __init__(
         self,
@@ -211,7 +219,8 @@ class RedisTier(SecondaryTier):
                             socket_timeout_s, connect_timeout_s, reconnect_interval_s,
                             lookup_ttl_s, lookup_wait_s)
         self.url = redact_url(url)
-        self._secret = urlsplit(url).password or dict(parse_qsl(urlsplit(url).query)).get("password")
+        given = [urlsplit(url).password, dict(parse_qsl(urlsplit(url).query)).get("password")]
+        self._secrets = {form for pw in given if pw for form in (pw, unquote(pw))}
         try:
             self._fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
         except ValueError as e:
@@ -228,8 +237,7 @@ class RedisTier(SecondaryTier):
             # Query arguments in the URL (ssl_ca_certs=..., socket_timeout=...) win, except the
             # ones the threading model depends on: one connection per thread, no hidden retries.
             kwargs: dict[str, Any] = {"socket_timeout": socket_timeout_s,
-                                      "socket_connect_timeout": connect_timeout_s,
-                                      "socket_read_size": 1 << 20, **_parse_url(url)}
+                                      "socket_connect_timeout": connect_timeout_s, **_parse_url(url)}
             kwargs.update(max_connections=io_threads + 2, retry=Retry(NoBackoff(), 0))
             self._pool = redis.ConnectionPool(**kwargs)
         except (ValueError, TypeError, RedisError) as e:
@@ -293,7 +301,10 @@ class RedisTier(SecondaryTier):
             _number(name, value, "must be a non-negative number of seconds", low=0)
 
     def _scrub(self, text: str) -> str:
-        return text.replace(self._secret, "***") if self._secret else text
+        """`text` without the password, should a message from below ever quote it."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
 
     def _probe(self) -> None:
         """PING the server once; ConfigError naming `url` when it cannot be reached or refuses us."""
