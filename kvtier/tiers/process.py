@@ -314,7 +314,9 @@ class TierProcess:
                 now = time.monotonic()
                 for key, result in zip(asked[0], msg[2], strict=True):
                     self._asking.discard(key)
-                    self._remember(key, LookupResult(result), now)
+                    # RETRY is not an answer: the next lookup asks the tier again.
+                    if result != LookupResult.RETRY:
+                        self._remember(key, LookupResult(result), now)
         elif op == "events":
             self._events.extend(TierEvent(TierEventKind(k), tuple(keys)) for k, keys in msg[1])
         elif op == "stats":

@@ -7,8 +7,9 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Sequence
 
-from kvtier.tiers.base import Job, JobResult, TierContext
+from kvtier.tiers.base import Job, JobResult, LookupResult, TierContext
 from kvtier.tiers.memory import MemoryTier
 
 
@@ -45,3 +46,16 @@ class DelayedMemoryTier(MemoryTier):
 
 class NotATier:
     """Named by a config to check that plugins must derive from the contract."""
+
+
+class RetryOnceTier(MemoryTier):
+    """Answers RETRY the first time a key is looked up, HIT afterwards."""
+
+    def __init__(self, ctx: TierContext) -> None:
+        super().__init__(ctx)
+        self._seen: set[bytes] = set()
+
+    def lookup(self, keys: Sequence[bytes]) -> list[LookupResult]:
+        out = [LookupResult.HIT if k in self._seen else LookupResult.RETRY for k in keys]
+        self._seen.update(keys)
+        return out

@@ -151,3 +151,18 @@ def test_option_error_names_the_tier_entry_and_option(region: HostRegion) -> Non
         proc.start()
     assert e.value.key == "secondary_tiers[0].max_bytes" and e.value.value == 5
     assert str(e.value).count("kvtier config") == 1
+
+
+def test_a_retry_answer_is_asked_again_not_cached(region: HostRegion) -> None:
+    proc = make_proc(region, "RetryOnceTier", PLUGIN)
+    proc.start()
+    try:
+        key = random_key()
+        answers = []
+        deadline = time.monotonic() + proc.lookup_ttl_s / 2
+        while LookupResult.HIT not in answers and time.monotonic() < deadline:
+            answers = proc.lookup([key])
+            time.sleep(0.01)
+        assert answers == [LookupResult.HIT], "a tier's RETRY must not stick in the proxy's cache"
+    finally:
+        proc.shutdown()
