@@ -19,20 +19,24 @@ LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 8, 4
 ROW_BYTES = 4096  # 2 layers * 2 (K, V) * 2 heads * 4 tokens * 8 dims * 2 bytes = 512, padded
 
 
-def geometry(blocks_per_chunk: int = 1) -> EngineGeometry:
+def geometry(blocks_per_chunk: int = 1, tp_size: int = 1) -> EngineGeometry:
     fingerprint = ModelFingerprint("tiny", "", "torch.bfloat16", "torch.bfloat16", LAYERS, HEADS, HEAD_DIM)
     layout = CanonicalLayout(LAYERS, HEADS, HEAD_DIM, BLOCK * blocks_per_chunk, torch.bfloat16)
     names = tuple(f"model.layers.{i}.self_attn.attn" for i in range(LAYERS))
-    return EngineGeometry(fingerprint, layout, BLOCK, blocks_per_chunk, names, tp_size=1)
+    return EngineGeometry(fingerprint, layout, BLOCK, blocks_per_chunk, names, tp_size=tp_size)
 
 
-def kv_caches(num_blocks: int, seed: int = 0) -> dict[str, torch.Tensor]:
-    """Random per-layer tensors in vLLM's CPU shape `[num_blocks, H, block_size, 2 * D]`."""
+def kv_caches(num_blocks: int, seed: int = 0, tp_rank: int | None = None) -> dict[str, torch.Tensor]:
+    """Random per-layer tensors in vLLM's CPU shape `[num_blocks, H, block_size, 2 * D]`; with
+    `tp_rank`, that rank's one-head shard (TP=2) of the same values."""
     gen = torch.Generator().manual_seed(seed)
     shape = (num_blocks, HEADS, BLOCK, 2 * HEAD_DIM)
-    return {
+    caches = {
         name: torch.randn(shape, generator=gen).to(torch.bfloat16) for name in geometry().layer_names
     }
+    if tp_rank is None:
+        return caches
+    return {name: kv[:, tp_rank : tp_rank + 1].contiguous() for name, kv in caches.items()}
 
 
 @dataclass
@@ -81,3 +85,33 @@ def store_in_child(region_name: str, shm_dir: str, job: Any, seed: int) -> tuple
     worker.shutdown()
     assert meta is not None
     return meta.stores[job.job_id]
+
+
+def rank_store(region_name: str, job: Any, seed: int, tp_rank: int) -> tuple[int, bool]:
+    """Run in a spawned process as TP rank `tp_rank` of 2: store `job` from this rank's shard of
+    `kv_caches(16, seed)` into the shared host rows; return the acknowledgement."""
+    from kvtier.integrations.vllm.metadata import KVTierMetadata
+    from kvtier.integrations.vllm.worker import KVTierWorker
+
+    worker = KVTierWorker(geometry(tp_size=2), tp_rank)
+    worker.register_kv_caches(kv_caches(16, seed, tp_rank))
+    worker.save(KVTierMetadata(region_name, "/dev/shm", stores=(job,)))
+    meta = worker.take_worker_meta()
+    worker.shutdown()
+    assert meta is not None
+    return meta.stores[job.job_id]
+
+
+def rank_load(region_name: str, job: Any, tp_rank: int) -> dict[str, torch.Tensor]:
+    """Run in a spawned process as TP rank `tp_rank` of 2: load `job` into zeroed shard tensors;
+    return the loaded blocks of every layer, in the job's block order."""
+    from kvtier.integrations.vllm.metadata import KVTierMetadata
+    from kvtier.integrations.vllm.worker import KVTierWorker
+
+    caches = {name: torch.zeros_like(kv) for name, kv in kv_caches(16, 0, tp_rank).items()}
+    worker = KVTierWorker(geometry(tp_size=2), tp_rank)
+    worker.register_kv_caches(caches)
+    worker.start_load(KVTierMetadata(region_name, "/dev/shm", loads=(job,)))
+    assert worker.take_load_errors() == set()
+    worker.shutdown()
+    return {name: kv[list(job.all_block_ids)].clone() for name, kv in caches.items()}

@@ -21,6 +21,8 @@ from tests.integrations.halves import (
     ROW_BYTES,
     geometry,
     kv_caches,
+    rank_load,
+    rank_store,
     store_in_child,
 )
 
@@ -102,3 +104,32 @@ def test_a_worker_in_another_process_writes_the_same_rows(region: HostRegion) ->
     child = kv_caches(16, seed=1)
     assert same_blocks(caches, 11, child, 1) and same_blocks(caches, 12, child, 2)
     worker.shutdown()
+
+
+@pytest.mark.slow
+def test_tp2_ranks_write_one_row_that_tp1_reads_and_back(region: HostRegion) -> None:
+    """Consolidation: two worker-half processes (TP ranks 0 and 1, one KV head each) write their
+    shards into the same host rows; a TP=1 worker reads whole heads back, and the reverse."""
+    store = ChunkCopy(1, "r", KEYS, ((3,), (7,)), (1, 6))
+    full = kv_caches(16, seed=1)
+    with multiprocessing.get_context("spawn").Pool(2) as pool:
+        acks = pool.starmap(rank_store, [(region.name, store, 1, 0), (region.name, store, 1, 1)])
+        assert acks == [(1, True), (1, True)]
+        caches = kv_caches(16, seed=3)
+        worker = worker_with(caches)
+        load = ChunkCopy(2, "r", KEYS, ((0,), (1,)), (1, 6))
+        worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=(load,)))
+        assert same_blocks(caches, 0, full, 3) and same_blocks(caches, 1, full, 7)
+
+        other = kv_caches(16, seed=4)
+        tp1 = worker_with(other)
+        store = ChunkCopy(3, "r", KEYS, ((5,), (9,)), (2, 4))
+        tp1.save(KVTierMetadata(region.name, "/dev/shm", stores=(store,)))
+        load = ChunkCopy(4, "r", KEYS, ((12,), (13,)), (2, 4))
+        shards = pool.starmap(rank_load, [(region.name, load, 0), (region.name, load, 1)])
+    for rank, loaded in enumerate(shards):
+        for name, kv in other.items():
+            expected = kv[[5, 9], rank : rank + 1]
+            assert torch.equal(loaded[name].view(torch.int16), expected.view(torch.int16))
+    worker.shutdown()
+    tp1.shutdown()
