@@ -9,6 +9,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
+from kvtier.integrations.vllm.options import RequestOptions
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
 from tests.integrations.halves import (
     ROW_BYTES,
@@ -107,6 +108,27 @@ def test_chunks_filled_during_decode_are_stored_when_computed(sched: KVTierSched
     (second,) = sched.build_connector_meta(spec).stores
     assert second.block_ids == ((2,),)
     assert list(first.keys + second.keys) == sched.hasher.keys([*PROMPT[:6], 7, 8])
+
+
+def test_per_request_options_skip_load_and_store(sched: KVTierScheduler) -> None:
+    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    no_load = FakeRequest("b", PROMPT, kv_transfer_params={"kvtier": {"skip_load": True}})
+    assert sched.get_num_new_matched_tokens(no_load, 0) == (0, False)  # type: ignore[arg-type]
+    other = [9, *PROMPT[1:]]
+    no_store = FakeRequest("c", other, kv_transfer_params={"kvtier": {"skip_store": True}})
+    sched.test_blocks["c"] = [5, 6, 7, 8]  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(no_store, 0) == (0, False)  # type: ignore[arg-type]
+    assert sched.build_connector_meta(FakeSchedulerOutput({"c": 14})).stores == ()
+
+
+def test_malformed_options_fall_back_to_defaults() -> None:
+    opts = RequestOptions.from_params(
+        "r", {"kvtier": {"skip_load": "yes", "priority": True, "load_tiers": ["fs"], "bogus": 1}}
+    )
+    assert opts == RequestOptions(load_tiers=frozenset({"fs"}))
+    assert RequestOptions.from_params("r", {"kvtier": ["skip_load"]}) == RequestOptions()
+    assert RequestOptions.from_params("r", None) == RequestOptions()
+    assert RequestOptions.from_params("r", {"kvtier": {"priority": 3}}).priority == 3
 
 
 def test_requests_that_cannot_be_keyed_are_left_alone(sched: KVTierScheduler) -> None:

@@ -16,6 +16,9 @@ part of the next turn's prefix); a chunk the request only partly fills is never 
 copies device → host in `wait_for_save`, before the step ends, so no device block is held past its
 step (nor after the request finishes); `update_connector_output` publishes the rows
 (`complete_store`) once every worker reported its copy, then cascades them to the secondary tiers.
+
+Per-request options (`options.py`, from `kv_transfer_params`) may skip the load or the store,
+restrict the secondary tiers a load may come from, and set the cascade's retention priority.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from typing import TYPE_CHECKING
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.options import RequestOptions
 from kvtier.keys import ChunkHasher
 from kvtier.manager import TieringManager
 
@@ -52,6 +56,7 @@ class _Request:
     request: Request
     keys: list[bytes]
     lora: str | None
+    options: RequestOptions
     load_from: int = 0
     stored: int = 0
 
@@ -59,6 +64,7 @@ class _Request:
 @dataclass
 class _Store:
     keys: list[bytes]
+    priority: int
     acks: int = 0
     ok: bool = True
 
@@ -106,13 +112,13 @@ class KVTierScheduler:
         """
         state = self._state(request)
         ct = self.geometry.chunk_tokens
-        if state is None or num_computed_tokens % ct:
+        if state is None or state.options.skip_load or num_computed_tokens % ct:
             return 0, False
         start = num_computed_tokens // ct
         keys = state.keys[start : (request.num_tokens - 1) // ct]
         if not keys:
             return 0, False
-        found = self.manager.lookup_prefix(keys)
+        found = self.manager.lookup_prefix(keys, state.options.load_tiers)
         if found.pending:
             return None, False
         state.load_from = start
@@ -179,7 +185,7 @@ class KVTierScheduler:
 
     def _plan_store(self, state: _Request, computed: int) -> ChunkCopy | None:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
-        if done <= state.stored or self._block_ids_of is None:
+        if done <= state.stored or state.options.skip_store or self._block_ids_of is None:
             return None
         first, state.stored = state.stored, done
         keys = state.keys[first:done]
@@ -194,7 +200,7 @@ class KVTierScheduler:
         bpc = self.geometry.blocks_per_chunk
         chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c, _ in new)
         job_id = next(self._job_ids)
-        self._stores[job_id] = _Store([key for _, key in new])
+        self._stores[job_id] = _Store([key for _, key in new], state.options.priority)
         req_id = state.request.request_id
         new_keys = tuple(key for _, key in new)
         return ChunkCopy(job_id, req_id, new_keys, chunks, tuple(slots[k] for k in new_keys))
@@ -219,7 +225,7 @@ class KVTierScheduler:
                 host.complete_store(store.keys, success=store.ok)
                 self.counters["store_chunks" if store.ok else "store_failures"] += len(store.keys)
                 if store.ok:
-                    self.manager.cascade(store.keys)
+                    self.manager.cascade(store.keys, store.priority)
         for req_id in output.finished_recving or ():
             keys = self._loading.pop(req_id, None)
             if keys is not None:
@@ -245,7 +251,8 @@ class KVTierScheduler:
             return None
         lora = request.lora_request.lora_name if request.lora_request else None
         keys = self.hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
-        state = _Request(request, keys, lora)
+        options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
+        state = _Request(request, keys, lora, options)
         self._requests[request.request_id] = state
         return state
 
