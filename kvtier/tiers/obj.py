@@ -219,7 +219,7 @@ class ObjTier(SecondaryTier):
             counters = dict(self._counters)
         out = {"bytes_used": float(self._index.bytes_used), "objects": float(self._index.present)}
         for name in ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored",
-                     "loaded", "evictions", "heads", "lookup_failures"):
+                     "loaded", "evictions", "heads", "lookup_failures", "listings"):
             out[name] = float(counters.pop(name, 0))
         out.update({k: float(v) for k, v in counters.items()})
         if self._index.max_bytes is not None:
@@ -384,6 +384,7 @@ class ObjTier(SecondaryTier):
         found.sort(key=lambda item: item[1])
         self._index.merge_listed([k for k, _ in found])
         self._delete(self._index.reserve(0)[1])
+        self._count("listings")
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
