@@ -58,4 +58,12 @@ PROMPTS = {
         'year-old girl won three tournaments in a row, and the older members still talk about her bold '
         'sacrifices.'
     ),
+    "garden": (
+        'Planting a vegetable garden starts with choosing a sunny spot that drains well after rain. Dig '
+        'the soil to the depth of a spade, remove stones and roots, and mix in a thick layer of compost. '
+        'Tomatoes, beans and courgettes like warmth, so wait until the last frost has passed before '
+        'sowing them outside. Lettuce, radishes and peas prefer cooler weather and can go in early in '
+        'spring. Water in the morning rather than the evening, and cover the beds with straw to keep the '
+        'moisture in. Describe how to keep slugs away from the young plants.'
+    ),
 }

@@ -172,3 +172,21 @@ def test_decode_chunks_of_one_turn_are_reloaded_in_the_next(llm: Any, spy: KVSpy
     assert again.tokens == ref.tokens
     for key in keys:
         assert spy.loaded[key] == spy.stored[key]
+
+
+def test_a_batch_mixing_a_reload_and_a_miss(llm: Any) -> None:
+    from vllm import SamplingParams
+
+    scheduler, _ = connector_halves(llm)
+    _, hit, keys = reference(llm, PROMPTS["birds"])
+    settle(scheduler)
+    loads = scheduler.counters["load_chunks"]
+    assert llm.reset_prefix_cache()
+    params = SamplingParams(temperature=0.0, max_tokens=4)
+    outs = llm.generate([PROMPTS["birds"], PROMPTS["garden"]], params, use_tqdm=False)
+    assert [o.num_cached_tokens for o in outs] == [hit, 0]
+    assert scheduler.counters["load_chunks"] - loads == len(keys)
+    assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
+    garden = scheduler.hasher.keys(list(outs[1].prompt_token_ids))
+    settle(scheduler)
+    assert all(scheduler.manager.host.contains(k) for k in garden)
