@@ -22,11 +22,11 @@ stays HIT until a load finds it missing or bad, an absent one is MISS for `negat
 the first time it is reported. A HEAD that fails for another reason (server down) answers MISS for
 the same time, so lookups never hang.
 
-Failures are values: a request that fails ends its key as failed; the error is logged once per
-cause (operation and S3 error code or exception) per `LOG_INTERVAL_S`, and the first success after
-failures is logged once. After a connection-level failure no request is sent for `DOWN_S`, so a
-dead or hung server fails a backlog of keys at once rather than one timeout each. The client
-reconnects by itself: the tier recovers without a restart when the server comes back.
+Failures are values: a request that fails ends its key as failed; `ServerHealth` logs one line
+per cause (operation and S3 error code or exception), not per chunk, and the first success after
+failures once. After a connection-level failure no request is sent for a second, so a dead or hung
+server fails a backlog of keys at once rather than one timeout each. The client reconnects by
+itself: the tier recovers without a restart when the server comes back.
 Credentials are never logged, kept in attributes or put in errors.
 
 `max_bytes` bounds the bytes of the objects this instance knows of (stored, loaded or found under
@@ -37,7 +37,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import queue
 import threading
 import time
@@ -62,37 +61,16 @@ from kvtier.tiers.obj_client import (
     NOT_FOUND,
     ChunkIO,
     error_code,
-    is_connection_error,
     make_client,
+    positive_option,
     probe,
+    text_option,
 )
+from kvtier.tiers.obj_health import ServerHealth
 from kvtier.tiers.obj_index import ObjIndex
-
-LOG_INTERVAL_S = 600.0
-"""A failure cause already logged is logged again (with the count since) at most this often."""
-DOWN_S = 1.0
-"""After a connection-level failure (refused, timed out, closed), requests are not sent for this
-long: queued keys fail at once and lookups answer MISS, instead of each waiting for a timeout."""
 
 _KeyWork = Callable[[ChunkKey, int], bool]
 """Moves one key between its slot and its object; True on success. Runs on an I/O thread."""
-
-
-def _positive(key: str, value: object, *, integer: bool, allow_none: bool = False) -> None:
-    if value is None and allow_none:
-        return
-    number = isinstance(value, int if integer else int | float) and not isinstance(value, bool)
-    if number and math.isfinite(value) and value > 0:  # type: ignore[arg-type, operator]
-        return
-    kind = "a positive integer" if integer else "a positive number"
-    raise ConfigError(key, value, f"must be {kind}" + (" or null" if allow_none else ""))
-
-
-def _text(key: str, value: object, *, allow_none: bool) -> None:
-    if value is None and allow_none:
-        return
-    if not isinstance(value, str) or (not value and not allow_none):
-        raise ConfigError(key, "<hidden>" if "secret" in key else value, "must be a string")
 
 
 class ObjTier(SecondaryTier):
@@ -118,22 +96,22 @@ class ObjTier(SecondaryTier):
         create_bucket: bool = False,
     ) -> None:
         super().__init__(ctx)
-        _text("bucket", bucket, allow_none=False)
-        _text("endpoint", endpoint, allow_none=True)
-        _text("prefix", prefix, allow_none=True)
-        _text("region", region, allow_none=True)
-        _text("access_key_id", access_key_id, allow_none=True)
-        _text("secret_access_key", secret_access_key, allow_none=True)
-        _text("session_token", session_token, allow_none=True)
+        text_option("bucket", bucket, allow_none=False)
+        text_option("endpoint", endpoint, allow_none=True)
+        text_option("prefix", prefix, allow_none=True)
+        text_option("region", region, allow_none=True)
+        text_option("access_key_id", access_key_id, allow_none=True)
+        text_option("secret_access_key", secret_access_key, allow_none=True)
+        text_option("session_token", session_token, allow_none=True)
         if (access_key_id is None) != (secret_access_key is None):
             missing = "secret_access_key" if secret_access_key is None else "access_key_id"
             raise ConfigError(missing, None, "access_key_id and secret_access_key go together")
-        _positive("io_threads", io_threads, integer=True)
+        positive_option("io_threads", io_threads, integer=True)
         if io_threads > 256:
             raise ConfigError("io_threads", io_threads, "must be an integer from 1 to 256")
         for name, value in (("negative_ttl_s", negative_ttl_s), ("connect_timeout_s",
                             connect_timeout_s), ("read_timeout_s", read_timeout_s)):
-            _positive(name, value, integer=False)
+            positive_option(name, value, integer=False)
         for name, flag in (("path_style", path_style), ("create_bucket", create_bucket)):
             if flag is not None and not isinstance(flag, bool):
                 raise ConfigError(name, flag, "must be true or false")
@@ -142,7 +120,7 @@ class ObjTier(SecondaryTier):
         except ValueError as e:
             raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
         object_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
-        _positive("max_bytes", max_bytes, integer=False, allow_none=True)
+        positive_option("max_bytes", max_bytes, integer=False, allow_none=True)
         if max_bytes is not None and max_bytes < object_bytes:
             raise ConfigError("max_bytes", max_bytes, f"must hold at least one object "
                               f"({object_bytes} bytes)")
@@ -170,9 +148,7 @@ class ObjTier(SecondaryTier):
                                self.negative_ttl_s)
         self._lock = threading.Lock()
         self._counters: Counter[str] = Counter()
-        self._logged: dict[str, tuple[float, int]] = {}
-        self._failing = False
-        self._down_until = 0.0
+        self._health = ServerHealth(ctx.log, f"obj tier {ctx.tier_name}", bucket)
         self._events: list[tuple[TierEventKind, bytes]] = []
         self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         n_read = max(1, io_threads // 2)
@@ -251,10 +227,10 @@ class ObjTier(SecondaryTier):
         """Do one key (None: the tier is shut down) and complete the job after its last key."""
         ok = False
         try:
-            if work is not None and not self._server_down():
+            if work is not None and not self._health.down():
                 ok = work(tracker.job.keys[i], tracker.job.slots[i])
         except Exception as e:  # a failed request, or a bug: the key fails, the job goes on
-            self._failed(f"{tracker.job.kind.value}:{error_code(e)}", e)
+            self._health.failed(f"{tracker.job.kind.value}:{error_code(e)}", e)
         if not ok:
             self._count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
         if tracker.finish_key(i, ok):
@@ -281,7 +257,7 @@ class ObjTier(SecondaryTier):
 
     def _store_key(self, key: ChunkKey, slot: int) -> bool:
         if len(key) != 32:
-            self._failed("store:invalid_key", ValueError("chunk key must be 32 bytes"))
+            self._health.failed("store:invalid_key", ValueError("chunk key must be 32 bytes"))
             return False
         row = self.ctx.slot_view(slot)
         if self._index.touch(key):
@@ -289,13 +265,13 @@ class ObjTier(SecondaryTier):
         granted, victims = self._index.reserve()
         self._delete(victims)
         if not granted:
-            self._failed("store:max_bytes", ValueError("every known object is being loaded"))
+            self._health.failed("store:max_bytes", ValueError("every known object is being loaded"))
             return False
         try:
             self._io.put(self._name(key), key, row)
         finally:
             self._index.release()
-        self._succeeded()
+        self._health.succeeded()
         if self._index.add(key):
             self._event(TierEventKind.STORED, key)
         self._count("stored")
@@ -305,7 +281,7 @@ class ObjTier(SecondaryTier):
         from botocore.exceptions import ClientError
 
         if len(key) != 32:
-            self._failed("load:invalid_key", ValueError("chunk key must be 32 bytes"))
+            self._health.failed("load:invalid_key", ValueError("chunk key must be 32 bytes"))
             return False
         name = self._name(key)
         self._index.pin(key)
@@ -314,13 +290,13 @@ class ObjTier(SecondaryTier):
         except ClientError as e:
             if error_code(e) not in NOT_FOUND:
                 raise
-            self._succeeded()
+            self._health.succeeded()
             self._count("load_misses")
             self._forget(key)
             return False
         finally:
             self._index.unpin(key)
-        self._succeeded()
+        self._health.succeeded()
         if bad is not None:
             self._drop_bad(name, key, bad)
             return False
@@ -333,11 +309,11 @@ class ObjTier(SecondaryTier):
         """Answer one pending lookup; a failed HEAD is a brief MISS (never a hang)."""
         present: bool | None = None
         try:
-            if not self._server_down():
+            if not self._health.down():
                 present = self._io.exists(self._name(key))
-                self._succeeded()
+                self._health.succeeded()
         except Exception as e:
-            self._failed(f"lookup:{error_code(e)}", e)
+            self._health.failed(f"lookup:{error_code(e)}", e)
             self._count("lookup_failures")
         self._count("heads")
         self._index.answer(key, present)
@@ -346,11 +322,11 @@ class ObjTier(SecondaryTier):
         with self._lock:
             self._counters["bad_chunks"] += 1
             self._counters[f"bad_{reason.value}"] += 1
-        self._failed(f"bad:{reason.value}", ValueError(f"deleted bad object {name}"))
+        self._health.failed(f"bad:{reason.value}", ValueError(f"deleted bad object {name}"))
         try:
             self._io.delete(name)
         except Exception as e:
-            self._failed(f"delete:{error_code(e)}", e)
+            self._health.failed(f"delete:{error_code(e)}", e)
         self._forget(key)
 
     def _delete(self, victims: list[bytes]) -> None:
@@ -358,7 +334,7 @@ class ObjTier(SecondaryTier):
             try:
                 self._io.delete(self._name(key))
             except Exception as e:
-                self._failed(f"evict:{error_code(e)}", e)
+                self._health.failed(f"evict:{error_code(e)}", e)
             self._event(TierEventKind.REMOVED, key)
             self._count("evictions")
 
@@ -372,7 +348,7 @@ class ObjTier(SecondaryTier):
         try:
             listed = self._io.list_names(self.layout_prefix)
         except Exception as e:
-            self._failed(f"list:{error_code(e)}", e)
+            self._health.failed(f"list:{error_code(e)}", e)
             self._index.merge_listed([])
             return
         found: list[tuple[bytes, float]] = []
@@ -395,34 +371,3 @@ class ObjTier(SecondaryTier):
     def _event(self, kind: TierEventKind, key: bytes) -> None:
         with self._lock:
             self._events.append((kind, key))
-
-    def _succeeded(self) -> None:
-        """A request got an answer from the server: log once that it is reachable again."""
-        if not self._failing:
-            return
-        with self._lock:
-            was, self._failing = self._failing, False
-            self._logged.clear()
-        if was:
-            self.ctx.log.info("obj tier %s: bucket %s answers again", self.ctx.tier_name,
-                              self.bucket)
-
-    def _server_down(self) -> bool:
-        """Whether a connection-level failure happened less than DOWN_S ago."""
-        return time.monotonic() < self._down_until
-
-    def _failed(self, cause: str, exc: BaseException) -> None:
-        """Log a failure cause once per LOG_INTERVAL_S, however many chunks it hits."""
-        now = time.monotonic()
-        with self._lock:
-            if is_connection_error(exc):
-                self._down_until = now + DOWN_S
-            if not cause.startswith("bad:"):
-                self._failing = True
-            last, suppressed = self._logged.get(cause, (-math.inf, 0))
-            if now - last < LOG_INTERVAL_S:
-                self._logged[cause] = (last, suppressed + 1)
-                return
-            self._logged[cause] = (now, 0)
-        more = f" ({suppressed} more since the last report)" if suppressed else ""
-        self.ctx.log.warning("obj tier %s: %s: %s%s", self.ctx.tier_name, cause, exc, more)

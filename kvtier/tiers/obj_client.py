@@ -1,4 +1,5 @@
-"""S3 I/O for the obj tier: the shared boto3 client, the start-up probe, and one chunk's requests.
+"""S3 I/O for the obj tier: option checks, the shared boto3 client, the start-up probe, and one
+chunk's requests.
 
 Client: one boto3 client per tier, shared by all I/O threads (boto3 clients are thread-safe), with
 a connection pool of at least `io_threads` connections. Payload signing and boto3's own request and
@@ -16,6 +17,7 @@ without reaching into urllib3's internals).
 
 from __future__ import annotations
 
+import math
 import secrets
 import threading
 from typing import Any
@@ -29,6 +31,25 @@ NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
 _BAD_KEY_ID = frozenset({"InvalidAccessKeyId", "InvalidClientTokenId", "UnrecognizedClientException"})
 _BAD_SECRET = frozenset({"SignatureDoesNotMatch", "InvalidSignature"})
 _DENIED = frozenset({"AccessDenied", "403", "Forbidden", "ExpiredToken", "InvalidToken"})
+
+
+def positive_option(key: str, value: object, *, integer: bool, allow_none: bool = False) -> None:
+    """Raise ConfigError naming `key` unless `value` is a positive finite number (or allowed None)."""
+    if value is None and allow_none:
+        return
+    number = isinstance(value, int if integer else int | float) and not isinstance(value, bool)
+    if number and math.isfinite(value) and value > 0:  # type: ignore[arg-type, operator]
+        return
+    kind = "a positive integer" if integer else "a positive number"
+    raise ConfigError(key, value, f"must be {kind}" + (" or null" if allow_none else ""))
+
+
+def text_option(key: str, value: object, *, allow_none: bool) -> None:
+    """Raise ConfigError naming `key` unless `value` is a string (never showing a secret)."""
+    if value is None and allow_none:
+        return
+    if not isinstance(value, str) or (not value and not allow_none):
+        raise ConfigError(key, "<hidden>" if "secret" in key else value, "must be a string")
 
 
 def error_code(exc: BaseException) -> str:
