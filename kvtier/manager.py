@@ -149,17 +149,17 @@ class TieringManager:
 
         `tiers` restricts which secondary tiers may serve (None: all of them).
         """
-        for key in keys:
-            self.admission.record_access(key)
         ready = self.host.lookup(keys)
         rest = keys[ready:]
-        if not rest:
-            return PrefixLookup(ready, pending=False)
-        if self.host.is_pending(rest[0]):
+        if rest and self.host.is_pending(rest[0]):
             return PrefixLookup(ready, pending=True)
-        sources, pending = self._find(rest, tiers)
+        sources, pending = self._find(rest, tiers) if rest else ([], False)
         if sources:
             pending = self._promote(rest[: len(sources)], sources) or pending
+        if not pending:
+            # Counted once per request, not on every "ask again" while a promotion runs.
+            for key in keys:
+                self.admission.record_access(key)
         return PrefixLookup(ready, pending)
 
     def _find(
