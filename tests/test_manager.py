@@ -8,6 +8,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+import psutil
 import pytest
 
 from kvtier.config import KVTierConfig
@@ -150,6 +151,10 @@ def test_bad_second_tier_shuts_down_the_first(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_bytes"):
         start("lru", [{"type": "memory"}, {"type": "memory", "name": "m2", "max_bytes": 1}])
     assert mine() == before
+    workers = [p for p in psutil.Process().children(recursive=True)
+               if "kvtier.tiers.worker" in " ".join(p.cmdline()) and p.status() != "zombie"]
+    assert workers == [], "the first tier's process must be shut down"
+
 
 
 def test_region_too_large_for_shm_is_a_config_error() -> None:
