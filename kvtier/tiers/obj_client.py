@@ -120,7 +120,10 @@ def probe(client: Any, *, endpoint: str | None, bucket: str, layout_prefix: str,
         except ClientError as e:
             if error_code(e) != "NoSuchBucket" or not create_bucket:
                 raise
-            client.create_bucket(Bucket=bucket)
+            region = client.meta.region_name
+            where_to = {} if region in (None, "us-east-1") else {
+                "CreateBucketConfiguration": {"LocationConstraint": region}}
+            client.create_bucket(Bucket=bucket, **where_to)
         name = f"{layout_prefix}probe-{secrets.token_hex(8)}"
         client.put_object(Bucket=bucket, Key=name, Body=b"kvtier probe")
         client.delete_object(Bucket=bucket, Key=name)

@@ -353,7 +353,7 @@ def test_a_missing_bucket_is_a_config_error_unless_asked_to_create_it(make_tier,
     with pytest.raises(ConfigError) as info:
         ObjTier(ctx, **options)
     assert info.value.key == "bucket" and "create_bucket" in str(info.value)
-    tier = make_tier(options, create_bucket=True)
+    tier = make_tier(options, create_bucket=True, region="eu-west-1")  # with a LocationConstraint
     store(tier, ctx, [random_key()])
     s3_server.client().delete_bucket(Bucket=options["bucket"])
 
