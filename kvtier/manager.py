@@ -51,11 +51,26 @@ class PrefixLookup:
     """The answer for a request's chunk keys.
 
     `ready` leading chunks are in the host tier now. `pending` holds when more chunks may become
-    ready soon (a promotion or a tier lookup is in flight): ask again on a later step.
+    ready soon (a promotion or a tier lookup is in flight): ask again on a later step. `promoting`
+    names the source tier of each chunk after the `ready` ones whose promotion this call started
+    (chunk `ready + i` comes from `promoting[i]`), so a caller can tell host hits from promotions.
     """
 
     ready: int
     pending: bool
+    promoting: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True)
+class TransferOutcome:
+    """One finished tier job: `chunks` moved, `failed` not, in `seconds` (as the tier measured)."""
+
+    tier: str
+    kind: JobKind
+    chunks: int
+    failed: int
+    bytes_moved: int
+    seconds: float
 
 
 @dataclass(frozen=True)
@@ -82,6 +97,7 @@ class TieringManager:
         self._job_ids = itertools.count(1)
         self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
+        self._outcomes: list[TransferOutcome] = []
         self.counters: Counter[str] = Counter()
         self.region: HostRegion | None = None
 
@@ -154,13 +170,14 @@ class TieringManager:
         if rest and self.host.is_pending(rest[0]):
             return PrefixLookup(ready, pending=True)
         sources, pending = self._find(rest, tiers) if rest else ([], False)
-        if sources:
-            pending = self._promote(rest[: len(sources)], sources) or pending
+        promoting: tuple[str, ...] = ()
+        if sources and self._promote(rest[: len(sources)], sources):
+            pending, promoting = True, tuple(sources)
         if not pending:
             # Counted once per request, not on every "ask again" while a promotion runs.
             for key in keys:
                 self.admission.record_access(key)
-        return PrefixLookup(ready, pending)
+        return PrefixLookup(ready, pending, promoting)
 
     def _find(
         self, keys: Sequence[ChunkKey], tiers: Collection[str] | None
@@ -233,6 +250,9 @@ class TieringManager:
         self.counters[f"{kind}_bytes:{transfer.tier}"] += result.bytes_moved
         if failed:
             self.counters[f"{kind}_failures:{transfer.tier}"] += len(failed)
+        self._outcomes.append(TransferOutcome(
+            transfer.tier, transfer.kind, len(done), len(failed), result.bytes_moved, result.seconds
+        ))
         if transfer.kind is JobKind.STORE:
             self.host.complete_load(transfer.keys)
             return
@@ -246,6 +266,11 @@ class TieringManager:
         self.poll()
         events, self._events = self._events, []
         return events
+
+    def take_outcomes(self) -> list[TransferOutcome]:
+        """Tier jobs finished since the last call, oldest first (for metrics)."""
+        outcomes, self._outcomes = self._outcomes, []
+        return outcomes
 
     @property
     def in_flight(self) -> int:

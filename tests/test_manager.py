@@ -84,7 +84,7 @@ def test_cascade_then_promotion_restores_identical_rows(manager: TieringManager)
     evict_all(manager)
     assert manager.host.lookup(keys) == 0
     first = manager.lookup_prefix(keys)
-    assert first == PrefixLookup(0, pending=True)
+    assert (first.ready, first.pending) == (0, True)
     assert settle(manager, keys) == PrefixLookup(4, pending=False)
     slots = manager.host.prepare_load(keys)
     assert slots is not None
@@ -101,6 +101,32 @@ def test_promotion_from_a_chosen_tier(manager: TieringManager) -> None:
     assert settle(manager, keys, tiers=["fs"]).ready == 2
     assert manager.counters["load_chunks:fs"] == 2
     assert manager.counters["load_chunks:memory"] == 0
+
+
+def test_promotions_report_their_source_tier_and_outcome(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(3)]
+    store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    store_in_host(manager, keys[:1])
+    drain(manager)
+    manager.take_outcomes()
+    promoting: tuple[str, ...] = ()
+    deadline = time.monotonic() + 10
+    while True:
+        manager.poll()
+        found = manager.lookup_prefix(keys, tiers=["fs"])
+        promoting = promoting or found.promoting
+        if not found.pending:
+            break
+        assert time.monotonic() < deadline
+        time.sleep(0.002)
+    assert found.ready == 3
+    assert promoting == ("fs", "fs")
+    loads = [o for o in manager.take_outcomes() if o.kind.value == "load"]
+    assert [(o.tier, o.chunks, o.failed, o.bytes_moved) for o in loads] == [("fs", 2, 0, 2 * ROW)]
+    assert loads[0].seconds >= 0
+    assert manager.take_outcomes() == []
 
 
 def test_prefix_stops_at_the_first_chunk_no_tier_holds(manager: TieringManager) -> None:

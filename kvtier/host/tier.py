@@ -200,6 +200,20 @@ class HostTier:
             else:
                 del pins[key]
 
+    def clear(self) -> int:
+        """Drop every unpinned READY entry (vLLM's `reset_cache`); returns how many were dropped.
+
+        Pinned READY entries (being read) and WRITING entries (being filled) stay: their owners
+        still release them. The dropped keys are reported in one REMOVED event.
+        """
+        dropped = [key for key in self._ready if key not in self._pins]
+        for key in dropped:
+            self._policy.remove(key)
+            self._free.append(self._ready.pop(key))
+        if dropped:
+            self._events.append(TierEvent(TierEventKind.REMOVED, tuple(dropped)))
+        return len(dropped)
+
     # Data, events, introspection.
 
     def slot_view(self, slot: int) -> memoryview:

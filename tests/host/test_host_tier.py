@@ -341,3 +341,27 @@ def test_randomized_stress(buf: memoryview, policy_name: str, seed: int) -> None
             len(ready), len(writing), len(pinned_keys)
         )
         tier.check()
+
+
+def test_clear_drops_unpinned_ready_entries_only(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=8)
+    store(tier, ks(1, 2, 3))
+    assert tier.prepare_load(ks(2)) is not None
+    writing = tier.prepare_store(ks(4))
+    assert writing is not None
+    tier.take_events()
+
+    assert tier.clear() == 2
+
+    assert [tier.contains(x) for x in ks(1, 2, 3)] == [False, True, False]
+    assert tier.is_pending(k(4))
+    assert tier.take_events() == [TierEvent(REMOVED, (k(1), k(3)))]
+    stats = tier.stats()
+    assert (stats.ready, stats.writing, stats.used) == (1, 1, 2)
+    tier.check()
+    tier.complete_load(ks(2))
+    tier.complete_store(ks(4), True)
+    assert store(tier, ks(*range(10, 16))) and tier.stats().used == 8
+    tier.check()
+    assert tier.clear() == 8 and tier.clear() == 0
+    tier.check()
