@@ -25,13 +25,10 @@ from __future__ import annotations
 import contextlib
 import errno
 import functools
-import math
 import mmap
 import os
-import queue
 import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvtier.errors import ConfigError
@@ -47,6 +44,7 @@ from kvtier.tiers.base import (
     TierEvent,
     TierEventKind,
 )
+from kvtier.tiers.book import FailureLog, TierBook
 from kvtier.tiers.fs_index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
 from kvtier.tiers.fs_io import (
     O_CLOEXEC,
@@ -58,25 +56,14 @@ from kvtier.tiers.fs_io import (
     read_chunk,
     write_chunk,
 )
-from kvtier.tiers.fs_pool import IoPool, JobTracker
+from kvtier.tiers.iopool import IoPool, JobTracker
+from kvtier.tiers.registry import number_option
 
-LOG_INTERVAL_S = 600.0
-"""A failure cause already logged is logged again (with the count since) at most this often."""
 MTIME_REFRESH_S = 1.0
 """A load refreshes a file's mtime only when it is older than this (saves metadata writes)."""
 
 _KeyWork = Callable[[ChunkKey, int], bool]
 """Moves one key between its slot and its file; True on success. Runs on an I/O thread."""
-
-
-def _number(key: str, value: object, allowed: str, *, low: float, integer: bool) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(key, value, allowed)
-    if integer and not isinstance(value, int):
-        raise ConfigError(key, value, allowed)
-    if not math.isfinite(value) or value < low:
-        raise ConfigError(key, value, allowed)
-    return float(value)
 
 
 class FsTier(SecondaryTier):
@@ -103,19 +90,19 @@ class FsTier(SecondaryTier):
             raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
         self.file_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
         if max_bytes is not None:
-            _number("max_bytes", max_bytes, f"must be None or at least one chunk file "
-                    f"({self.file_bytes} bytes)", low=self.file_bytes, integer=False)
+            number_option("max_bytes", max_bytes, f"must be None or at least one chunk file "
+                    f"({self.file_bytes} bytes)", low=self.file_bytes)
         threads = "must be an integer from 1 to 256"
         pools = (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads))
         for name, value in pools:
-            if _number(name, value, threads, low=1, integer=True) > 256:
+            if number_option(name, value, threads, low=1, integer=True) > 256:
                 raise ConfigError(name, value, threads)
         if direct_io is not None and not isinstance(direct_io, bool):
             raise ConfigError("direct_io", direct_io, "must be true, false or null (auto-detect)")
         if rescan_interval_s is not None:
-            _number("rescan_interval_s", rescan_interval_s, "must be None or a positive number",
-                    low=1e-3, integer=False)
-        _number("temp_grace_s", temp_grace_s, "must be a non-negative number", low=0, integer=False)
+            number_option("rescan_interval_s", rescan_interval_s, "must be None or a positive number",
+                    low=1e-3)
+        number_option("temp_grace_s", temp_grace_s, "must be a non-negative number", low=0)
 
         self.root_dir = os.path.abspath(root_dir)
         self.layout_dir = os.path.join(self.root_dir, ctx.layout_fingerprint)
@@ -123,11 +110,8 @@ class FsTier(SecondaryTier):
         self._check_writable()
         self.direct_io = self._choose_direct_io(direct_io)
         self._index = FsIndex(None if max_bytes is None else int(max_bytes))
-        self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
-        self._logged: dict[str, tuple[float, int]] = {}
-        self._events: list[tuple[TierEventKind, bytes]] = []
-        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
+        self._book = TierBook(ctx)
+        self._faillog = FailureLog(ctx.log, f"fs tier {ctx.tier_name}")
         self._local = threading.local()
         self._stop = threading.Event()
         self._rescan(initial=True)
@@ -191,36 +175,21 @@ class FsTier(SecondaryTier):
         self._submit(job, self._load_key)
 
     def get_finished_jobs(self) -> list[JobResult]:
-        out: list[JobResult] = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                out.append(self._finished.get_nowait())
-        return out
+        return self._book.take_finished()
 
     def take_events(self) -> list[TierEvent]:
-        with self._lock:
-            pending, self._events = self._events, []
-        out: list[TierEvent] = []
-        run: list[bytes] = []
-        for i, (kind, key) in enumerate(pending):
-            run.append(key)
-            if i + 1 == len(pending) or pending[i + 1][0] is not kind:
-                out.append(TierEvent(kind, tuple(run)))
-                run = []
-        return out
+        return self._book.take_events()
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
-            counters = dict(self._counters)
         out: dict[str, float] = {
             "bytes_used": float(self._index.bytes_used),
             "files": float(len(self._index)),
             "direct_io": float(self.direct_io),
         }
-        for name in ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored",
-                     "loaded", "evictions", "rescans"):
-            out[name] = float(counters.pop(name, 0))
-        out.update({k: float(v) for k, v in counters.items()})
+        out.update(self._book.counters(
+            "bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
+            "evictions", "rescans",
+        ))
         if self._index.max_bytes is not None:
             out["max_bytes"] = float(self._index.max_bytes)
         return out
@@ -241,7 +210,7 @@ class FsTier(SecondaryTier):
     def _submit(self, job: Job, work: _KeyWork) -> None:
         tracker = JobTracker(job)
         if not job.keys:
-            self._finish(tracker)
+            self._book.finish(tracker)
             return
         tasks = [functools.partial(self._run_key, tracker, i, work) for i in range(len(job.keys))]
         if not self._pool.submit(job.kind is JobKind.LOAD, tasks):
@@ -254,25 +223,11 @@ class FsTier(SecondaryTier):
         try:
             ok = work is not None and work(tracker.job.keys[i], tracker.job.slots[i])
         except Exception as e:  # a bug must fail the key, never lose the job
-            self._failed(f"{tracker.job.kind.value}:{type(e).__name__}", e)
+            self._faillog.failed(f"{tracker.job.kind.value}:{type(e).__name__}", e)
         if not ok:
-            self._count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
+            self._book.count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
         if tracker.finish_key(i, ok):
-            self._finish(tracker)
-
-    def _finish(self, tracker: JobTracker) -> None:
-        job = tracker.job
-        done = tuple(k for k, ok in zip(job.keys, tracker.ok, strict=True) if ok)
-        self._finished.put(
-            JobResult(
-                job.job_id,
-                success=len(done) == len(job.keys),
-                successful_keys=done,
-                bytes_moved=len(done) * self.ctx.row_bytes,
-                seconds=time.perf_counter() - tracker.start,
-            )
-        )
-        self.ctx.wakeup()
+            self._book.finish(tracker)
 
     # ---- per-key I/O (I/O threads) -----------------------------------------------------------
 
@@ -290,30 +245,30 @@ class FsTier(SecondaryTier):
     def _store_key(self, key: ChunkKey, slot: int) -> bool:
         name = key_name(key)
         if name is None:
-            self._failed("store:invalid_key", ValueError("chunk key must be 32 bytes"))
+            self._faillog.failed("store:invalid_key", ValueError("chunk key must be 32 bytes"))
             return False
         path = self._path(name)
         row = self.ctx.slot_view(slot)
         with contextlib.suppress(FileNotFoundError):
             os.utime(path)
             if self._index.add(key, self.file_bytes, time.time()):
-                self._event(TierEventKind.STORED, key)
+                self._book.event(TierEventKind.STORED, key)
             return True
         granted, victims = self._index.reserve(self.file_bytes)
         self._evict(victims)
         if not granted:
-            self._failed("store:max_bytes", OSError(errno.ENOSPC, "every file is being read"))
+            self._faillog.failed("store:max_bytes", OSError(errno.ENOSPC, "every file is being read"))
             return False
         try:
             self._write(name, path, key, row)
         except OSError as e:
-            self._failed(f"store:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
+            self._faillog.failed(f"store:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
             return False
         finally:
             self._index.release(self.file_bytes)
         if self._index.add(key, self.file_bytes, time.time()):
-            self._event(TierEventKind.STORED, key)
-        self._count("stored")
+            self._book.event(TierEventKind.STORED, key)
+        self._book.count("stored")
         return True
 
     def _write(self, name: str, path: str, key: bytes, row: memoryview) -> None:
@@ -333,13 +288,13 @@ class FsTier(SecondaryTier):
             if name is not None:
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._path(name))
-            self._event(TierEventKind.REMOVED, key)
-            self._count("evictions")
+            self._book.event(TierEventKind.REMOVED, key)
+            self._book.count("evictions")
 
     def _load_key(self, key: ChunkKey, slot: int) -> bool:
         name = key_name(key)
         if name is None:
-            self._failed("load:invalid_key", ValueError("chunk key must be 32 bytes"))
+            self._faillog.failed("load:invalid_key", ValueError("chunk key must be 32 bytes"))
             return False
         path = self._path(name)
         row = self.ctx.slot_view(slot)
@@ -348,7 +303,7 @@ class FsTier(SecondaryTier):
             try:
                 fd = os.open(path, os.O_RDONLY | O_CLOEXEC | (O_DIRECT * self.direct_io))
             except FileNotFoundError:
-                self._count("load_misses")
+                self._book.count("load_misses")
                 self._forget(key)
                 return False
             try:
@@ -363,23 +318,22 @@ class FsTier(SecondaryTier):
             finally:
                 os.close(fd)
         except OSError as e:
-            self._failed(f"load:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
+            self._faillog.failed(f"load:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
             return False
         finally:
             self._index.unpin(key)
         if key in self._index:
             self._index.touch(key, now)
         elif self._index.add(key, self.file_bytes, now):
-            self._event(TierEventKind.STORED, key)
-        self._count("loaded")
+            self._book.event(TierEventKind.STORED, key)
+        self._book.count("loaded")
         return True
 
     def _drop_bad(self, path: str, fd: int, key: bytes, reason: chunkfmt.ChunkError) -> None:
         """Remove a bad chunk file, unless another instance has replaced it meanwhile."""
-        with self._lock:
-            self._counters["bad_chunks"] += 1
-            self._counters[f"bad_{reason.value}"] += 1
-        self._failed(f"bad:{reason.value}", ValueError(f"removed bad chunk file {path}"))
+        self._book.count("bad_chunks")
+        self._book.count(f"bad_{reason.value}")
+        self._faillog.failed(f"bad:{reason.value}", ValueError(f"removed bad chunk file {path}"))
         with contextlib.suppress(OSError):
             mine, now = os.fstat(fd), os.stat(path)
             if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
@@ -388,29 +342,9 @@ class FsTier(SecondaryTier):
 
     def _forget(self, key: bytes) -> None:
         if self._index.remove(key):
-            self._event(TierEventKind.REMOVED, key)
+            self._book.event(TierEventKind.REMOVED, key)
 
     # ---- bookkeeping -------------------------------------------------------------------------
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self._counters[name] += 1
-
-    def _event(self, kind: TierEventKind, key: bytes) -> None:
-        with self._lock:
-            self._events.append((kind, key))
-
-    def _failed(self, cause: str, exc: BaseException) -> None:
-        """Log a failure cause once per LOG_INTERVAL_S, however many chunks it hits."""
-        now = time.monotonic()
-        with self._lock:
-            last, suppressed = self._logged.get(cause, (-math.inf, 0))
-            if now - last < LOG_INTERVAL_S:
-                self._logged[cause] = (last, suppressed + 1)
-                return
-            self._logged[cause] = (now, 0)
-        more = f" ({suppressed} more since the last report)" if suppressed else ""
-        self.ctx.log.warning("fs tier %s: %s: %s%s", self.ctx.tier_name, cause, exc, more)
 
     def _rescan(self, initial: bool = False) -> None:
         """Reconcile the index with the directory (stat only); drop stale temps and wrong sizes."""
@@ -420,15 +354,13 @@ class FsTier(SecondaryTier):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if found.wrong_size:
-            with self._lock:
-                self._counters["bad_chunks"] += len(found.wrong_size)
-                self._counters[f"bad_{chunkfmt.ChunkError.LENGTH.value}"] += len(found.wrong_size)
+            self._book.count("bad_chunks", len(found.wrong_size))
+            self._book.count(f"bad_{chunkfmt.ChunkError.LENGTH.value}", len(found.wrong_size))
         appeared, vanished = self._index.merge_scan(marker, found.files)
-        with self._lock:
-            self._counters["rescans"] += 1
-            if not initial:
-                self._events.extend((TierEventKind.STORED, k) for k in appeared)
-                self._events.extend((TierEventKind.REMOVED, k) for k in vanished)
+        self._book.count("rescans")
+        if not initial:
+            self._book.events(TierEventKind.STORED, appeared)
+            self._book.events(TierEventKind.REMOVED, vanished)
         if self._index.max_bytes is not None:
             granted, victims = self._index.reserve(0)
             if granted:
@@ -439,5 +371,5 @@ class FsTier(SecondaryTier):
             try:
                 self._rescan()
             except Exception as e:  # the scanner must outlive a transient error
-                self._failed(f"rescan:{type(e).__name__}", e)
+                self._faillog.failed(f"rescan:{type(e).__name__}", e)
 

@@ -37,10 +37,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import queue
-import threading
 import time
-from collections import Counter
 from collections.abc import Callable, Sequence
 
 from kvtier.errors import ConfigError
@@ -56,7 +53,8 @@ from kvtier.tiers.base import (
     TierEvent,
     TierEventKind,
 )
-from kvtier.tiers.fs_pool import IoPool, JobTracker
+from kvtier.tiers.book import TierBook
+from kvtier.tiers.iopool import IoPool, JobTracker
 from kvtier.tiers.obj_client import (
     NOT_FOUND,
     ChunkIO,
@@ -146,11 +144,8 @@ class ObjTier(SecondaryTier):
         self._io = ChunkIO(client, bucket, self._fp, ctx.row_bytes)
         self._index = ObjIndex(object_bytes, None if max_bytes is None else int(max_bytes),
                                self.negative_ttl_s)
-        self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
+        self._book = TierBook(ctx)
         self._health = ServerHealth(ctx.log, f"obj tier {ctx.tier_name}", bucket)
-        self._events: list[tuple[TierEventKind, bytes]] = []
-        self._finished: queue.SimpleQueue[JobResult] = queue.SimpleQueue()
         n_read = max(1, io_threads // 2)
         self._pool = IoPool(n_read, io_threads - n_read, f"kvtier-obj-{ctx.tier_name}")
         if max_bytes is not None:
@@ -172,32 +167,17 @@ class ObjTier(SecondaryTier):
         self._submit(job, self._load_key)
 
     def get_finished_jobs(self) -> list[JobResult]:
-        out: list[JobResult] = []
-        with contextlib.suppress(queue.Empty):
-            while True:
-                out.append(self._finished.get_nowait())
-        return out
+        return self._book.take_finished()
 
     def take_events(self) -> list[TierEvent]:
-        with self._lock:
-            pending, self._events = self._events, []
-        out: list[TierEvent] = []
-        run: list[bytes] = []
-        for i, (kind, key) in enumerate(pending):
-            run.append(key)
-            if i + 1 == len(pending) or pending[i + 1][0] is not kind:
-                out.append(TierEvent(kind, tuple(run)))
-                run = []
-        return out
+        return self._book.take_events()
 
     def stats(self) -> dict[str, float]:
-        with self._lock:
-            counters = dict(self._counters)
         out = {"bytes_used": float(self._index.bytes_used), "objects": float(self._index.present)}
-        for name in ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored",
-                     "loaded", "evictions", "heads", "lookup_failures", "listings"):
-            out[name] = float(counters.pop(name, 0))
-        out.update({k: float(v) for k, v in counters.items()})
+        out.update(self._book.counters(
+            "bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
+            "evictions", "heads", "lookup_failures", "listings",
+        ))
         if self._index.max_bytes is not None:
             out["max_bytes"] = float(self._index.max_bytes)
         return out
@@ -216,7 +196,7 @@ class ObjTier(SecondaryTier):
     def _submit(self, job: Job, work: _KeyWork) -> None:
         tracker = JobTracker(job)
         if not job.keys:
-            self._finish(tracker)
+            self._book.finish(tracker)
             return
         tasks = [functools.partial(self._run_key, tracker, i, work) for i in range(len(job.keys))]
         if not self._pool.submit(job.kind is JobKind.LOAD, tasks):
@@ -232,25 +212,9 @@ class ObjTier(SecondaryTier):
         except Exception as e:  # a failed request, or a bug: the key fails, the job goes on
             self._health.failed(f"{tracker.job.kind.value}:{error_code(e)}", e)
         if not ok:
-            self._count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
+            self._book.count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
         if tracker.finish_key(i, ok):
-            self._finish(tracker)
-
-    def _finish(self, tracker: JobTracker) -> None:
-        job = tracker.job
-        done = tuple(k for k, ok in zip(job.keys, tracker.ok, strict=True) if ok)
-        self._finished.put(
-            JobResult(
-                job.job_id,
-                success=len(done) == len(job.keys),
-                successful_keys=done,
-                bytes_moved=len(done) * self.ctx.row_bytes,
-                seconds=time.perf_counter() - tracker.start,
-            )
-        )
-        self.ctx.wakeup()
-
-    # ---- per-key requests (I/O threads) ------------------------------------------------------
+            self._book.finish(tracker)
 
     def _name(self, key: bytes) -> str:
         return self.layout_prefix + key.hex()
@@ -273,8 +237,8 @@ class ObjTier(SecondaryTier):
             self._index.release()
         self._health.succeeded()
         if self._index.add(key):
-            self._event(TierEventKind.STORED, key)
-        self._count("stored")
+            self._book.event(TierEventKind.STORED, key)
+        self._book.count("stored")
         return True
 
     def _load_key(self, key: ChunkKey, slot: int) -> bool:
@@ -291,7 +255,7 @@ class ObjTier(SecondaryTier):
             if error_code(e) not in NOT_FOUND:
                 raise
             self._health.succeeded()
-            self._count("load_misses")
+            self._book.count("load_misses")
             self._forget(key)
             return False
         finally:
@@ -301,8 +265,8 @@ class ObjTier(SecondaryTier):
             self._drop_bad(name, key, bad)
             return False
         if self._index.add(key):
-            self._event(TierEventKind.STORED, key)
-        self._count("loaded")
+            self._book.event(TierEventKind.STORED, key)
+        self._book.count("loaded")
         return True
 
     def _head(self, key: ChunkKey) -> None:
@@ -314,14 +278,13 @@ class ObjTier(SecondaryTier):
                 self._health.succeeded()
         except Exception as e:
             self._health.failed(f"lookup:{error_code(e)}", e)
-            self._count("lookup_failures")
-        self._count("heads")
+            self._book.count("lookup_failures")
+        self._book.count("heads")
         self._index.answer(key, present)
 
     def _drop_bad(self, name: str, key: bytes, reason: chunkfmt.ChunkError) -> None:
-        with self._lock:
-            self._counters["bad_chunks"] += 1
-            self._counters[f"bad_{reason.value}"] += 1
+        self._book.count("bad_chunks")
+        self._book.count(f"bad_{reason.value}")
         self._health.failed(f"bad:{reason.value}", ValueError(f"deleted bad object {name}"))
         try:
             self._io.delete(name)
@@ -335,12 +298,12 @@ class ObjTier(SecondaryTier):
                 self._io.delete(self._name(key))
             except Exception as e:
                 self._health.failed(f"evict:{error_code(e)}", e)
-            self._event(TierEventKind.REMOVED, key)
-            self._count("evictions")
+            self._book.event(TierEventKind.REMOVED, key)
+            self._book.count("evictions")
 
     def _forget(self, key: bytes) -> None:
         if self._index.remove(key):
-            self._event(TierEventKind.REMOVED, key)
+            self._book.event(TierEventKind.REMOVED, key)
 
     def _scan(self) -> None:
         """Learn the objects already under the layout prefix (for `max_bytes`); a pool task."""
@@ -360,14 +323,4 @@ class ObjTier(SecondaryTier):
         found.sort(key=lambda item: item[1])
         self._index.merge_listed([k for k, _ in found])
         self._delete(self._index.reserve(0)[1])
-        self._count("listings")
-
-    # ---- bookkeeping -------------------------------------------------------------------------
-
-    def _count(self, name: str) -> None:
-        with self._lock:
-            self._counters[name] += 1
-
-    def _event(self, kind: TierEventKind, key: bytes) -> None:
-        with self._lock:
-            self._events.append((kind, key))
+        self._book.count("listings")

@@ -17,13 +17,14 @@ without reaching into urllib3's internals).
 
 from __future__ import annotations
 
-import math
 import secrets
+import sys
 import threading
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tiers import chunkfmt
+from kvtier.tiers.registry import number_option
 
 HIDDEN = "<hidden>"
 """What a ConfigError shows instead of a credential."""
@@ -37,11 +38,9 @@ def positive_option(key: str, value: object, *, integer: bool, allow_none: bool 
     """Raise ConfigError naming `key` unless `value` is a positive finite number (or allowed None)."""
     if value is None and allow_none:
         return
-    number = isinstance(value, int if integer else int | float) and not isinstance(value, bool)
-    if number and math.isfinite(value) and value > 0:  # type: ignore[arg-type, operator]
-        return
     kind = "a positive integer" if integer else "a positive number"
-    raise ConfigError(key, value, f"must be {kind}" + (" or null" if allow_none else ""))
+    allowed = f"must be {kind}" + (" or null" if allow_none else "")
+    number_option(key, value, allowed, low=1 if integer else sys.float_info.min, integer=integer)
 
 
 def text_option(key: str, value: object, *, allow_none: bool) -> None:

@@ -2,7 +2,7 @@
 
 Thread-safe (one lock); called from the I/O threads. A cause is an operation and an S3 error code
 or exception name ("load:EndpointConnectionError"). It is logged at its first occurrence, then at
-most once per LOG_INTERVAL_S with the count of occurrences since; the first success after failures
+most once per `book.LOG_INTERVAL_S` with the count of occurrences since; the first success after failures
 is logged once, and clears the log so that the next outage is reported at once. A connection-level
 failure marks the server down for DOWN_S, during which callers send no request.
 """
@@ -10,14 +10,12 @@ failure marks the server down for DOWN_S, during which callers send no request.
 from __future__ import annotations
 
 import logging
-import math
 import threading
 import time
 
+from kvtier.tiers.book import FailureLog
 from kvtier.tiers.obj_client import is_connection_error
 
-LOG_INTERVAL_S = 600.0
-"""A failure cause already logged is logged again (with the count since) at most this often."""
 DOWN_S = 1.0
 """After a connection-level failure (refused, timed out, closed), requests are not sent for this
 long: queued keys fail at once and lookups answer MISS, instead of each waiting for a timeout."""
@@ -28,7 +26,7 @@ class ServerHealth:
         self.log = log
         self.who = who
         self.bucket = bucket
-        self._logged: dict[str, tuple[float, int]] = {}
+        self._log = FailureLog(log, who)
         self._failing = False
         self._down_until = 0.0
         self._lock = threading.Lock()
@@ -43,23 +41,16 @@ class ServerHealth:
             return
         with self._lock:
             was, self._failing = self._failing, False
-            self._logged.clear()
+        self._log.clear()
         if was:
             self.log.info("%s: bucket %s answers again", self.who, self.bucket)
 
     def failed(self, cause: str, exc: BaseException) -> None:
-        """Record a failure; log it unless its cause was logged less than LOG_INTERVAL_S ago.
-        Causes starting with "bad:" are about stored data, not the server."""
-        now = time.monotonic()
+        """Record a failure and log it (once per cause, see FailureLog). Causes starting with
+        "bad:" are about stored data, not the server."""
         with self._lock:
             if is_connection_error(exc):
-                self._down_until = now + DOWN_S
+                self._down_until = time.monotonic() + DOWN_S
             if not cause.startswith("bad:"):
                 self._failing = True
-            last, suppressed = self._logged.get(cause, (-math.inf, 0))
-            if now - last < LOG_INTERVAL_S:
-                self._logged[cause] = (last, suppressed + 1)
-                return
-            self._logged[cause] = (now, 0)
-        more = f" ({suppressed} more since the last report)" if suppressed else ""
-        self.log.warning("%s: %s: %s%s", self.who, cause, exc, more)
+        self._log.failed(cause, exc)

@@ -19,16 +19,15 @@ the slot (`_ReplyReader`), then checks the header and checksum before reporting 
 Failures are values: a key that could not be moved fails its job. A connection error or timeout marks
 the server down for `reconnect_interval_s`: meanwhile batches fail at once and lookups answer MISS;
 then the next batch reconnects, so the tier recovers without a restart. Each failure cause is logged
-once per `LOG_INTERVAL_S`. The password in `url` never appears in logs, errors or reprs.
+once per `book.LOG_INTERVAL_S`. The password in `url` never appears in logs, errors or reprs.
 """
 
 from __future__ import annotations
 
 import hashlib
-import math
 import threading
 import time
-from collections import Counter, OrderedDict, deque
+from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
@@ -56,11 +55,12 @@ from kvtier.tiers.base import (
     TierEvent,
     TierEventKind,
 )
-from kvtier.tiers.fs_pool import JobTracker
+from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.iopool import JobTracker
+from kvtier.tiers.registry import number_option
 
 _parse_url = cast(Callable[[str], dict[str, Any]], _redis_parse_url)
 """redis-py's own URL parser (untyped there): scheme, host or path, credentials, query arguments."""
-LOG_INTERVAL_S = 600.0
 """A failure cause already logged is logged again (with the count since) at most this often."""
 SCHEMES = ("redis", "rediss", "unix")
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
@@ -179,14 +179,6 @@ def _set_command(rkey: bytes, header: bytes, row: memoryview, px: bytes | None) 
     return [head + header, row, tail]
 
 
-def _number(key: str, value: object, allowed: str, *, low: float, integer: bool = False) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float):
-        raise ConfigError(key, value, allowed)
-    if (integer and not isinstance(value, int)) or not math.isfinite(value) or value < low:
-        raise ConfigError(key, value, allowed)
-    return float(value)
-
-
 class RedisTier(SecondaryTier):
     """Chunks as Redis strings under `<key_prefix>:<layout fingerprint>:`, shared by every instance.
 
@@ -253,10 +245,8 @@ class RedisTier(SecondaryTier):
         self._lookups: deque[bytes] = deque()
         self._asking: set[bytes] = set()
         self._answers: OrderedDict[bytes, tuple[LookupResult, float]] = OrderedDict()
-        self._finished: deque[JobResult] = deque()
-        self._events: list[tuple[TierEventKind, bytes]] = []
-        self._counters: Counter[str] = Counter()
-        self._logged: dict[str, tuple[float, int]] = {}
+        self._book = TierBook(ctx)
+        self._faillog = FailureLog(ctx.log, f"redis tier {ctx.tier_name} ({self.url})", self._scrub)
         self._down_until = 0.0
         self._down_cause = ""
         self._stopping = False
@@ -287,18 +277,18 @@ class RedisTier(SecondaryTier):
         if not isinstance(key_prefix, str) or not key_prefix or any(c.isspace() for c in key_prefix):
             raise ConfigError("key_prefix", key_prefix, "must be a non-empty string without spaces")
         if ttl_s is not None:
-            _number("ttl_s", ttl_s, "must be None or a positive number of seconds", low=1e-3)
+            number_option("ttl_s", ttl_s, "must be None or a positive number of seconds", low=1e-3)
         for name, value, high in (("io_threads", io_threads, 256),
                                   ("pipeline_depth", pipeline_depth, 4096)):
-            if _number(name, value, f"must be an integer from 1 to {high}", low=1, integer=True) > high:
+            if number_option(name, value, f"must be an integer from 1 to {high}", low=1, integer=True) > high:
                 raise ConfigError(name, value, f"must be an integer from 1 to {high}")
-        _number("batch_bytes", batch_bytes, "must be a positive number of bytes", low=1)
+        number_option("batch_bytes", batch_bytes, "must be a positive number of bytes", low=1)
         for name, value in (("socket_timeout_s", socket_timeout_s), ("lookup_ttl_s", lookup_ttl_s),
                             ("connect_timeout_s", connect_timeout_s)):
-            _number(name, value, "must be a positive number of seconds", low=1e-3)
+            number_option(name, value, "must be a positive number of seconds", low=1e-3)
         for name, value in (("reconnect_interval_s", reconnect_interval_s),
                             ("lookup_wait_s", lookup_wait_s)):
-            _number(name, value, "must be a non-negative number of seconds", low=0)
+            number_option(name, value, "must be a non-negative number of seconds", low=0)
 
     def _scrub(self, text: str) -> str:
         """`text` without the password, should a message from below ever quote it."""
@@ -343,32 +333,19 @@ class RedisTier(SecondaryTier):
         self._submit(job)
 
     def get_finished_jobs(self) -> list[JobResult]:
-        with self._lock:
-            out = list(self._finished)
-            self._finished.clear()
-        return out
+        return self._book.take_finished()
 
     def take_events(self) -> list[TierEvent]:
-        with self._lock:
-            pending, self._events = self._events, []
-        out: list[TierEvent] = []
-        run: list[bytes] = []
-        for i, (kind, key) in enumerate(pending):
-            run.append(key)
-            if i + 1 == len(pending) or pending[i + 1][0] is not kind:
-                out.append(TierEvent(kind, tuple(run)))
-                run = []
-        return out
+        return self._book.take_events()
 
     def stats(self) -> dict[str, float]:
         with self._lock:
-            counters = dict(self._counters)
             down = time.monotonic() < self._down_until
         out = {"hiredis": float(HIREDIS_AVAILABLE), "down": float(down)}
-        for name in ("stored", "loaded", "store_failures", "load_failures", "load_misses",
-                     "bad_chunks", "lookups"):
-            out[name] = float(counters.pop(name, 0))
-        out.update({k: float(v) for k, v in counters.items()})
+        out.update(self._book.counters(
+            "stored", "loaded", "store_failures", "load_failures", "load_misses", "bad_chunks",
+            "lookups",
+        ))
         return out
 
     def shutdown(self) -> None:
@@ -394,7 +371,7 @@ class RedisTier(SecondaryTier):
     def _submit(self, job: Job) -> None:
         tracker = JobTracker(job)
         if not job.keys:
-            self._report(tracker)
+            self._book.finish(tracker)
             return
         items = [(tracker, i) for i in range(len(job.keys))]
         with self._lock:
@@ -466,7 +443,7 @@ class RedisTier(SecondaryTier):
             conn.disconnect()
 
     def _run_lookups(self, conn: Any, keys: list[bytes]) -> None:
-        self._count("lookups", len(keys))
+        self._book.count("lookups", len(keys))
         replies = self._pipeline(conn, "lookup", [("EXISTS", self._rkey(k)) for k in keys])
         hits = [k for k, r in zip(keys, replies, strict=True) if r == 1]
         # Unanswerable (server down, errors) is MISS: the engine recomputes instead of waiting.
@@ -495,7 +472,7 @@ class RedisTier(SecondaryTier):
                     outcomes = run(conn, batch)
                 except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
                     conn.disconnect()
-                    self._failed(f"{kind.value}:{type(e).__name__}", e)
+                    self._faillog.failed(f"{kind.value}:{type(e).__name__}", e)
                     outcomes = [False] * len(batch)
                 for (tracker, i), ok in zip(batch, outcomes, strict=True):
                     self._finish_key(tracker, i, ok)
@@ -534,7 +511,7 @@ class RedisTier(SecondaryTier):
             self._mark_down(op, e)
         except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
             conn.disconnect()
-            self._failed(f"{op}:{type(e).__name__}", e)
+            self._faillog.failed(f"{op}:{type(e).__name__}", e)
         else:
             self._mark_up()
         return replies + [NO_REPLY] * (len(commands) - len(replies))
@@ -551,13 +528,12 @@ class RedisTier(SecondaryTier):
         outcomes = [reply == b"OK" for reply in replies]
         for reply in replies:
             if isinstance(reply, ResponseError):  # e.g. OOM: maxmemory with the noeviction policy
-                self._failed(f"store:{str(reply).split(' ', 1)[0]}", reply)
+                self._faillog.failed(f"store:{str(reply).split(' ', 1)[0]}", reply)
         stored = [tracker.job.keys[i] for (tracker, i), ok in zip(batch, outcomes, strict=True) if ok]
         self._remember(stored, LookupResult.HIT)
-        with self._lock:
-            self._counters["stored"] += len(stored)
-            self._counters["store_failures"] += len(batch) - len(stored)
-            self._events.extend((TierEventKind.STORED, k) for k in stored)
+        self._book.count("stored", len(stored))
+        self._book.count("store_failures", len(batch) - len(stored))
+        self._book.events(TierEventKind.STORED, stored)
         return outcomes
 
     def _run_loads(self, conn: Any, batch: list[_Item]) -> list[bool]:
@@ -578,27 +554,24 @@ class RedisTier(SecondaryTier):
         for key, reply in zip(keys, replies, strict=True):
             if isinstance(reply, _Bad):
                 bad.append((key, reply.sha1))
-                with self._lock:
-                    self._counters["bad_chunks"] += 1
-                    self._counters[f"bad_{reply.reason.value}"] += 1
-                self._failed(f"bad:{reply.reason.value}",
+                self._book.count("bad_chunks")
+                self._book.count(f"bad_{reply.reason.value}")
+                self._faillog.failed(f"bad:{reply.reason.value}",
                              ValueError(f"removing bad value {self._rkey(key).decode()}"))
             elif isinstance(reply, ResponseError):
-                self._failed(f"load:{str(reply).split(' ', 1)[0]}", reply)
+                self._faillog.failed(f"load:{str(reply).split(' ', 1)[0]}", reply)
             elif reply is None:
                 gone.append(key)  # absent: never stored, expired or evicted by the server
         loaded = [k for k, ok in zip(keys, outcomes, strict=True) if ok]
-        with self._lock:
-            self._counters["loaded"] += len(loaded)
-            self._counters["load_failures"] += len(batch) - len(loaded)
-            self._counters["load_misses"] += len(gone)
+        self._book.count("loaded", len(loaded))
+        self._book.count("load_failures", len(batch) - len(loaded))
+        self._book.count("load_misses", len(gone))
         if bad:
             self._delete_bad(conn, bad)
         lost = gone + [k for k, _ in bad]
         self._remember(loaded, LookupResult.HIT)
         self._remember(lost, LookupResult.MISS)
-        with self._lock:
-            self._events.extend((TierEventKind.REMOVED, k) for k in lost)
+        self._book.events(TierEventKind.REMOVED, lost)
         return outcomes
 
     def _read_value(self, reader: _ReplyReader, key: bytes, row: memoryview) -> Any:
@@ -643,29 +616,15 @@ class RedisTier(SecondaryTier):
 
     def _finish_key(self, tracker: JobTracker, i: int, ok: bool) -> None:
         if tracker.finish_key(i, ok):
-            self._report(tracker)
-
-    def _report(self, tracker: JobTracker) -> None:
-        job = tracker.job
-        done = tuple(k for k, ok in zip(job.keys, tracker.ok, strict=True) if ok)
-        result = JobResult(job.job_id, success=len(done) == len(job.keys), successful_keys=done,
-                           bytes_moved=len(done) * self.ctx.row_bytes,
-                           seconds=time.perf_counter() - tracker.start)
-        with self._lock:
-            self._finished.append(result)
-        self.ctx.wakeup()
-
-    def _count(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._counters[name] += n
+            self._book.finish(tracker)
 
     def _mark_down(self, op: str, exc: BaseException) -> None:
         with self._lock:
             self._down_until = time.monotonic() + self.reconnect_interval_s
             self._answers.clear()  # what the server held before may be gone (restart)
             self._down_cause = f"{op}:{type(exc).__name__}"
-            self._counters["connection_errors"] += 1
-        self._failed(self._down_cause, exc)
+        self._book.count("connection_errors")
+        self._faillog.failed(self._down_cause, exc)
 
     def _mark_up(self) -> None:
         with self._lock:
@@ -674,17 +633,3 @@ class RedisTier(SecondaryTier):
             cause, self._down_cause = self._down_cause, ""
         self.ctx.log.info("redis tier %s: %s answers again (after %s)", self.ctx.tier_name,
                           self.url, cause)
-
-    def _failed(self, cause: str, exc: BaseException) -> None:
-        """Log a failure cause once per LOG_INTERVAL_S, however many chunks it hits."""
-        now = time.monotonic()
-        with self._lock:
-            last, suppressed = self._logged.get(cause, (-math.inf, 0))
-            if now - last < LOG_INTERVAL_S:
-                self._logged[cause] = (last, suppressed + 1)
-                return
-            self._logged[cause] = (now, 0)
-        more = f" ({suppressed} more since the last report)" if suppressed else ""
-        self.ctx.log.warning("redis tier %s (%s): %s: %s%s", self.ctx.tier_name, self.url, cause,
-                             self._scrub(str(exc)), more)
-

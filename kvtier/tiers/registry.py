@@ -7,6 +7,7 @@ a misspelt option fails at startup with the closest known option named, before a
 from __future__ import annotations
 
 import inspect
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -46,3 +47,13 @@ def check_tier_options(key: str, cls: type[SecondaryTier], options: Mapping[str,
     for p in params:
         if p.kind is p.KEYWORD_ONLY and p.default is p.empty and p.name not in options:
             raise ConfigError(f"{key}.{p.name}", None, f"required by tier {cls.__name__}")
+
+
+def number_option(key: str, value: object, allowed: str, *, low: float, integer: bool = False) -> float:
+    """`value` as a float when it is a finite number >= `low` (an int when `integer`), else a
+    ConfigError naming `key` and saying what is `allowed`. Booleans are not numbers here."""
+    if isinstance(value, bool) or not isinstance(value, int if integer else int | float):
+        raise ConfigError(key, value, allowed)
+    if not math.isfinite(value) or value < low:
+        raise ConfigError(key, value, allowed)
+    return float(value)

@@ -100,6 +100,9 @@ def main() -> None:
         level=spec.get("log_level", logging.INFO),
         format=f"%(asctime)s kvtier[{spec['tier_name']}] %(levelname)s %(message)s",
     )
+    # Client libraries print request headers (an S3 access key id) at DEBUG: never below INFO here.
+    for noisy in ("botocore", "boto3", "urllib3", "s3transfer"):
+        logging.getLogger(noisy).setLevel(max(logging.INFO, logging.getLogger().level))
     region = None
     try:
         region = HostRegion.attach(spec["region_name"], shm_dir=spec["shm_dir"])

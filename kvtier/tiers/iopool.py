@@ -1,4 +1,4 @@
-"""The fs tier's I/O threads and job completion tracking.
+"""I/O threads for tiers that move one key per task, and job completion tracking.
 
 `IoPool` runs one task per key. Read threads take loads first and write threads stores first, and
 either kind of thread takes the other kind of task when its own queue is empty, so a burst of loads

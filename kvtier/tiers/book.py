@@ -1,0 +1,115 @@
+"""Bookkeeping shared by the tiers whose I/O runs on their own threads (fs, obj, redis).
+
+`TierBook` holds a tier's counters, its pending events and its finished jobs; `FailureLog` turns a
+stream of failures into one log line per cause. Both are thread-safe: the I/O threads record, the
+tier process's dispatch thread drains.
+"""
+
+from __future__ import annotations
+
+import logging
+import math
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable
+
+from kvtier.tiers.base import ChunkKey, JobResult, TierContext, TierEvent, TierEventKind
+from kvtier.tiers.iopool import JobTracker
+
+LOG_INTERVAL_S = 600.0
+"""A failure cause already logged is logged again (with the count since) at most this often."""
+
+
+class FailureLog:
+    """Logs a failure cause (e.g. "store:ENOSPC") at its first occurrence, then at most once per
+    LOG_INTERVAL_S with the number of occurrences suppressed since, however many chunks it hits."""
+
+    def __init__(
+        self, log: logging.Logger, who: str, scrub: Callable[[str], str] = lambda s: s
+    ) -> None:
+        self.log = log
+        self.who = who
+        self._scrub = scrub
+        self._logged: dict[str, tuple[float, int]] = {}
+        self._lock = threading.Lock()
+
+    def failed(self, cause: str, exc: BaseException) -> None:
+        now = time.monotonic()
+        with self._lock:
+            last, suppressed = self._logged.get(cause, (-math.inf, 0))
+            if now - last < LOG_INTERVAL_S:
+                self._logged[cause] = (last, suppressed + 1)
+                return
+            self._logged[cause] = (now, 0)
+        more = f" ({suppressed} more since the last report)" if suppressed else ""
+        self.log.warning("%s: %s: %s%s", self.who, cause, self._scrub(str(exc)), more)
+
+    def clear(self) -> None:
+        """Forget what was logged, so the next occurrence of any cause is logged at once."""
+        with self._lock:
+            self._logged.clear()
+
+
+class TierBook:
+    """A tier's counters, pending events and finished jobs."""
+
+    def __init__(self, ctx: TierContext) -> None:
+        self.ctx = ctx
+        self._lock = threading.Lock()
+        self._counters: Counter[str] = Counter()
+        self._events: list[tuple[TierEventKind, ChunkKey]] = []
+        self._finished: list[JobResult] = []
+
+    def count(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._counters[name] += n
+
+    def counters(self, *always: str) -> dict[str, float]:
+        """A snapshot of every counter; the names in `always` appear even while zero, first."""
+        with self._lock:
+            counters = dict(self._counters)
+        out = {name: float(counters.pop(name, 0)) for name in always}
+        out.update((k, float(v)) for k, v in counters.items())
+        return out
+
+    def event(self, kind: TierEventKind, key: ChunkKey) -> None:
+        with self._lock:
+            self._events.append((kind, key))
+
+    def events(self, kind: TierEventKind, keys: Iterable[ChunkKey]) -> None:
+        with self._lock:
+            self._events.extend((kind, k) for k in keys)
+
+    def take_events(self) -> list[TierEvent]:
+        """Pending events in order, consecutive ones of a kind grouped into one TierEvent."""
+        with self._lock:
+            pending, self._events = self._events, []
+        out: list[TierEvent] = []
+        run: list[ChunkKey] = []
+        for i, (kind, key) in enumerate(pending):
+            run.append(key)
+            if i + 1 == len(pending) or pending[i + 1][0] is not kind:
+                out.append(TierEvent(kind, tuple(run)))
+                run = []
+        return out
+
+    def finish(self, tracker: JobTracker) -> None:
+        """Report a job whose every key is done, and wake the dispatch thread."""
+        job = tracker.job
+        done = tuple(k for k, ok in zip(job.keys, tracker.ok, strict=True) if ok)
+        result = JobResult(
+            job.job_id,
+            success=len(done) == len(job.keys),
+            successful_keys=done,
+            bytes_moved=len(done) * self.ctx.row_bytes,
+            seconds=time.perf_counter() - tracker.start,
+        )
+        with self._lock:
+            self._finished.append(result)
+        self.ctx.wakeup()
+
+    def take_finished(self) -> list[JobResult]:
+        with self._lock:
+            out, self._finished = self._finished, []
+        return out
