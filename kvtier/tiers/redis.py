@@ -14,7 +14,7 @@ so they never wait behind bulk transfers. Each thread owns one connection.
 
 Copies: a store sends the header and the host row as separate buffers of one hand-framed SET (the
 row is never copied in Python); a load reads the GET reply's payload from the socket straight into
-the slot (`_ReplyReader`), then checks the header and checksum before reporting the key loaded.
+the slot (`redis_wire.ReplyReader`), then checks the header and checksum before reporting the key loaded.
 
 Failures are values: a key that could not be moved fails its job. A connection error or timeout marks
 the server down for `reconnect_interval_s`: meanwhile batches fail at once and lookups answer MISS;
@@ -31,7 +31,7 @@ from collections import OrderedDict, deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, cast
-from urllib.parse import parse_qsl, unquote, urlencode, urlsplit
+from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
 from redis.backoff import NoBackoff
@@ -57,11 +57,11 @@ from kvtier.tiers.base import (
 )
 from kvtier.tiers.book import FailureLog, TierBook
 from kvtier.tiers.iopool import JobTracker
+from kvtier.tiers.redis_wire import ReplyReader, redact_url, set_command
 from kvtier.tiers.registry import number_option
 
 _parse_url = cast(Callable[[str], dict[str, Any]], _redis_parse_url)
 """redis-py's own URL parser (untyped there): scheme, host or path, credentials, query arguments."""
-"""A failure cause already logged is logged again (with the count since) at most this often."""
 SCHEMES = ("redis", "rediss", "unix")
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
 _DELETE_IF_SAME = (
@@ -88,95 +88,6 @@ class _Bad:
 
     reason: chunkfmt.ChunkError
     sha1: str
-
-
-class _ReplyReader:
-    """RESP replies read straight from a connection's socket, bulk payloads into caller buffers.
-
-    redis-py's parsers hand a bulk reply over as a new `bytes` (after copying it through their own
-    buffer); this reads a chunk's row from the socket into its host-region slot instead. It is used
-    between sending a pipeline and reading all of its replies, while redis-py's parser holds none
-    of them (that parser reads only inside `read_response`, which is not called meanwhile).
-    """
-
-    def __init__(self, sock: Any) -> None:
-        self._sock = sock
-        self._buf = bytearray(64 << 10)
-        self._view = memoryview(self._buf)
-        self._start = self._end = 0
-
-    def _recv(self, out: memoryview) -> int:
-        got: int = self._sock.recv_into(out)
-        if got == 0:
-            raise RedisConnectionError("connection closed by the server")
-        return got
-
-    def line(self) -> bytes:
-        """The next reply line, without its CRLF."""
-        while (i := self._buf.find(b"\r\n", self._start, self._end)) < 0:
-            if self._start:
-                n = self._end - self._start
-                self._buf[:n] = self._view[self._start : self._end]
-                self._start, self._end = 0, n
-            if self._end == len(self._buf):
-                raise RedisConnectionError("reply line too long")
-            self._end += self._recv(self._view[self._end :])
-        out = bytes(self._view[self._start : i])
-        self._start = i + 2
-        return out
-
-    def read_into(self, out: memoryview) -> None:
-        """Fill `out` with the next len(out) bytes of the stream."""
-        have = min(len(out), self._end - self._start)
-        out[:have] = self._view[self._start : self._start + have]
-        self._start += have
-        while have < len(out):
-            have += self._recv(out[have:])
-
-    def drain(self, n: int, sink: Callable[[memoryview], object]) -> None:
-        """Pass the next `n` bytes of the stream to `sink`, a bounded piece at a time."""
-        while n:
-            if self._start == self._end:
-                self._start, self._end = 0, self._recv(self._view)
-            take = min(n, self._end - self._start)
-            sink(self._view[self._start : self._start + take])
-            self._start += take
-            n -= take
-
-    def end_bulk(self) -> None:
-        if self.line():
-            raise RedisConnectionError("a bulk reply did not end where its length said")
-
-    def finish(self) -> None:
-        """Check that nothing beyond the expected replies arrived."""
-        if self._start != self._end:
-            raise RedisConnectionError("unexpected bytes after the pipeline's replies")
-
-
-def redact_url(url: str) -> str:
-    """`url` with the password (userinfo or `password=` query argument) replaced by `***`."""
-    parts = urlsplit(url)
-    netloc = parts.netloc
-    userinfo, at, hostport = netloc.rpartition("@")
-    if at and ":" in userinfo:
-        netloc = f"{userinfo.partition(':')[0]}:***@{hostport}"
-    query = parts.query
-    if query:
-        pairs = parse_qsl(query, keep_blank_values=True)
-        query = urlencode([(k, "***" if k.lower() == "password" else v) for k, v in pairs], safe="*")
-    if (netloc, query) == (parts.netloc, parts.query):
-        return url
-    tail = (f"?{query}" if query else "") + (f"#{parts.fragment}" if parts.fragment else "")
-    return f"{parts.scheme}://{netloc}{parts.path}{tail}"
-
-
-def _set_command(rkey: bytes, header: bytes, row: memoryview, px: bytes | None) -> list[Any]:
-    """A RESP `SET rkey header+row [PX px]` as buffers; the row goes out as it is, uncopied."""
-    n = len(header) + len(row)
-    argc = 3 if px is None else 5
-    head = b"*%d\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (argc, len(rkey), rkey, n)
-    tail = b"\r\n" if px is None else b"\r\n$2\r\nPX\r\n$%d\r\n%b\r\n" % (len(px), px)
-    return [head + header, row, tail]
 
 
 class RedisTier(SecondaryTier):
@@ -481,7 +392,7 @@ class RedisTier(SecondaryTier):
 
     def _pipeline(
         self, conn: Any, op: str, commands: list[Any],
-        read_reply: Callable[[_ReplyReader, int], Any] | None = None,
+        read_reply: Callable[[ReplyReader, int], Any] | None = None,
     ) -> list[Any]:
         """Send `commands` (argument tuples, or lists of pre-framed buffers) in one write, read one
         reply per command: the value, a ResponseError, or NO_REPLY when there was none (the server
@@ -497,7 +408,7 @@ class RedisTier(SecondaryTier):
                 buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
             conn.send_packed_command(buffers, check_health=False)
             if read_reply is not None:
-                reader = _ReplyReader(conn._sock)  # connected by send_packed_command
+                reader = ReplyReader(conn._sock)  # connected by send_packed_command
                 for n in range(len(commands)):
                     replies.append(read_reply(reader, n))
                 reader.finish()
@@ -523,7 +434,7 @@ class RedisTier(SecondaryTier):
             row = self.ctx.slot_view(tracker.job.slots[i])
             key = tracker.job.keys[i]
             header = chunkfmt.header_bytes(key, self._fp, row)
-            commands.append(_set_command(self._rkey(key), header, row, self._px))
+            commands.append(set_command(self._rkey(key), header, row, self._px))
         replies = self._pipeline(conn, "store", commands)
         outcomes = [reply == b"OK" for reply in replies]
         for reply in replies:
@@ -543,7 +454,7 @@ class RedisTier(SecondaryTier):
         keys = [tracker.job.keys[i] for tracker, i in batch]
         rows = [self.ctx.slot_view(tracker.job.slots[i]) for tracker, i in batch]
 
-        def read(reader: _ReplyReader, n: int) -> Any:
+        def read(reader: ReplyReader, n: int) -> Any:
             return self._read_value(reader, keys[n], rows[n])
 
         commands = [(verb, self._rkey(k), *extra) for k in keys]
@@ -574,7 +485,7 @@ class RedisTier(SecondaryTier):
         self._book.events(TierEventKind.REMOVED, lost)
         return outcomes
 
-    def _read_value(self, reader: _ReplyReader, key: bytes, row: memoryview) -> Any:
+    def _read_value(self, reader: ReplyReader, key: bytes, row: memoryview) -> Any:
         """Read one GET reply: the payload straight into `row`, then verify it. True when `row`
         holds the chunk; None when the key is absent; a ResponseError; or _Bad."""
         line = reader.line()

@@ -22,7 +22,8 @@ from kvtier.host.region import HostRegion
 from kvtier.tiers import chunkfmt
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierEventKind
 from kvtier.tiers.process import TierProcess, TierSpec
-from kvtier.tiers.redis import RedisTier, redact_url
+from kvtier.tiers.redis import RedisTier
+from kvtier.tiers.redis_wire import redact_url
 from tests.conftest import (
     LAYOUT_FP,
     ROW_BYTES,
