@@ -83,6 +83,12 @@ def run_tier_bench(
         if bad:
             raise RuntimeError(f"{bad} of {chunks} loaded chunks differ from what was stored")
         gib = row * chunks / 2**30
+        seen = proc.stats_version
+        proc.request_stats()
+        deadline = time.monotonic() + 10
+        while proc.stats_version == seen and proc.is_up and time.monotonic() < deadline:
+            proc.poll()
+            time.sleep(0.001)
         return {
             "tier": tier, "chunk_bytes": row, "chunks": chunks, "threads": threads,
             "store_s": store_s, "load_s": load_s,

@@ -104,6 +104,8 @@ class TierProcess:
         self._asking: set[ChunkKey] = set()
         self._next_req = 0
         self.last_stats: dict[str, float] = {}
+        self.stats_version = 0
+        """Counts the stats reports received; `request_stats` makes the next one come at once."""
         self.restarts = 0
         self._closed = False
 
@@ -248,6 +250,10 @@ class TierProcess:
         finished, self._finished = self._finished, []
         return finished
 
+    def request_stats(self) -> None:
+        """Ask for a stats report now (it arrives after every job finished before the request)."""
+        self._send(("stats",))
+
     def take_events(self) -> list[TierEvent]:
         events, self._events = self._events, []
         return events
@@ -321,6 +327,7 @@ class TierProcess:
             self._events.extend(TierEvent(TierEventKind(k), tuple(keys)) for k, keys in msg[1])
         elif op == "stats":
             self.last_stats = msg[1]
+            self.stats_version += 1
         elif op == "error":
             self._mark_down(msg[1])
 

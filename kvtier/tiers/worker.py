@@ -8,7 +8,7 @@ or dies, or on a shutdown request.
 
 Wire messages (tuples of plain values; this socket connects two processes of the same instance):
   in:  ("lookup", req_id, [key, ...]) | ("store"|"load", job_id, [key, ...], [slot, ...])
-       | ("shutdown",)
+       | ("stats",) | ("shutdown",)
   out: ("ready",) | ("error", message[, key, value, allowed]) | ("lookup", req_id, [int, ...])
        | ("done", [(job_id, success, [key, ...], bytes, seconds), ...])
        | ("events", [(kind, [key, ...]), ...]) | ("stats", {name: value})
@@ -80,6 +80,9 @@ def _serve(conn: Connection, tier: SecondaryTier, wake: _Wakeup) -> None:
             elif op in ("store", "load"):
                 job = Job(msg[1], JobKind(op), tuple(msg[2]), tuple(msg[3]))
                 (tier.submit_store if op == "store" else tier.submit_load)(job)
+            elif op == "stats":
+                _flush(conn, tier)
+                conn.send(("stats", tier.stats()))
             elif op == "shutdown":
                 return
         _flush(conn, tier)
