@@ -55,6 +55,10 @@ class FakeRequest:
         return self.prompt_token_ids + self.output_token_ids
 
     @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
     def num_tokens(self) -> int:
         return len(self.all_token_ids)
 

@@ -163,3 +163,54 @@ def test_chunks_of_two_blocks() -> None:
         assert s.get_num_new_matched_tokens(FakeRequest("d", prompt), 4) == (0, False)  # type: ignore[arg-type]
     finally:
         s.shutdown()
+
+
+def test_prompt_tokens_split_by_source_and_metrics(sched: KVTierScheduler) -> None:
+    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    req = FakeRequest("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(req, 4) == (8, True)  # type: ignore[arg-type]
+    sched.update_state_after_alloc(req, FakeBlocks([0, 11, 12, 13]), 8)  # type: ignore[arg-type]
+    meta = sched.build_connector_meta(FakeSchedulerOutput({}))
+    (load,) = meta.loads
+    worker_meta = KVTierWorkerMetadata(loads={load.job_id: (1, True)}, seconds={load.job_id: 0.5})
+    sched.update_connector_output(
+        KVConnectorOutput(finished_recving={"b"}, kv_connector_worker_meta=worker_meta)
+    )
+    assert sched.hit_sources(req) == {"host": 8}  # type: ignore[arg-type]
+    params = sched.request_finished(req)  # type: ignore[arg-type]
+    assert params == {"kvtier": {"tokens": {"device": 4, "host": 8, "recomputed": 2}}}
+    assert sched.accounting.finished["b"] == {"device": 4, "host": 8, "recomputed": 2}
+    m = sched.accounting.metrics
+    assert m.value("kvtier_prompt_tokens_total", source="host") == 8
+    assert m.value("kvtier_prompt_tokens_total", source="device") == 4
+    assert m.value("kvtier_prompt_tokens_total", source="recomputed") == 14 + 2  # "a" computed all
+    assert m.value("kvtier_transfer_chunks_total", tier="host", op="store") == 3
+    assert m.value("kvtier_transfer_bytes_total", tier="host", op="store") == 3 * ROW_BYTES
+    assert m.value("kvtier_transfer_chunks_total", tier="host", op="load") == 2
+    assert m.value("kvtier_transfer_seconds_total", tier="host", op="load") == 0.5
+    assert m.value("kvtier_hit_chunks_total", tier="host") == 2
+    assert m.value("kvtier_lookup_chunks_total") == 2  # "a" was never allocated by this driver
+
+
+def test_a_failed_load_is_counted_as_recomputed(sched: KVTierScheduler) -> None:
+    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    req = FakeRequest("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(req, 0) == (12, True)  # type: ignore[arg-type]
+    sched.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
+    (load,) = sched.build_connector_meta(FakeSchedulerOutput({})).loads
+    worker_meta = KVTierWorkerMetadata(loads={load.job_id: (1, False)})
+    sched.update_connector_output(
+        KVConnectorOutput(finished_recving={"b"}, kv_connector_worker_meta=worker_meta)
+    )
+    assert sched.request_finished(req) == {  # type: ignore[arg-type]
+        "kvtier": {"tokens": {"device": 0, "host": 0, "recomputed": 14}}
+    }
+    assert sched.accounting.metrics.value("kvtier_failures_total", tier="host", op="load") == 3
+
+
+def test_reset_cache_empties_the_host_tier(sched: KVTierScheduler) -> None:
+    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    assert sched.manager.host.stats().ready == 3
+    assert sched.reset_cache() is True
+    assert sched.manager.host.stats().ready == 0
+    assert sched.get_num_new_matched_tokens(FakeRequest("b", PROMPT), 0) == (0, False)  # type: ignore[arg-type]

@@ -5,6 +5,12 @@ the host tier and the secondary tier processes, see `scheduler.py`), the WORKER 
 (it copies KV between the engine's tensors and the host region, see `worker.py`). This class only
 parses the config and dispatches each vLLM hook to the half its role has; the halves talk through
 `KVTierMetadata` / `KVTierWorkerMetadata` only.
+
+Observability: metrics reach vLLM's `/metrics` through `get_kv_connector_stats` /
+`build_kv_connector_stats` / `build_prom_metrics` (`stats.py`), and are readable in-process from
+`connector.scheduler.accounting.metrics.snapshot()`; each finished request's prompt tokens split by
+source come back in its output's `kv_transfer_params["kvtier"]["tokens"]` (`accounting.py`); KV
+events go out through `take_events` when vLLM's KV events are enabled (`kvtier.events`).
 """
 
 from __future__ import annotations
@@ -24,10 +30,13 @@ from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.geometry import engine_geometry
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.worker import KVTierWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
     from vllm.forward_context import ForwardContext
     from vllm.v1.attention.backend import AttentionMetadata
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
@@ -35,6 +44,14 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
+
+
+HIT_SOURCE = {
+    "host": CacheHitSource.HOST,
+    "fs": CacheHitSource.DISK,
+    "obj": CacheHitSource.DISK,
+    "p2p": CacheHitSource.P2P,
+}
 
 
 class KVTierConnector(KVConnectorBase_V1):
@@ -54,7 +71,9 @@ class KVTierConnector(KVConnectorBase_V1):
         self.worker: KVTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
             world = vllm_config.parallel_config.world_size
-            self.scheduler = KVTierScheduler(config, geometry, world)
+            events = vllm_config.kv_events_config
+            enabled = events is not None and bool(events.enable_kv_cache_events)
+            self.scheduler = KVTierScheduler(config, geometry, world, events=enabled)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
@@ -138,8 +157,50 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        self._sched().request_finished(request)
-        return False, None
+        return False, self._sched().request_finished(request)
+
+    def get_external_cache_hit_sources(
+        self, request: Request, num_external_tokens: int
+    ) -> dict[CacheHitSource, int]:
+        """vLLM's per-source hit counters: host tier → HOST, fs and obj → DISK, p2p → P2P, other
+        tiers → EXTERNAL_UNSPECIFIED. Called after `update_state_after_alloc`."""
+        sched = self._sched()
+        out: dict[CacheHitSource, int] = {}
+        for tier, tokens in sched.hit_sources(request).items():
+            source = HIT_SOURCE.get(sched.tier_types.get(tier, tier), CacheHitSource.EXTERNAL_UNSPECIFIED)
+            out[source] = out.get(source, 0) + tokens
+        rest = num_external_tokens - sum(out.values())
+        if rest > 0:
+            out[CacheHitSource.EXTERNAL_UNSPECIFIED] = out.get(CacheHitSource.EXTERNAL_UNSPECIFIED, 0) + rest
+        return out
+
+    def take_events(self) -> list[KVCacheEvent]:
+        return self._sched().take_events() if self.scheduler is not None else []
+
+    def reset_cache(self) -> bool | None:
+        return self.scheduler.reset_cache() if self.scheduler is not None else None
+
+    def get_kv_connector_stats(self) -> KVConnectorStats | None:
+        """This step's metric updates (scheduler role; the worker's timings travel in its worker
+        metadata instead). Called by vLLM's scheduler every step."""
+        if self.scheduler is None:
+            return None
+        delta = self.scheduler.accounting.metrics.take_delta()
+        return None if delta is None else KVTierStats(delta)
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> KVConnectorStats | None:
+        return KVTierStats(data or {})
+
+    @classmethod
+    def build_prom_metrics(
+        cls,
+        vllm_config: VllmConfig,
+        metric_types: dict[type, type],
+        labelnames: list[str],
+        per_engine_labelvalues: dict[int, list[object]],
+    ) -> KVTierPromMetrics:
+        return KVTierPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
 
     def shutdown(self) -> None:
         """Called by vLLM when the engine or worker shuts down. Idempotent."""

@@ -7,7 +7,9 @@ per connector, at construction.
 
 from __future__ import annotations
 
+import hashlib
 from dataclasses import dataclass
+from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
@@ -38,6 +40,25 @@ class EngineGeometry:
         return self.layout.chunk_tokens
 
 
+def model_name(model: str, served_model_name: str | list[str] | None) -> str:
+    """The model's name in chunk keys: the same on every machine serving the same model.
+
+    `served_model_name` when the user set one (vLLM fills it with `model` otherwise; a list gives
+    its first name). Else, for a local directory, its basename plus a hash of its `config.json`
+    (so two machines with the same model at different paths share chunks, and two different
+    models in same-named directories do not); else `model` itself (a hub id).
+    """
+    served = served_model_name[0] if isinstance(served_model_name, list) else served_model_name
+    if served and served != model:
+        return served
+    path = Path(model)
+    config = path / "config.json"
+    if not config.is_file():
+        return model
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:16]
+    return f"{path.resolve().name}@config-{digest}"
+
+
 def engine_geometry(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, blocks_per_chunk: int
 ) -> EngineGeometry:
@@ -64,7 +85,7 @@ def engine_geometry(
     num_kv_heads = model.get_total_num_kv_heads()
     chunk_tokens = spec.block_size * blocks_per_chunk
     fingerprint = ModelFingerprint(
-        model=str(model.model),
+        model=model_name(model.model, model.served_model_name),
         revision=str(model.revision or ""),
         dtype=str(model.dtype),
         kv_dtype=str(spec.dtype),

@@ -6,9 +6,9 @@ this step. It holds plain ints and strings only, so vLLM may ship it to worker p
 needs nothing else from the scheduler process (it attaches the region by name).
 
 Worker → scheduler (`KVTierWorkerMetadata`, built after the step by `build_connector_worker_meta`,
-aggregated over all workers by vLLM and handed to `update_connector_output`): which store jobs each
-worker finished, and whether each copy succeeded. Finished loads travel through vLLM's own
-`finished_recving` set instead, keyed by request id.
+aggregated over all workers by vLLM and handed to `update_connector_output`): which store and load
+jobs each worker finished, whether each copy succeeded and how long it took. Finished loads also
+travel through vLLM's own `finished_recving` set (keyed by request id), which releases their pins.
 """
 
 from __future__ import annotations
@@ -57,16 +57,31 @@ class KVTierMetadata(KVConnectorMetadata):
 
 @dataclass
 class KVTierWorkerMetadata(KVConnectorWorkerMetadata):
-    """Store jobs finished by workers: job id → (how many workers finished it, all succeeded)."""
+    """Copy jobs finished by workers: job id → (how many workers finished it, all succeeded), for
+    stores and loads, and job id → the slowest worker's copy time in seconds."""
 
     stores: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    loads: dict[int, tuple[int, bool]] = field(default_factory=dict)
+    seconds: dict[int, float] = field(default_factory=dict)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
-        """Merge another worker's report: counts add up, one failure fails the job."""
+        """Merge another worker's report: counts add up, one failure fails the job, the longest
+        time is kept."""
         if not isinstance(other, KVTierWorkerMetadata):
             raise TypeError(f"cannot aggregate {type(other).__name__} into KVTierWorkerMetadata")
-        merged = dict(self.stores)
-        for job_id, (count, ok) in other.stores.items():
-            have_count, have_ok = merged.get(job_id, (0, True))
-            merged[job_id] = (have_count + count, have_ok and ok)
-        return KVTierWorkerMetadata(merged)
+        seconds = dict(self.seconds)
+        for job_id, secs in other.seconds.items():
+            seconds[job_id] = max(secs, seconds.get(job_id, 0.0))
+        return KVTierWorkerMetadata(
+            _merge(self.stores, other.stores), _merge(self.loads, other.loads), seconds
+        )
+
+
+def _merge(
+    mine: dict[int, tuple[int, bool]], theirs: dict[int, tuple[int, bool]]
+) -> dict[int, tuple[int, bool]]:
+    merged = dict(mine)
+    for job_id, (count, ok) in theirs.items():
+        have_count, have_ok = merged.get(job_id, (0, True))
+        merged[job_id] = (have_count + count, have_ok and ok)
+    return merged

@@ -19,6 +19,9 @@ step (nor after the request finishes); `update_connector_output` publishes the r
 
 Per-request options (`options.py`, from `kv_transfer_params`) may skip the load or the store,
 restrict the secondary tiers a load may come from, and set the cascade's retention priority.
+
+Metrics and the per-request split of prompt tokens by source are kept by `accounting.py`; KV events
+(`kvtier.events`) are drained every step by `take_events` and translated when vLLM's KV events are on.
 """
 
 from __future__ import annotations
@@ -27,15 +30,17 @@ import itertools
 import logging
 from collections import Counter
 from collections.abc import Callable
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
 
 from kvtier.config import KVTierConfig
+from kvtier.events import KVEventTranslator
+from kvtier.integrations.vllm.accounting import Accounting, RequestHits
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.options import RequestOptions
 from kvtier.keys import ChunkHasher
-from kvtier.manager import TieringManager
+from kvtier.manager import HOST, TieringManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -57,8 +62,11 @@ class _Request:
     keys: list[bytes]
     lora: str | None
     options: RequestOptions
+    hits: RequestHits
     load_from: int = 0
     stored: int = 0
+    looked_up: int = 0
+    promoted_from: dict[int, str] = field(default_factory=dict)
 
 
 @dataclass
@@ -67,15 +75,32 @@ class _Store:
     priority: int
     acks: int = 0
     ok: bool = True
+    seconds: float = 0.0
+
+
+@dataclass
+class _Load:
+    req_id: str
+    sources: list[str]
+    acks: int = 0
+    ok: bool = True
+    seconds: float = 0.0
 
 
 class KVTierScheduler:
     """Scheduler-side state of one engine: the tiering manager and per-request progress."""
 
-    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, world_size: int) -> None:
+    def __init__(
+        self, config: KVTierConfig, geometry: EngineGeometry, world_size: int, events: bool = False
+    ) -> None:
+        """Called once by the connector at engine start; starts the tier processes. `events`: the
+        user enabled vLLM's KV events, so `take_events` translates kvtier's."""
         layout = geometry.layout
         self.geometry = geometry
         self.manager = TieringManager.from_config(config, layout.row_bytes, layout.fingerprint)
+        self.accounting = Accounting(self.manager, geometry.chunk_tokens)
+        self.tier_types = {t.name: t.type for t in config.secondary_tiers}
+        self.events = KVEventTranslator(self.tier_types, geometry.chunk_tokens) if events else None
         self.hasher = ChunkHasher(config.hash_algorithm, geometry.fingerprint, layout.chunk_tokens)
         self.shm_dir = config.shm_dir
         self.world_size = world_size
@@ -85,6 +110,7 @@ class KVTierScheduler:
         self._loads_to_send: list[ChunkCopy] = []
         self._loading: dict[str, list[bytes]] = {}
         self._stores: dict[int, _Store] = {}
+        self._loads: dict[int, _Load] = {}
         self._job_ids = itertools.count(1)
 
     @property
@@ -112,6 +138,9 @@ class KVTierScheduler:
         """
         state = self._state(request)
         ct = self.geometry.chunk_tokens
+        if state is not None and not state.hits.recorded:
+            state.hits.device = num_computed_tokens
+            state.looked_up = 0
         if state is None or state.options.skip_load or num_computed_tokens % ct:
             return 0, False
         start = num_computed_tokens // ct
@@ -119,9 +148,12 @@ class KVTierScheduler:
         if not keys:
             return 0, False
         found = self.manager.lookup_prefix(keys, state.options.load_tiers)
+        for i, tier in enumerate(found.promoting, start + found.ready):
+            state.promoted_from.setdefault(i, tier)
         if found.pending:
             return None, False
         state.load_from = start
+        state.looked_up = len(keys)
         return found.ready * ct, found.ready > 0
 
     def update_state_after_alloc(
@@ -130,24 +162,31 @@ class KVTierScheduler:
         """Pin the host rows of the chunks vLLM just allocated blocks for, and queue their load.
 
         Called right after `get_num_new_matched_tokens` returned `num_external_tokens` for this
-        request in the same scheduler step (0: nothing to load).
+        request in the same scheduler step (0: nothing to load), for every request vLLM allocates.
         """
-        if num_external_tokens == 0:
+        state = self._requests.get(request.request_id)
+        if state is None:
             return
-        state = self._requests[request.request_id]
-        bpc = self.geometry.blocks_per_chunk
         first = state.load_from
         count = num_external_tokens // self.geometry.chunk_tokens
         keys = state.keys[first : first + count]
+        slots = self.manager.host.prepare_load(keys) if keys else None
+        sources = [state.promoted_from.get(c, HOST) for c in range(first, first + count)]
+        if not state.hits.recorded:
+            self.accounting.record_alloc(state.hits, state.looked_up, sources if slots else [])
+        if num_external_tokens == 0:
+            return
+        bpc = self.geometry.blocks_per_chunk
         ids = blocks.get_block_ids()[0]
         chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c in range(first, first + count))
-        slots = self.manager.host.prepare_load(keys)
         if slots is None:
             self.counters["load_pin_failures"] += 1
             slots = []
         else:
             self._loading[request.request_id] = keys
         job = ChunkCopy(next(self._job_ids), request.request_id, tuple(keys), chunks, tuple(slots))
+        if slots:
+            self._loads[job.job_id] = _Load(request.request_id, sources)
         self._loads_to_send.append(job)
         self.counters["load_chunks"] += len(slots)
 
@@ -160,6 +199,7 @@ class KVTierScheduler:
         `num_computed_tokens` advance.
         """
         self.manager.poll()
+        self.accounting.step()
         stores: list[ChunkCopy] = []
         speculative = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -181,7 +221,10 @@ class KVTierScheduler:
             return
         request = state.request
         tokens = request.all_token_ids[:computed]
+        first = len(state.keys)
         state.keys += self.hasher.extend(state.keys, tokens, cache_salt=request.cache_salt, lora=state.lora)
+        if self.events is not None:
+            self.events.remember(state.keys, tokens, first)
 
     def _plan_store(self, state: _Request, computed: int) -> ChunkCopy | None:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
@@ -192,6 +235,7 @@ class KVTierScheduler:
         slots = self.manager.host.prepare_store(keys)
         if slots is None:
             self.counters["store_no_space"] += len(keys)
+            self.accounting.store_rejected(len(keys))
             return None
         new = [(c, key) for c, key in enumerate(keys, first) if key in slots]
         if not new:
@@ -213,15 +257,18 @@ class KVTierScheduler:
         host = self.manager.host
         meta = output.kv_connector_worker_meta
         if isinstance(meta, KVTierWorkerMetadata):
+            self._finish_loads(meta)
             for job_id, (acks, ok) in meta.stores.items():
                 store = self._stores.get(job_id)
                 if store is None:
                     continue
                 store.acks += acks
                 store.ok = store.ok and ok
+                store.seconds = max(store.seconds, meta.seconds.get(job_id, 0.0))
                 if store.acks < self.world_size:
                     continue
                 del self._stores[job_id]
+                self.accounting.copied("store", len(store.keys), store.seconds, store.ok)
                 host.complete_store(store.keys, success=store.ok)
                 self.counters["store_chunks" if store.ok else "store_failures"] += len(store.keys)
                 if store.ok:
@@ -232,10 +279,52 @@ class KVTierScheduler:
                 host.complete_load(keys)
         self.manager.poll()
 
-    def request_finished(self, request: Request) -> None:
-        """Forget the request. Called once when it finishes or is aborted; its stores already
+    def _finish_loads(self, meta: KVTierWorkerMetadata) -> None:
+        """Count the host → device copies every worker finished (metrics and hit records)."""
+        for job_id, (acks, ok) in meta.loads.items():
+            load = self._loads.get(job_id)
+            if load is None:
+                continue
+            load.acks += acks
+            load.ok = load.ok and ok
+            load.seconds = max(load.seconds, meta.seconds.get(job_id, 0.0))
+            if load.acks < self.world_size:
+                continue
+            del self._loads[job_id]
+            if load.ok:
+                self.accounting.copied("load", len(load.sources), load.seconds, ok=True)
+            else:
+                state = self._requests.get(load.req_id)
+                self.accounting.load_failed(state.hits if state else None, load.sources)
+
+    def request_finished(self, request: Request) -> dict[str, Any] | None:
+        """Forget the request; return its prompt-token split for `kv_transfer_params` (None when
+        kvtier could not key it). Called once when it finishes or is aborted; its stores already
         copied (stores run in the step that computes the blocks), so no block is held."""
-        self._requests.pop(request.request_id, None)
+        state = self._requests.pop(request.request_id, None)
+        if state is None:
+            return None
+        return self.accounting.finish(request.request_id, state.hits)
+
+    def hit_sources(self, request: Request) -> dict[str, int]:
+        """Tokens loaded for `request` by kvtier source ("host" or a tier name), for vLLM's
+        per-source hit counters; called after `update_state_after_alloc`."""
+        state = self._requests.get(request.request_id)
+        return {} if state is None else {k: v for k, v in state.hits.loaded.items() if v > 0}
+
+    def take_events(self) -> list[Any]:
+        """vLLM KV events for what the tiers stored and removed since the last call (empty when
+        KV events are off: kvtier's are still drained). Called by vLLM every step."""
+        events = self.manager.take_events()
+        if self.events is None:
+            return []
+        return [e for tier, event in events for e in self.events.translate(tier, event)]
+
+    def reset_cache(self) -> bool:
+        """Drop every unpinned chunk of the host tier (vLLM's `reset_prefix_cache(reset_connector=
+        True)`); secondary tiers keep theirs (they are shared and persistent)."""
+        self.manager.host.clear()
+        return True
 
     def shutdown(self) -> None:
         """Stop the secondary tiers and remove the host region. Idempotent."""
@@ -252,7 +341,9 @@ class KVTierScheduler:
         lora = request.lora_request.lora_name if request.lora_request else None
         keys = self.hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
         options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
-        state = _Request(request, keys, lora, options)
+        state = _Request(request, keys, lora, options, RequestHits(request.num_prompt_tokens))
+        if self.events is not None:
+            self.events.remember(keys, request.prompt_token_ids)
         self._requests[request.request_id] = state
         return state
 

@@ -12,6 +12,7 @@ Per step, in vLLM's order: `start_load` (bound metadata's loads, host → device
 from __future__ import annotations
 
 import logging
+import time
 
 import torch
 
@@ -35,6 +36,8 @@ class KVTierWorker:
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._stores: dict[int, tuple[int, bool]] = {}
+        self._loads: dict[int, tuple[int, bool]] = {}
+        self._seconds: dict[int, float] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build the copy plan from the real tensors. Called once, after vLLM allocated its KV
@@ -67,16 +70,21 @@ class KVTierWorker:
         """Copy every load of `meta` host → device. Called once per step, by vLLM's
         `start_load_kv`; the loading requests are not in this step's forward pass."""
         for job in meta.loads:
+            start = time.perf_counter()
             ok = bool(job.slots) and self._transfer(meta).load(job.block_ids, job.slots)
+            self._seconds[job.job_id] = time.perf_counter() - start
             if not ok:
                 self._load_errors.update(job.all_block_ids)
+            self._loads[job.job_id] = (1, ok)
             self._finished_loads.add(job.req_id)
 
     def save(self, meta: KVTierMetadata) -> None:
         """Copy every store of `meta` device → host. Called once per step by vLLM's
         `wait_for_save`, after the forward pass wrote the blocks; returns once copied."""
         for job in meta.stores:
+            start = time.perf_counter()
             ok = self._transfer(meta).store(job.block_ids, job.slots)
+            self._seconds[job.job_id] = time.perf_counter() - start
             self._stores[job.job_id] = (1, ok)
 
     def _transfer(self, meta: KVTierMetadata) -> HostTransfer:
@@ -96,11 +104,12 @@ class KVTierWorker:
         return errors
 
     def take_worker_meta(self) -> KVTierWorkerMetadata | None:
-        """This rank's finished stores since the last call, or None when there are none."""
-        if not self._stores:
+        """This rank's finished copies since the last call, or None when there are none."""
+        if not self._stores and not self._loads:
             return None
-        stores, self._stores = self._stores, {}
-        return KVTierWorkerMetadata(stores)
+        meta = KVTierWorkerMetadata(self._stores, self._loads, self._seconds)
+        self._stores, self._loads, self._seconds = {}, {}, {}
+        return meta
 
     def shutdown(self) -> None:
         """Unmap the host region. Idempotent."""
