@@ -20,6 +20,7 @@ BUILTIN_TIERS: dict[str, str] = {
     "fs": "kvtier.tiers.fs:FsTier",
     "obj": "kvtier.tiers.obj:ObjTier",
     "redis": "kvtier.tiers.redis:RedisTier",
+    "p2p": "kvtier.tiers.p2p:P2PTier",
 }
 
 

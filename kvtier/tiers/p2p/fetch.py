@@ -1,0 +1,142 @@
+"""The loading half of the p2p tier: fetch one chunk from a holder straight into a host-region slot.
+
+Each I/O thread keeps its own authenticated TCP connection per peer (thread-local, so no locking on
+the data path). A fetch sends one request, reads the holder's status byte, the 4 KiB chunk header
+into a small buffer, checks it (magic, version, key, layout, length) and then reads the row with
+`recv_into` directly into the slot, and finally verifies the row's checksum there. Only a verified
+row is reported loaded; a holder that closes, resets or stalls past `transfer_timeout_s` mid-row
+leaves a failed key (the slot's partial bytes are never published: the host tier rolls it back).
+
+A connection reused after being idle may have been closed by the holder meanwhile: a failure before
+any reply byte arrived on a reused connection is retried once on a fresh connection. A peer that
+refuses connections, fails the handshake or breaks the protocol is skipped for
+`reconnect_interval_s` (its loads fail at once meanwhile).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+import time
+
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p.auth import Secret
+from kvtier.tiers.p2p.protocol import PeerFailure
+
+
+class _Reset(Exception):
+    """The connection failed before the holder's first reply byte (it may just have been idle)."""
+
+
+class Fetcher:
+    def __init__(
+        self, secret: Secret, layout_fp: bytes, row_bytes: int, book: TierBook, failures: FailureLog, *,
+        connect_timeout_s: float, transfer_timeout_s: float, reconnect_interval_s: float,
+    ) -> None:
+        self._secret = secret
+        self._fp = layout_fp
+        self._row_bytes = row_bytes
+        self._book = book
+        self._failures = failures
+        self._connect_timeout_s = connect_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self._reconnect_interval_s = reconnect_interval_s
+        self._local = threading.local()
+        self._lock = threading.Lock()
+        self._down_until: dict[tuple[str, int], float] = {}
+        self._all: set[socket.socket] = set()
+        self._closed = False
+
+    def fetch(self, address: tuple[str, int], key: bytes, row: memoryview) -> bool:
+        """Load `key` from the holder at `address` into `row`; True only when `row` is verified."""
+        with self._lock:
+            if self._closed or time.monotonic() < self._down_until.get(address, 0.0):
+                return False
+        for attempt in range(2):
+            try:
+                conn, reused = self._connection(address)
+            except (OSError, protocol.AuthError, protocol.ProtocolError) as e:
+                self._peer_down(address, f"connect:{type(e).__name__}", e)
+                return False
+            try:
+                return self._fetch_on(conn, key, row)
+            except _Reset as e:
+                self._drop(address)
+                if reused and attempt == 0:
+                    continue
+                self._peer_down(address, "transfer:closed", e)
+            except (OSError, ConnectionError, protocol.ProtocolError) as e:
+                self._drop(address)
+                self._peer_down(address, f"transfer:{type(e).__name__}", e)
+            return False
+        return False
+
+    def _fetch_on(self, conn: socket.socket, key: bytes, row: memoryview) -> bool:
+        try:
+            conn.sendall(protocol.encode_get([key]))
+            status = protocol.recv_bytes(conn, 1)
+        except (OSError, ConnectionError) as e:
+            raise _Reset(str(e) or type(e).__name__) from None
+        if status == protocol.STATUS_MISS:
+            self._book.count("load_misses")
+            return False
+        if status != protocol.STATUS_CHUNK:
+            raise protocol.ProtocolError(f"unknown status byte {status!r}")
+        header = memoryview(bytearray(chunkfmt.HEADER_BYTES))
+        protocol.recv_exact(conn, header)
+        err, digest = chunkfmt.check_header(header, key, self._fp, self._row_bytes)
+        if err is not None:
+            raise protocol.ProtocolError(f"chunk header rejected: {err.value}")
+        protocol.recv_exact(conn, row)
+        if chunkfmt.checksum(row) != digest:
+            self._book.count("bad_chunks")
+            self._failures.failed("bad:checksum", PeerFailure("a received chunk failed its checksum"))
+            return False
+        return True
+
+    def _connection(self, address: tuple[str, int]) -> tuple[socket.socket, bool]:
+        conns: dict[tuple[str, int], socket.socket] = self._local.__dict__.setdefault("conns", {})
+        conn = conns.get(address)
+        if conn is not None:
+            return conn, True
+        conn = socket.create_connection(address, timeout=self._connect_timeout_s)
+        try:
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            conn.settimeout(self._transfer_timeout_s)
+            protocol.client_handshake(conn, self._secret, self._fp, self._row_bytes)
+        except BaseException:
+            conn.close()
+            raise
+        with self._lock:
+            if self._closed:
+                conn.close()
+                raise ConnectionError("the tier is shutting down")
+            self._all.add(conn)
+        conns[address] = conn
+        return conn, False
+
+    def _drop(self, address: tuple[str, int]) -> None:
+        conn = self._local.__dict__.get("conns", {}).pop(address, None)
+        if conn is not None:
+            with self._lock:
+                self._all.discard(conn)
+            conn.close()
+
+    def _peer_down(self, address: tuple[str, int], cause: str, exc: BaseException) -> None:
+        with self._lock:
+            self._down_until[address] = time.monotonic() + self._reconnect_interval_s
+        self._book.count("peer_errors")
+        self._failures.failed(cause, PeerFailure(f"holder {address[0]}:{address[1]}: {exc}"))
+
+    def close(self) -> None:
+        """Close every connection (threads blocked on one fail their key at once). Idempotent."""
+        with self._lock:
+            self._closed = True
+            conns, self._all = self._all, set()
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
+            conn.close()

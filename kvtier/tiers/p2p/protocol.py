@@ -1,0 +1,174 @@
+"""Wire formats of the p2p tier, and their validation. Nothing is deserialized beyond fixed fields.
+
+Control (ZMQ, DEALER -> ROUTER): a message is three frames `[head, body, tag]`.
+  head: `_HEAD` = magic, op, count, data port, sent-at (unix seconds), request id, sender instance
+  id, layout fingerprint, row bytes. tag: HMAC-SHA256 over "ctl" + head + body.
+  LOOKUP body: `count` keys of KEY_BYTES. ANSWER body: `count` bytes, 1 where the peer holds the key,
+  in the order asked; its data port field is where the peer serves chunks (same host).
+  A message is rejected (never answered) when a frame has the wrong size, the tag is wrong, the
+  magic, op or count is out of range, or it was sent more than MAX_SKEW_S from now.
+
+Data (plain TCP, one connection per requester thread and peer, persistent):
+  server -> client: HELLO = magic, server nonce.
+  client -> server: client nonce, layout fingerprint, row bytes, tag("data-c" + both nonces + the
+  layout fields). server -> client: status byte (0: accepted, 1: other layout), tag("data-s" + both
+  nonces + status). Either side closes the connection when the other's tag is wrong.
+  Then requests: `_GET` = magic, count (1..MAX_FETCH_KEYS), followed by `count` keys; per key the
+  server answers one byte (0: not held, 1: held) and, when held, the 4 KiB chunk header and the row.
+"""
+
+from __future__ import annotations
+
+import socket
+import struct
+import time
+from dataclasses import dataclass
+
+from kvtier.tiers.p2p.auth import NONCE_BYTES, TAG_BYTES, Secret, new_nonce
+
+KEY_BYTES = 32
+MAX_LOOKUP_KEYS = 1024
+"""Most keys in one LOOKUP (the requester splits bigger batches)."""
+MAX_FETCH_KEYS = 64
+"""Most keys in one data request."""
+MAX_SKEW_S = 60.0
+"""How far a control message's send time may be from the receiver's clock."""
+MAX_CONTROL_BYTES = 4096 + MAX_LOOKUP_KEYS * KEY_BYTES
+"""Largest control message (all frames): the ROUTER drops peers that send more."""
+
+OP_LOOKUP = 1
+OP_ANSWER = 2
+_HEAD = struct.Struct("<8sBxxxIIdQ16s16sQ")
+_CTL_MAGIC = b"KVTP2PC1"
+_DATA_MAGIC = b"KVTP2PD1"
+_GET_MAGIC = b"GET1"
+_HELLO = struct.Struct(f"<8s{NONCE_BYTES}s")
+_CLIENT_AUTH = struct.Struct(f"<{NONCE_BYTES}s16sQ{TAG_BYTES}s")
+_SERVER_AUTH = struct.Struct(f"<B{TAG_BYTES}s")
+_GET = struct.Struct("<4sI")
+STATUS_MISS = b"\x00"
+STATUS_CHUNK = b"\x01"
+
+
+class AuthError(Exception):
+    """The peer does not hold the shared secret."""
+
+
+class ProtocolError(Exception):
+    """A message that breaks the wire format (sizes, magic, counts, layout)."""
+
+
+class PeerFailure(Exception):
+    """A failure to log that no library raised (a timeout, a refusal): its message is the detail."""
+
+
+@dataclass(frozen=True)
+class Control:
+    """A validated control message."""
+
+    op: int
+    count: int
+    data_port: int
+    request_id: int
+    instance_id: bytes
+    layout_fp: bytes
+    row_bytes: int
+    body: bytes
+
+    def keys(self) -> list[bytes]:
+        return [self.body[i : i + KEY_BYTES] for i in range(0, len(self.body), KEY_BYTES)]
+
+
+def encode_control(
+    secret: Secret, op: int, request_id: int, instance_id: bytes, layout_fp: bytes, row_bytes: int,
+    body: bytes, count: int, data_port: int = 0,
+) -> list[bytes]:
+    """The three frames of a control message."""
+    head = _HEAD.pack(_CTL_MAGIC, op, count, data_port, time.time(), request_id, instance_id,
+                      layout_fp, row_bytes)
+    return [head, body, secret.tag(b"ctl", head, body)]
+
+
+def decode_control(secret: Secret, frames: list[bytes]) -> Control:
+    """Validate a control message; raises AuthError or ProtocolError."""
+    if len(frames) != 3:
+        raise ProtocolError(f"{len(frames)} frames, expected 3")
+    head, body, tag = frames
+    if len(head) != _HEAD.size or len(tag) != TAG_BYTES or len(body) > MAX_LOOKUP_KEYS * KEY_BYTES:
+        raise ProtocolError("a frame has the wrong size")
+    if not secret.check(tag, b"ctl", head, body):
+        raise AuthError("wrong control message tag")
+    magic, op, count, port, sent_at, req, inst, fp, row_bytes = _HEAD.unpack(head)
+    if magic != _CTL_MAGIC:
+        raise ProtocolError("wrong magic")
+    if not 1 <= count <= MAX_LOOKUP_KEYS:
+        raise ProtocolError(f"key count {count} outside 1..{MAX_LOOKUP_KEYS}")
+    if op == OP_LOOKUP:
+        expected = count * KEY_BYTES
+    elif op == OP_ANSWER:
+        expected = count
+    else:
+        raise ProtocolError(f"unknown op {op}")
+    if len(body) != expected:
+        raise ProtocolError(f"body of {len(body)} bytes for {count} keys")
+    if abs(time.time() - sent_at) > MAX_SKEW_S:
+        raise ProtocolError("sent too far from now (clock skew or replay)")
+    return Control(op, count, port, req, inst, fp, row_bytes, body)
+
+
+def recv_exact(sock: socket.socket, out: memoryview) -> None:
+    """Fill `out` from `sock`; ConnectionError when the peer closes first."""
+    have = 0
+    while have < len(out):
+        got = sock.recv_into(out[have:])
+        if got == 0:
+            raise ConnectionError("peer closed the connection")
+        have += got
+
+
+def recv_bytes(sock: socket.socket, n: int) -> bytes:
+    buf = bytearray(n)
+    recv_exact(sock, memoryview(buf))
+    return bytes(buf)
+
+
+def server_handshake(sock: socket.socket, secret: Secret, layout_fp: bytes, row_bytes: int) -> bool:
+    """Authenticate a requester. Raises AuthError (wrong tag); False for another layout."""
+    snonce = new_nonce()
+    sock.sendall(_HELLO.pack(_DATA_MAGIC, snonce))
+    cnonce, fp, rows, tag = _CLIENT_AUTH.unpack(recv_bytes(sock, _CLIENT_AUTH.size))
+    if not secret.check(tag, b"data-c", snonce, cnonce, fp, struct.pack("<Q", rows)):
+        raise AuthError("wrong handshake tag")
+    status = 0 if (fp, rows) == (layout_fp, row_bytes) else 1
+    sock.sendall(_SERVER_AUTH.pack(status, secret.tag(b"data-s", snonce, cnonce, bytes([status]))))
+    return status == 0
+
+
+def client_handshake(sock: socket.socket, secret: Secret, layout_fp: bytes, row_bytes: int) -> None:
+    """Authenticate to a holder (and it to us). Raises AuthError or ProtocolError."""
+    magic, snonce = _HELLO.unpack(recv_bytes(sock, _HELLO.size))
+    if magic != _DATA_MAGIC:
+        raise ProtocolError("not a kvtier p2p data server")
+    cnonce = new_nonce()
+    tag = secret.tag(b"data-c", snonce, cnonce, layout_fp, struct.pack("<Q", row_bytes))
+    sock.sendall(_CLIENT_AUTH.pack(cnonce, layout_fp, row_bytes, tag))
+    status, stag = _SERVER_AUTH.unpack(recv_bytes(sock, _SERVER_AUTH.size))
+    if not secret.check(stag, b"data-s", snonce, cnonce, bytes([status])):
+        raise AuthError("the holder's handshake tag is wrong")
+    if status != 0:
+        raise ProtocolError("the holder serves another layout")
+
+
+def encode_get(keys: list[bytes]) -> bytes:
+    return _GET.pack(_GET_MAGIC, len(keys)) + b"".join(keys)
+
+
+def read_get(sock: socket.socket) -> list[bytes]:
+    """Read and validate one data request; ProtocolError for a malformed one."""
+    magic, count = _GET.unpack(recv_bytes(sock, _GET.size))
+    if magic != _GET_MAGIC:
+        raise ProtocolError("wrong request magic")
+    if not 1 <= count <= MAX_FETCH_KEYS:
+        raise ProtocolError(f"request for {count} keys outside 1..{MAX_FETCH_KEYS}")
+    body = recv_bytes(sock, count * KEY_BYTES)
+    return [body[i : i + KEY_BYTES] for i in range(0, len(body), KEY_BYTES)]

@@ -1,0 +1,196 @@
+"""The serving half of a p2p tier: answers peers' lookups and sends them chunks from the host region.
+
+Control: one thread owns a ZMQ ROUTER bound to `listen`. It answers each valid LOOKUP with which
+keys the `ChunkIndex` claims; a message with a wrong tag or a broken format is counted, logged once
+per cause, and dropped unanswered (the asker times out: a miss). ZMQ's MAXMSGSIZE cuts off a peer
+that sends an oversized message before it is buffered.
+
+Data: one thread accepts TCP connections on the same host (an ephemeral port, reported in answers);
+each accepted connection gets its own thread (at most `max_connections` at once; more are closed at
+once). A connection authenticates (`protocol.server_handshake`) within `handshake_timeout_s`, then
+serves requests until the peer closes it, stays idle for `idle_timeout_s`, or breaks the protocol.
+Per key, the row is copied out of the region into the connection's own buffer and sent only if the
+copy still has the checksum remembered at STORE time (`ChunkIndex.copy_verified`): a reused slot is
+a miss, never another chunk's bytes.
+
+`close()` stops both threads and every connection; it is idempotent.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import socket
+import threading
+from urllib.parse import urlsplit
+
+import zmq
+
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p.auth import Secret
+from kvtier.tiers.p2p.index import ChunkIndex
+from kvtier.tiers.p2p.protocol import PeerFailure
+
+POLL_MS = 200
+
+
+class P2PServer:
+    """Serves `index`'s chunks out of `region` to authenticated peers."""
+
+    def __init__(
+        self, zctx: zmq.Context[zmq.Socket[bytes]], listen: str, secret: Secret, index: ChunkIndex,
+        region: memoryview, row_bytes: int, layout_fp: bytes, instance_id: bytes, book: TierBook,
+        failures: FailureLog, *, max_connections: int, handshake_timeout_s: float, idle_timeout_s: float,
+        transfer_timeout_s: float,
+    ) -> None:
+        self._secret = secret
+        self._index = index
+        self._region = region
+        self._row_bytes = row_bytes
+        self._fp = layout_fp
+        self._instance_id = instance_id
+        self._book = book
+        self._failures = failures
+        self._max_connections = max_connections
+        self._handshake_timeout_s = handshake_timeout_s
+        self._idle_timeout_s = idle_timeout_s
+        self._transfer_timeout_s = transfer_timeout_s
+        self._stop = threading.Event()
+        self._lock = threading.Lock()
+        self._conns: set[socket.socket] = set()
+        self._router = zctx.socket(zmq.ROUTER)
+        self._router.setsockopt(zmq.LINGER, 0)
+        self._router.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_CONTROL_BYTES)
+        try:
+            self._router.bind(listen)
+            self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
+            host = urlsplit(self.address).hostname or "127.0.0.1"
+            self._listener = socket.create_server((host, 0), family=_family(host), backlog=64)
+        except BaseException:
+            self._router.close()
+            raise
+        self._listener.settimeout(POLL_MS / 1000)
+        self.data_port: int = self._listener.getsockname()[1]
+        self._threads = [
+            threading.Thread(target=self._control_loop, name="kvtier-p2p-control", daemon=True),
+            threading.Thread(target=self._accept_loop, name="kvtier-p2p-accept", daemon=True),
+        ]
+        for t in self._threads:
+            t.start()
+
+    # ---- control ---------------------------------------------------------------------------
+
+    def _control_loop(self) -> None:
+        try:
+            while not self._stop.is_set():
+                if not self._router.poll(POLL_MS):
+                    continue
+                frames = self._router.recv_multipart()
+                reply = self._answer(frames[1:])
+                if reply is not None:
+                    self._router.send_multipart([frames[0], *reply])
+        finally:
+            self._router.close()
+
+    def _answer(self, frames: list[bytes]) -> list[bytes] | None:
+        try:
+            msg = protocol.decode_control(self._secret, frames)
+        except protocol.AuthError as e:
+            self._book.count("auth_refused")
+            self._failures.failed("auth:control", PeerFailure(f"refused a control message: {e}"))
+            return None
+        except protocol.ProtocolError as e:
+            self._book.count("malformed")
+            self._failures.failed("malformed:control", PeerFailure(f"dropped a control message: {e}"))
+            return None
+        if msg.op != protocol.OP_LOOKUP:
+            self._failures.failed("malformed:control", PeerFailure("dropped a control message: not a lookup"))
+            return None
+        self._book.count("lookups_served", msg.count)
+        if (msg.layout_fp, msg.row_bytes) == (self._fp, self._row_bytes):
+            held = bytes(self._index.holds(msg.keys()))
+        else:
+            held = bytes(msg.count)
+        return protocol.encode_control(
+            self._secret, protocol.OP_ANSWER, msg.request_id, self._instance_id, self._fp,
+            self._row_bytes, held, msg.count, self.data_port,
+        )
+
+    # ---- data ------------------------------------------------------------------------------
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except TimeoutError:
+                continue
+            except OSError:
+                return
+            with self._lock:
+                full = len(self._conns) >= self._max_connections or self._stop.is_set()
+                if not full:
+                    self._conns.add(conn)
+            if full:
+                self._failures.failed("connections:full", PeerFailure("refused a data connection (limit)"))
+                conn.close()
+                continue
+            threading.Thread(target=self._serve_conn, args=(conn,), name="kvtier-p2p-serve",
+                             daemon=True).start()
+
+    def _serve_conn(self, conn: socket.socket) -> None:
+        try:
+            conn.settimeout(self._handshake_timeout_s)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if not protocol.server_handshake(conn, self._secret, self._fp, self._row_bytes):
+                return
+            buf = bytearray(1 + chunkfmt.HEADER_BYTES + self._row_bytes)
+            buf[0:1] = protocol.STATUS_CHUNK
+            view = memoryview(buf)
+            while not self._stop.is_set():
+                conn.settimeout(self._idle_timeout_s)
+                keys = protocol.read_get(conn)
+                conn.settimeout(self._transfer_timeout_s)
+                for key in keys:
+                    self._send_chunk(conn, key, view)
+        except protocol.AuthError as e:
+            self._book.count("auth_refused")
+            self._failures.failed("auth:data", PeerFailure(f"refused a data connection: {e}"))
+        except protocol.ProtocolError as e:
+            self._book.count("malformed")
+            self._failures.failed("malformed:data", PeerFailure(f"closed a data connection: {e}"))
+        except (OSError, ConnectionError):
+            pass  # the requester went away or idled out; it reconnects when it needs us
+        finally:
+            with self._lock:
+                self._conns.discard(conn)
+            conn.close()
+
+    def _send_chunk(self, conn: socket.socket, key: bytes, view: memoryview) -> None:
+        if self._index.copy_verified(key, self._region, self._row_bytes, self._fp, view[1:]):
+            conn.sendall(view)
+            self._book.count("chunks_served")
+        else:
+            conn.sendall(protocol.STATUS_MISS)
+            self._book.count("serve_misses")
+
+    def connections(self) -> int:
+        with self._lock:
+            return len(self._conns)
+
+    def close(self) -> None:
+        """Stop serving: both threads end, every connection is closed. Idempotent."""
+        if self._stop.is_set():
+            return
+        self._stop.set()
+        self._listener.close()
+        with self._lock:
+            for conn in self._conns:
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+        for t in self._threads:
+            t.join()
+
+
+def _family(host: str) -> socket.AddressFamily:
+    return socket.AF_INET6 if ":" in host else socket.AF_INET

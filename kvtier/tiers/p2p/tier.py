@@ -1,0 +1,227 @@
+"""`P2PTier`: the p2p secondary tier (see the package docstring for the design)."""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable, Sequence
+from functools import partial
+from typing import Protocol
+from urllib.parse import urlsplit
+
+import zmq
+
+from kvtier.errors import ConfigError
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.iopool import IoPool, JobTracker
+from kvtier.tiers.p2p.auth import load_secret
+from kvtier.tiers.p2p.discovery import Discovery
+from kvtier.tiers.p2p.fetch import Fetcher
+from kvtier.tiers.p2p.index import ChunkIndex
+from kvtier.tiers.p2p.lookup import PeerLookup
+from kvtier.tiers.p2p.server import P2PServer
+
+
+class _Closable(Protocol):
+    def close(self) -> None: ...
+
+
+def _seconds(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
+            or value <= 0:
+        raise ConfigError(name, value, "must be a positive number of seconds")
+    return float(value)
+
+
+def _count(name: str, value: object, high: int) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
+        raise ConfigError(name, value, f"must be an integer from 1 to {high}")
+    return value
+
+
+def _address(name: str, value: object) -> str:
+    if not isinstance(value, str) or urlsplit(value).scheme != "tcp" or ":" not in value[6:]:
+        raise ConfigError(name, value, "must be a ZMQ TCP address like tcp://HOST:PORT")
+    return value
+
+
+class P2PTier(SecondaryTier):
+    """Serves this instance's host tier to peers, and loads chunks that peers' host tiers hold.
+
+    Options: `secret` or `secret_file` (shared by every peer; required, at least 16 bytes),
+    `listen` (ZMQ address to bind; port 0 picks a free one), `peers` (static list of peers'
+    `listen` addresses; our own is ignored), `discovery_url` (a redis URL: peers register there and
+    read each other; with `discovery_prefix`, `discovery_ttl_s`, and `advertise`, the address peers
+    should use when `listen` binds a wildcard), `io_threads` (concurrent loads), `lookup_timeout_s`
+    (a silent peer's answer counts as a miss after this), `lookup_ttl_s` (how long answers are
+    reused), `connect_timeout_s`, `transfer_timeout_s` (a stalled holder fails its keys after
+    this), `reconnect_interval_s` (a failing holder is skipped this long), `max_connections`,
+    `handshake_timeout_s` and `idle_timeout_s` (the serving side's connection limits).
+    """
+
+    def __init__(
+        self,
+        ctx: TierContext,
+        *,
+        secret: str | None = None,
+        secret_file: str | None = None,
+        listen: str = "tcp://127.0.0.1:0",
+        peers: Sequence[str] = (),
+        discovery_url: str | None = None,
+        discovery_prefix: str = "kvtier-p2p",
+        discovery_ttl_s: float = 10.0,
+        advertise: str | None = None,
+        io_threads: int = 4,
+        lookup_timeout_s: float = 0.5,
+        lookup_ttl_s: float = 1.0,
+        connect_timeout_s: float = 2.0,
+        transfer_timeout_s: float = 5.0,
+        reconnect_interval_s: float = 1.0,
+        max_connections: int = 64,
+        handshake_timeout_s: float = 5.0,
+        idle_timeout_s: float = 300.0,
+    ) -> None:
+        super().__init__(ctx)
+        key = load_secret(secret, secret_file)
+        _address("listen", listen)
+        if isinstance(peers, str) or not isinstance(peers, Sequence):
+            raise ConfigError("peers", peers, "must be a list of tcp://HOST:PORT addresses")
+        peer_list = [_address("peers", p) for p in peers]
+        if advertise is not None:
+            _address("advertise", advertise)
+        threads = _count("io_threads", io_threads, 256)
+        conns = _count("max_connections", max_connections, 4096)
+        times = {n: _seconds(n, v) for n, v in (
+            ("discovery_ttl_s", discovery_ttl_s), ("lookup_timeout_s", lookup_timeout_s),
+            ("lookup_ttl_s", lookup_ttl_s), ("connect_timeout_s", connect_timeout_s),
+            ("transfer_timeout_s", transfer_timeout_s), ("reconnect_interval_s", reconnect_interval_s),
+            ("handshake_timeout_s", handshake_timeout_s), ("idle_timeout_s", idle_timeout_s))}
+        try:
+            self._fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
+        except ValueError as e:
+            raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
+        self._book = TierBook(ctx)
+        self._failures = FailureLog(ctx.log, f"p2p tier {ctx.tier_name}")
+        self._index = ChunkIndex(ctx.num_slots)
+        self._instance_id = os.urandom(16)
+        self._zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
+        self._built: list[_Closable] = []
+        try:
+            self._server = P2PServer(
+                self._zctx, listen, key, self._index, ctx.region, ctx.row_bytes, self._fp,
+                self._instance_id, self._book, self._failures, max_connections=conns,
+                handshake_timeout_s=times["handshake_timeout_s"],
+                idle_timeout_s=times["idle_timeout_s"], transfer_timeout_s=times["transfer_timeout_s"],
+            )
+        except (zmq.ZMQError, OSError) as e:
+            self._zctx.term()
+            raise ConfigError("listen", listen, f"cannot listen there: {e}") from None
+        self.address = self._server.address
+        self._built.append(self._server)
+        try:
+            self._lookup = PeerLookup(
+                self._zctx, key, self._instance_id, self._fp, ctx.row_bytes, self._book, self._failures,
+                lookup_timeout_s=times["lookup_timeout_s"], lookup_ttl_s=times["lookup_ttl_s"],
+                own_address=advertise or self.address,
+            )
+            self._built.append(self._lookup)
+            self._fetcher = Fetcher(
+                key, self._fp, ctx.row_bytes, self._book, self._failures,
+                connect_timeout_s=times["connect_timeout_s"],
+                transfer_timeout_s=times["transfer_timeout_s"],
+                reconnect_interval_s=times["reconnect_interval_s"],
+            )
+            self._built.append(self._fetcher)
+            self._discovery: Discovery | None = None
+            if discovery_url is not None:
+                self._discovery = Discovery(
+                    discovery_url, discovery_prefix, ctx.layout_fingerprint, advertise or self.address,
+                    times["discovery_ttl_s"], peer_list, self._lookup.set_peers,
+                    self._book, self._failures,
+                )
+                self._built.append(self._discovery)
+            self._lookup.set_peers(peer_list)
+            self._pool = IoPool(threads, 1, f"kvtier-p2p-{ctx.tier_name}")
+        except BaseException:
+            self.shutdown()
+            raise
+        self._closed = False
+        ctx.log.info("p2p tier %s listening on %s (data port %d), %d static peers%s",
+                     ctx.tier_name, self.address, self._server.data_port, len(peer_list),
+                     ", redis discovery" if discovery_url else "")
+
+    # ---- the contract (dispatch thread) ------------------------------------------------------
+
+    def lookup(self, keys: Sequence[bytes]) -> list[LookupResult]:
+        return self._lookup.lookup(keys)
+
+    def submit_store(self, job: Job) -> None:
+        tracker = JobTracker(job)
+        self._queue(tracker, False, [partial(self._store_key, tracker, i) for i in range(len(job.keys))])
+
+    def submit_load(self, job: Job) -> None:
+        tracker = JobTracker(job)
+        self._queue(tracker, True, [partial(self._load_key, tracker, i) for i in range(len(job.keys))])
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        return self._book.take_finished()
+
+    def stats(self) -> dict[str, float]:
+        out = self._book.counters("loaded", "load_failures", "chunks_served", "auth_refused",
+                                 "malformed")
+        out.update(entries=float(len(self._index)), stale_dropped=float(self._index.stale_dropped),
+                   control_port=float(urlsplit(self.address).port or 0),
+                   data_port=float(self._server.data_port), peers=float(len(self._lookup.peers())),
+                   serving_connections=float(self._server.connections()))
+        return out
+
+    def shutdown(self) -> None:
+        """Fail in-flight loads, stop the I/O threads, then every component in reverse. Idempotent."""
+        if hasattr(self, "_fetcher"):
+            self._fetcher.close()  # a load blocked on a holder fails at once
+        pool = getattr(self, "_pool", None)
+        if pool is not None:
+            for task in pool.shutdown():
+                task()
+            del self._pool
+        for part in reversed(self._built):
+            part.close()
+        self._built.clear()
+        self._zctx.term()
+
+    # ---- I/O threads -------------------------------------------------------------------------
+
+    def _queue(self, tracker: JobTracker, load: bool, tasks: list[Callable[[], None]]) -> None:
+        if not tracker.job.keys:
+            self._book.finish(tracker)
+        elif not self._pool.submit(load, tasks):
+            for i in range(len(tracker.job.keys)):
+                self._finish(tracker, i, False)
+
+    def _store_key(self, tracker: JobTracker, i: int) -> None:
+        """Remember where the host tier holds the key: nothing is copied."""
+        slot = tracker.job.slots[i]
+        self._index.remember(tracker.job.keys[i], slot, chunkfmt.checksum(self.ctx.slot_view(slot)))
+        self._finish(tracker, i, True)
+
+    def _load_key(self, tracker: JobTracker, i: int) -> None:
+        key = tracker.job.keys[i]
+        holder = self._lookup.holder(key)
+        ok = False
+        for peer in [holder] if holder else self._lookup.peers():
+            address = self._lookup.data_address(peer)
+            if address is not None and self._fetcher.fetch(address, key, self.ctx.slot_view(
+                    tracker.job.slots[i])):
+                ok = True
+                self._lookup.remember(key, peer)
+                break
+        if not ok:
+            self._lookup.remember(key, None)
+        self._book.count("loaded" if ok else "load_failures")
+        self._finish(tracker, i, ok)
+
+    def _finish(self, tracker: JobTracker, i: int, ok: bool) -> None:
+        if tracker.finish_key(i, ok):
+            self._book.finish(tracker)

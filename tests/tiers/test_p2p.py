@@ -1,0 +1,291 @@
+"""The p2p tier between real tier processes over loopback: each peer maps its own host region.
+
+A stores (a cascade STORE job), B finds the chunks at A and loads them into its own slots. Also:
+a slot A reused after the store, A killed mid-transfer, a holder closing mid-row, wrong secrets,
+malformed messages, redis discovery, and option checks.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import threading
+import time
+from collections.abc import Callable, Iterator
+
+import pytest
+import zmq
+
+from kvtier.errors import ConfigError
+from kvtier.host.region import HostRegion
+from kvtier.tiers import chunkfmt
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
+from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.p2p import P2PTier, protocol
+from kvtier.tiers.p2p.auth import Secret
+from kvtier.tiers.p2p.fetch import Fetcher
+from kvtier.tiers.process import TierProcess, TierSpec
+from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
+
+SECRET = "p2p-test-secret-0123456789"
+FP = bytes.fromhex(LAYOUT_FP)
+Peer = tuple[TierProcess, HostRegion]
+
+
+def stats(proc: TierProcess, timeout_s: float = 5.0) -> dict[str, float]:
+    """A stats report requested now."""
+    seen = proc.stats_version
+    proc.request_stats()
+    deadline = time.monotonic() + timeout_s
+    while proc.stats_version == seen:
+        proc.poll()
+        if time.monotonic() > deadline:
+            pytest.fail("no stats report")
+        time.sleep(0.002)
+    return proc.last_stats
+
+
+def address(proc: TierProcess) -> str:
+    return f"tcp://127.0.0.1:{int(stats(proc)['control_port'])}"
+
+
+@pytest.fixture
+def make_peer() -> Iterator[Callable[..., Peer]]:
+    made: list[Peer] = []
+
+    def make(row_bytes: int = ROW_BYTES, slots: int = SLOTS, **options: object) -> Peer:
+        region = HostRegion.create(row_bytes * slots)
+        spec = TierSpec(
+            tier_name="p2p", type="p2p", module_path=None, options={"secret": SECRET, **options},
+            config_key="secondary_tiers[0]", region_name=region.name, shm_dir="/dev/shm",
+            row_bytes=row_bytes, num_slots=slots, layout_fingerprint=LAYOUT_FP,
+        )
+        proc = TierProcess(spec, job_timeout_s=30)
+        made.append((proc, region))
+        proc.start()
+        return proc, region
+
+    yield make
+    for proc, region in made:
+        proc.shutdown()
+        region.close()
+
+
+def ctx_of(region: HostRegion, row_bytes: int = ROW_BYTES, slots: int = SLOTS) -> TierContext:
+    return TierContext(region=region.buf, row_bytes=row_bytes, num_slots=slots,
+                       layout_fingerprint=LAYOUT_FP, tier_name="p2p")
+
+
+def store(proc: TierProcess, keys: list[bytes], slots: list[int], job_id: int = 1) -> None:
+    proc.submit_store(Job(job_id, JobKind.STORE, tuple(keys), tuple(slots)))
+    [result] = wait_jobs(proc, 1)
+    assert result.success
+
+
+def test_b_finds_and_loads_what_a_stored(make_peer) -> None:
+    a, a_region = make_peer()
+    b, b_region = make_peer(peers=[address(a)])
+    a_ctx, b_ctx = ctx_of(a_region), ctx_of(b_region)
+    keys = [random_key() for _ in range(4)]
+    rows = [fill_slot(a_ctx, s) for s in range(4)]
+    store(a, keys, [0, 1, 2, 3])
+    absent = random_key()
+    assert b.lookup([*keys, absent]) == [LookupResult.RETRY] * 5
+    assert settle_lookup(b, [*keys, absent]) == [LookupResult.HIT] * 4 + [LookupResult.MISS]
+    b.submit_load(Job(2, JobKind.LOAD, tuple(keys), (9, 8, 7, 6)))
+    [result] = wait_jobs(b, 1)
+    assert result.success and result.successful_keys == tuple(keys)
+    assert [bytes(b_ctx.slot_view(s)) for s in (9, 8, 7, 6)] == rows
+    assert stats(a)["chunks_served"] == 4 and stats(b)["loaded"] == 4
+
+
+def test_slot_reused_after_store_is_a_miss_never_wrong_bytes(make_peer) -> None:
+    a, a_region = make_peer()
+    b, b_region = make_peer(peers=[address(a)])
+    a_ctx, b_ctx = ctx_of(a_region), ctx_of(b_region)
+    keys = [random_key(), random_key()]
+    fill_slot(a_ctx, 0)
+    kept = fill_slot(a_ctx, 1)
+    store(a, keys, [0, 1])
+    assert settle_lookup(b, keys) == [LookupResult.HIT] * 2
+    fill_slot(a_ctx, 0)  # the host tier evicted keys[0] and reused its slot for another chunk
+    b_ctx.slot_view(3)[:] = bytes(ROW_BYTES)
+    b.submit_load(Job(2, JobKind.LOAD, tuple(keys), (3, 4)))
+    [result] = wait_jobs(b, 1)
+    assert not result.success and result.successful_keys == (keys[1],)
+    assert bytes(b_ctx.slot_view(4)) == kept
+    assert stats(a)["stale_dropped"] == 1
+    assert settle_lookup(b, keys[:1]) == [LookupResult.MISS]
+
+
+def test_a_newer_store_in_a_slot_drops_the_key_it_held(make_peer) -> None:
+    a, a_region = make_peer()
+    b, _ = make_peer(peers=[address(a)])
+    old, new = random_key(), random_key()
+    fill_slot(ctx_of(a_region), 0)
+    store(a, [old], [0])
+    fill_slot(ctx_of(a_region), 0)
+    store(a, [new], [0], job_id=2)
+    assert settle_lookup(b, [old, new]) == [LookupResult.MISS, LookupResult.HIT]
+
+
+def test_holder_killed_mid_transfer_fails_the_job_as_a_value(make_peer) -> None:
+    row, slots = 4 << 20, 24
+    a, a_region = make_peer(row_bytes=row, slots=slots)
+    b, b_region = make_peer(row_bytes=row, slots=slots, peers=[address(a)], transfer_timeout_s=2.0)
+    a_ctx, b_ctx = ctx_of(a_region, row, slots), ctx_of(b_region, row, slots)
+    keys = [random_key() for _ in range(slots)]
+    rows = [fill_slot(a_ctx, s) for s in range(slots)]
+    store(a, keys, list(range(slots)))
+    assert settle_lookup(b, keys) == [LookupResult.HIT] * slots
+    for i, key in enumerate(keys):
+        b.submit_load(Job(100 + i, JobKind.LOAD, (key,), (i,)))
+    results = wait_jobs(b, 1)
+    os.kill(a.pid, signal.SIGKILL)
+    start = time.monotonic()
+    results += wait_jobs(b, slots - len(results), timeout_s=10)
+    assert time.monotonic() - start < 8
+    failed = [r for r in results if not r.success]
+    assert failed, "every chunk arrived before the kill: the test did not interrupt a transfer"
+    for r in results:
+        if r.success:
+            i = r.job_id - 100
+            assert bytes(b_ctx.slot_view(i)) == rows[i]
+    assert settle_lookup(b, [random_key()]) == [LookupResult.MISS]
+
+
+def test_holder_closing_mid_row_is_a_failed_key() -> None:
+    secret = Secret(SECRET.encode())
+    key, row = random_key(), os.urandom(ROW_BYTES)
+    listener = socket.create_server(("127.0.0.1", 0))
+
+    def serve_half() -> None:
+        conn, _ = listener.accept()
+        with conn:
+            protocol.server_handshake(conn, secret, FP, ROW_BYTES)
+            protocol.read_get(conn)
+            conn.sendall(protocol.STATUS_CHUNK + chunkfmt.header_bytes(key, FP, row))
+            conn.sendall(row[: ROW_BYTES // 2])
+
+    server = threading.Thread(target=serve_half)
+    server.start()
+    book = TierBook(TierContext(memoryview(bytearray(0)), ROW_BYTES, 0, LAYOUT_FP, "t"))
+    fetcher = Fetcher(secret, FP, ROW_BYTES, book, FailureLog(book.ctx.log, "t"),
+                      connect_timeout_s=2, transfer_timeout_s=2, reconnect_interval_s=1)
+    out = memoryview(bytearray(ROW_BYTES))
+    try:
+        assert not fetcher.fetch(listener.getsockname(), key, out)
+        assert book.counters()["peer_errors"] == 1
+    finally:
+        fetcher.close()
+        server.join()
+        listener.close()
+
+
+def test_peer_with_the_wrong_secret_is_refused_and_logged_once(make_peer, capfd) -> None:
+    a, a_region = make_peer()
+    intruder, _ = make_peer(secret="not-the-shared-secret-at-all", peers=[address(a)],
+                            lookup_timeout_s=0.2, lookup_ttl_s=0.05)
+    keys = [random_key()]
+    fill_slot(ctx_of(a_region), 0)
+    store(a, keys, [0])
+    for ask in (keys, [random_key()], [random_key()]):  # fresh keys: each is a new message to A
+        assert settle_lookup(intruder, ask) == [LookupResult.MISS]
+    book = TierBook(TierContext(memoryview(bytearray(0)), ROW_BYTES, 0, LAYOUT_FP, "t"))
+    fetcher = Fetcher(Secret(b"not-the-shared-secret-at-all"), FP, ROW_BYTES, book,
+                      FailureLog(book.ctx.log, "t"), connect_timeout_s=2, transfer_timeout_s=2,
+                      reconnect_interval_s=0.01)
+    data = ("127.0.0.1", int(stats(a)["data_port"]))
+    try:
+        assert not fetcher.fetch(data, keys[0], memoryview(bytearray(ROW_BYTES)))
+    finally:
+        fetcher.close()
+    a_stats = stats(a)
+    assert a_stats["auth_refused"] >= 3 and a_stats["chunks_served"] == 0
+    err = capfd.readouterr().err
+    assert err.count("auth:control") == 1 and err.count("auth:data") == 1
+    assert SECRET not in err and "not-the-shared-secret" not in err
+
+
+def test_malformed_messages_are_rejected_and_the_server_keeps_serving(make_peer) -> None:
+    a, a_region = make_peer()
+    secret = Secret(SECRET.encode())
+    ctl = address(a)
+    zctx = zmq.Context()
+    dealer = zctx.socket(zmq.DEALER)
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.connect(ctl)
+    inst = os.urandom(16)
+    try:
+        bad_key = protocol.encode_control(secret, protocol.OP_LOOKUP, 1, inst, FP, ROW_BYTES,
+                                          b"x" * 31, 1)
+        huge = protocol.encode_control(secret, protocol.OP_LOOKUP, 2, inst, FP, ROW_BYTES,
+                                       b"x" * 32, 10**6)
+        for frames in (bad_key, huge, [b"garbage"], [b"a", b"b", b"c", b"d"], [*huge[:2], b"\x00" * 32]):
+            dealer.send_multipart(frames)
+        assert not dealer.poll(300)  # nothing answered
+    finally:
+        dealer.close()
+        zctx.term()
+    data = ("127.0.0.1", int(stats(a)["data_port"]))
+    with socket.create_connection(data, timeout=5) as conn:
+        protocol.client_handshake(conn, secret, FP, ROW_BYTES)
+        conn.sendall(b"GET1" + (10**6).to_bytes(4, "little"))
+        assert conn.recv(1) == b""  # closed by the server
+    with socket.create_connection(data, timeout=5) as conn:
+        conn.sendall(os.urandom(200))
+        assert conn.recv(4096, socket.MSG_WAITALL)[:8] == b"KVTP2PD1"
+    a_stats = stats(a)
+    assert a_stats["malformed"] >= 4
+    b, b_region = make_peer(peers=[ctl])
+    key = random_key()
+    data_row = fill_slot(ctx_of(a_region), 0)
+    store(a, [key], [0])
+    assert settle_lookup(b, [key]) == [LookupResult.HIT]
+    b.submit_load(Job(2, JobKind.LOAD, (key,), (5,)))
+    assert wait_jobs(b, 1)[0].success
+    assert bytes(ctx_of(b_region).slot_view(5)) == data_row
+
+
+def test_peers_find_each_other_through_redis(make_peer, redis_server) -> None:
+    opts = {"discovery_url": redis_server.url, "discovery_prefix": f"p2p-{os.urandom(4).hex()}",
+            "discovery_ttl_s": 1.0}
+    a, a_region = make_peer(**opts)
+    b, b_region = make_peer(**opts)
+    key = random_key()
+    row = fill_slot(ctx_of(a_region), 2)
+    store(a, [key], [2])
+    deadline = time.monotonic() + 10
+    while settle_lookup(b, [key]) != [LookupResult.HIT]:
+        assert time.monotonic() < deadline, "B never found A through redis"
+        time.sleep(0.1)
+    b.submit_load(Job(2, JobKind.LOAD, (key,), (0,)))
+    assert wait_jobs(b, 1)[0].success
+    assert bytes(ctx_of(b_region).slot_view(0)) == row
+
+
+@pytest.mark.parametrize(("options", "key"), [
+    ({}, "secret"),
+    ({"secret": "short"}, "secret"),
+    ({"secret": SECRET, "secret_file": "/x"}, "secret"),
+    ({"secret": SECRET, "listen": "ipc:///tmp/x"}, "listen"),
+    ({"secret": SECRET, "peers": "tcp://127.0.0.1:1"}, "peers"),
+    ({"secret": SECRET, "io_threads": 0}, "io_threads"),
+    ({"secret": SECRET, "lookup_timeout_s": -1}, "lookup_timeout_s"),
+])
+def test_bad_options_name_the_option_and_never_show_the_secret(options, key, ctx) -> None:
+    with pytest.raises(ConfigError) as info:
+        P2PTier(ctx, **options)
+    assert info.value.key == key
+    assert SECRET not in str(info.value) and "short" not in str(info.value)
+
+
+def test_secret_from_a_file(ctx, tmp_path) -> None:
+    path = tmp_path / "secret"
+    path.write_text(SECRET + "\n")
+    tier = P2PTier(ctx, secret_file=str(path))
+    try:
+        assert tier.address.startswith("tcp://127.0.0.1:") and not tier.address.endswith(":0")
+    finally:
+        tier.shutdown()
