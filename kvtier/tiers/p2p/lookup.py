@@ -6,7 +6,8 @@ it sends each batch of queued keys (at most MAX_LOOKUP_KEYS) to every peer at on
 answers until all peers answered or `lookup_timeout_s` passed. A key is HIT when some peer holds it
 (the first such peer is remembered as its holder, for loads), else MISS; a peer that did not answer
 counts as holding nothing. Answers are cached for `lookup_ttl_s`, then asked again. A load's
-outcome also updates the cache (`remember`).
+outcome also updates the cache (`remember`); a load whose key has no cached answer (it expired, or
+the engine's own cache answered) asks and waits for the answer on its I/O thread (`locate`).
 
 The peer set can change at any time (`set_peers`, from discovery); the lookup thread applies it
 before its next batch. Peers whose instance id is ours (our own address in a shared list) are
@@ -48,6 +49,7 @@ class PeerLookup:
         self._own = own_address
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
+        self._answered = threading.Condition(self._lock)
         self._queue: deque[bytes] = deque()
         self._asking: set[bytes] = set()
         self._answers: OrderedDict[bytes, tuple[LookupResult, float, str | None]] = OrderedDict()
@@ -89,10 +91,18 @@ class PeerLookup:
                 self._cv.notify()
         return out
 
-    def holder(self, key: bytes) -> str | None:
-        with self._lock:
-            answer = self._answers.get(key)
-            return None if answer is None else answer[2]
+    def locate(self, key: bytes) -> str | None:
+        """The peer holding `key`: the cached answer, else asked now (I/O threads only: this waits
+        up to about `lookup_timeout_s` for the lookup thread's answer)."""
+        self.lookup([key])
+        deadline = time.monotonic() + self._timeout_s + 0.5
+        with self._cv:
+            while (answer := self._answers.get(key)) is None:
+                left = deadline - time.monotonic()
+                if left <= 0 or self._stopping:
+                    return None
+                self._answered.wait(left)
+            return answer[2]
 
     def remember(self, key: bytes, holder: str | None) -> None:
         with self._lock:
@@ -110,6 +120,7 @@ class PeerLookup:
         with self._cv:
             self._stopping = True
             self._cv.notify()
+            self._answered.notify_all()
         self._thread.join()
 
     def _expire(self, now: float) -> None:
@@ -198,6 +209,7 @@ class PeerLookup:
                 result = LookupResult.MISS if holder is None else LookupResult.HIT
                 self._answers[key] = (result, now, holder)
                 self._answers.move_to_end(key)
+            self._answered.notify_all()
 
     def _read_answer(self, sock: zmq.Socket[bytes], addr: str, req: int, n: int) -> bytes | None:
         """The answer to request `req` read from `sock`, or None (stale, invalid or our own)."""

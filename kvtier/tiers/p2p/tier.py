@@ -208,17 +208,11 @@ class P2PTier(SecondaryTier):
 
     def _load_key(self, tracker: JobTracker, i: int) -> None:
         key = tracker.job.keys[i]
-        holder = self._lookup.holder(key)
-        ok = False
-        for peer in [holder] if holder else self._lookup.peers():
-            address = self._lookup.data_address(peer)
-            if address is not None and self._fetcher.fetch(address, key, self.ctx.slot_view(
-                    tracker.job.slots[i])):
-                ok = True
-                self._lookup.remember(key, peer)
-                break
-        if not ok:
-            self._lookup.remember(key, None)
+        holder = self._lookup.locate(key)
+        address = None if holder is None else self._lookup.data_address(holder)
+        row = self.ctx.slot_view(tracker.job.slots[i])
+        ok = address is not None and self._fetcher.fetch(address, key, row)
+        self._lookup.remember(key, holder if ok else None)
         self._book.count("loaded" if ok else "load_failures")
         self._finish(tracker, i, ok)
 
