@@ -8,8 +8,10 @@ Loaded rows are checked against what was stored (outside the timed part).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
+import secrets
 import sys
 import time
 from typing import Any
@@ -26,6 +28,7 @@ THREAD_OPTIONS: dict[str, tuple[str, ...]] = {
     "fs": ("n_read_threads", "n_write_threads"),
     "obj": ("io_threads",),
     "redis": ("io_threads",),
+    "p2p": ("io_threads",),
 }
 
 
@@ -62,11 +65,19 @@ def run_tier_bench(
         opts.setdefault(name, threads)
     region = HostRegion.create(row * chunks, key="--chunks")
     proc: TierProcess | None = None
+    stack = contextlib.ExitStack()
     try:
         rows = np.frombuffer(region.buf, dtype=np.uint8).reshape(chunks, row)
         rows[:] = np.random.default_rng(0).integers(0, 256, size=rows.shape, dtype=np.uint8)
         digests = [xxhash.xxh3_64_digest(rows[i]) for i in range(chunks)]
         keys = [os.urandom(32) for _ in range(chunks)]
+        if tier == "p2p":  # the chunks are loaded from a peer process of our own that holds them
+            from kvtier.tiers.p2p.holder import holder_peer
+
+            opts.setdefault("secret", secrets.token_hex(16))
+            holder = {"secret": opts["secret"]}
+            opts.setdefault("peers", [stack.enter_context(holder_peer(rows, keys, BENCH_LAYOUT_FP,
+                                                                      holder))])
         spec = TierSpec(
             tier_name=tier, type=tier, module_path=None, options=opts, config_key="--tier",
             region_name=region.name, shm_dir=os.path.dirname(region.path), row_bytes=row,
@@ -77,6 +88,10 @@ def run_tier_bench(
         _progress(f"storing {chunks} chunks of {row} bytes to {tier} with {threads} threads")
         store_s = _run_jobs(proc, JobKind.STORE, keys, 0)
         rows[:] = 0
+        if tier == "p2p":
+            from kvtier.tiers.p2p.holder import settle_lookups
+
+            settle_lookups(proc, keys)
         _progress(f"loading {chunks} chunks back from {tier}")
         load_s = _run_jobs(proc, JobKind.LOAD, keys, chunks)
         bad = sum(xxhash.xxh3_64_digest(rows[i]) != digests[i] for i in range(chunks))
@@ -98,6 +113,7 @@ def run_tier_bench(
     finally:
         if proc is not None:
             proc.shutdown()
+        stack.close()
         region.close()
 
 
