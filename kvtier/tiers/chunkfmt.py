@@ -53,9 +53,14 @@ def pack_header(
     out: memoryview | bytearray, key: bytes, layout_fp: bytes, payload: memoryview | bytes
 ) -> None:
     """Write the header of `payload` into the first HEADER_BYTES of `out` (zero padded)."""
-    _FIXED.pack_into(
-        out, 0, MAGIC, VERSION, 0, HEADER_BYTES, key, layout_fp, len(payload), checksum(payload)
-    )
+    pack_header_digest(out, key, layout_fp, len(payload), checksum(payload))
+
+
+def pack_header_digest(
+    out: memoryview | bytearray, key: bytes, layout_fp: bytes, payload_len: int, digest: bytes
+) -> None:
+    """`pack_header` for a payload whose checksum `digest` is already known."""
+    _FIXED.pack_into(out, 0, MAGIC, VERSION, 0, HEADER_BYTES, key, layout_fp, payload_len, digest)
     out[_FIXED.size : HEADER_BYTES] = bytes(HEADER_BYTES - _FIXED.size)
 
 

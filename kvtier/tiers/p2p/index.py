@@ -2,8 +2,8 @@
 
 The host tier evicts and reuses slots without telling secondary tiers, so an entry is only a claim:
 slot `s` held the row of `key`, whose xxh3-128 checksum was `digest`, when the STORE job named it.
-`copy_verified` turns the claim into bytes safely: it copies the row out of the region and hands it
-out only if the copy's checksum still matches (else the entry is dropped and the key is a miss).
+`claim_verified` checks the claim before a send: the row is handed out only if it still has the
+remembered checksum (else the entry is dropped and the key is a miss).
 
 A newer STORE naming a slot drops the entry of whatever key that slot held before. At most
 `capacity` entries are kept (the least recently stored or served go first).
@@ -59,26 +59,23 @@ class ChunkIndex:
                 self._slot_key.pop(slot, None)
                 self.stale_dropped += 1
 
-    def copy_verified(
-        self, key: bytes, region: memoryview, row_bytes: int, layout_fp: bytes, out: memoryview
-    ) -> bool:
-        """Write the chunk (header + row) of `key` into `out` if the slot still holds it.
+    def claim_verified(
+        self, key: bytes, region: memoryview, row_bytes: int
+    ) -> tuple[memoryview, bytes] | None:
+        """The region row of `key` and its checksum, if its slot still holds it now.
 
-        `out` is HEADER_BYTES + row_bytes long. False (and the entry dropped when it was stale) when
-        the key is unknown or the copied row no longer has the remembered checksum.
+        None (and the entry dropped when it was stale) when the key is unknown or the row no longer
+        has the remembered checksum. The row is not copied: it may still change while it is sent,
+        which the requester's own checksum check catches.
         """
         with self._lock:
             entry = self._entries.get(key)
             if entry is None:
-                return False
+                return None
             self._entries.move_to_end(key)
         slot, digest = entry
-        payload = out[chunkfmt.HEADER_BYTES :]
-        payload[:] = region[slot * row_bytes : (slot + 1) * row_bytes]
-        header = out[: chunkfmt.HEADER_BYTES]
-        chunkfmt.pack_header(header, key, layout_fp, payload)
-        err, copied = chunkfmt.check_header(header, key, layout_fp, row_bytes)
-        if err is None and copied == digest:
-            return True
+        row = region[slot * row_bytes : (slot + 1) * row_bytes]
+        if chunkfmt.checksum(row) == digest:
+            return row, digest
         self.forget(key, slot)
-        return False
+        return None

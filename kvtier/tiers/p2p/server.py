@@ -9,9 +9,10 @@ Data: one thread accepts TCP connections on the same host (an ephemeral port, re
 each accepted connection gets its own thread (at most `max_connections` at once; more are closed at
 once). A connection authenticates (`protocol.server_handshake`) within `handshake_timeout_s`, then
 serves requests until the peer closes it, stays idle for `idle_timeout_s`, or breaks the protocol.
-Per key, the row is copied out of the region into the connection's own buffer and sent only if the
-copy still has the checksum remembered at STORE time (`ChunkIndex.copy_verified`): a reused slot is
-a miss, never another chunk's bytes.
+Per key, the row is sent straight from the region, and only if it still has the checksum
+remembered at STORE time (`ChunkIndex.claim_verified`): a reused slot is a miss. A row overwritten
+while it is being sent reaches the requester with that checksum in its header, so the requester's
+own check rejects it: a peer never loads another chunk's bytes.
 
 `close()` stops both threads and every connection; it is idempotent.
 """
@@ -144,15 +145,13 @@ class P2PServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if not protocol.server_handshake(conn, self._secret, self._fp, self._row_bytes):
                 return
-            buf = bytearray(1 + chunkfmt.HEADER_BYTES + self._row_bytes)
-            buf[0:1] = protocol.STATUS_CHUNK
-            view = memoryview(buf)
+            head = memoryview(bytearray(protocol.STATUS_CHUNK + bytes(chunkfmt.HEADER_BYTES)))
             while not self._stop.is_set():
                 conn.settimeout(self._idle_timeout_s)
                 keys = protocol.read_get(conn)
                 conn.settimeout(self._transfer_timeout_s)
                 for key in keys:
-                    self._send_chunk(conn, key, view)
+                    self._send_chunk(conn, key, head)
         except protocol.AuthError as e:
             self._book.count("auth_refused")
             self._failures.failed("auth:data", PeerFailure(f"refused a data connection: {e}"))
@@ -166,13 +165,17 @@ class P2PServer:
                 self._conns.discard(conn)
             conn.close()
 
-    def _send_chunk(self, conn: socket.socket, key: bytes, view: memoryview) -> None:
-        if self._index.copy_verified(key, self._region, self._row_bytes, self._fp, view[1:]):
-            conn.sendall(view)
-            self._book.count("chunks_served")
-        else:
+    def _send_chunk(self, conn: socket.socket, key: bytes, head: memoryview) -> None:
+        claim = self._index.claim_verified(key, self._region, self._row_bytes)
+        if claim is None:
             conn.sendall(protocol.STATUS_MISS)
             self._book.count("serve_misses")
+            return
+        row, digest = claim
+        chunkfmt.pack_header_digest(head[1:], key, self._fp, self._row_bytes, digest)
+        conn.sendall(head)
+        conn.sendall(row)
+        self._book.count("chunks_served")
 
     def connections(self) -> int:
         with self._lock:
