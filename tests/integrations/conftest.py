@@ -86,3 +86,24 @@ def connector_halves(llm: Any) -> tuple[Any, Any]:
     scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
     return scheduler, get_kv_transfer_group().worker
 
+
+
+def run_child(request: dict[str, Any], timeout_s: float = 240) -> list[dict[str, Any]]:
+    """Run `engine_child` (one fresh process) with `request` plus the test model; call it from a
+    test using `vllm_env`, whose environment (set in os.environ) the child inherits."""
+    import json
+    import os
+    import subprocess
+    import sys
+
+    payload = {"model": str(_model_path()), **request}
+    done = subprocess.run(
+        [sys.executable, "-m", "tests.integrations.engine_child"], input=json.dumps(payload),
+        capture_output=True, text=True, timeout=timeout_s, env=dict(os.environ),
+        cwd=Path(__file__).resolve().parents[2],
+    )
+    lines = [line for line in done.stdout.splitlines() if line.startswith("[")]
+    if not lines:
+        raise AssertionError(f"engine child failed ({done.returncode}): {done.stderr[-3000:]}")
+    result: list[dict[str, Any]] = json.loads(lines[-1])
+    return result

@@ -1,0 +1,241 @@
+"""Real vLLM (CPU, float32, in-process) with chunks of two blocks, a small host tier and an fs tier:
+partial hits, corrupted and killed fs tiers, a restart in a new process, metrics and KV events by
+value, and configurations vLLM must refuse with kvtier's message.
+
+float32 (about 5x faster than bf16 on these CPUs) is in the layout fingerprint, so its chunks never
+mix with bf16 ones. Outputs are compared as in `test_vllm_reload.py`: a reload against vLLM's own
+device prefix cache at the same hit length, a recompute against a recompute.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.integrations.conftest import BLOCK_SIZE, connector_halves, run_child
+from tests.integrations.prompts import PROMPTS
+
+pytestmark = pytest.mark.slow
+
+BPC = 2
+CHUNK = BLOCK_SIZE * BPC
+ROW_BYTES = 30 * 2 * 3 * CHUNK * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, head_dim 64, float32
+HOST_SLOTS = 4  # two prompts of 2 chunks
+LLM_ARGS = {"dtype": "float32", "enforce_eager": True, "block_size": BLOCK_SIZE,
+            "num_gpu_blocks_override": 64, "kv_cache_memory_bytes": 64 << 20,
+            "max_model_len": 1024, "max_num_seqs": 4, "seed": 0}
+
+
+def extra_config(fs_dir: Path) -> dict[str, Any]:
+    return {"cpu_bytes_to_use": HOST_SLOTS * ROW_BYTES, "blocks_per_chunk": BPC,
+            "tier_restart_backoff_s": 0.2,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}]}
+
+
+@pytest.fixture(scope="module")
+def fs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("fs")
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm: Callable[..., Any], fs_dir: Path) -> Any:
+    from vllm.config import KVEventsConfig
+
+    llm = make_llm(extra_config(fs_dir), dtype="float32",
+                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+    published: list[Any] = []
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
+    scheduler.kv_event_publisher.publish = published.append
+    llm.test_events = published
+    return llm
+
+
+def generate(llm: Any, prompt: list[int], max_tokens: int = 6, **kvtier: Any) -> Any:
+    from vllm import SamplingParams
+
+    extra = {"kv_transfer_params": {"kvtier": kvtier}} if kvtier else None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
+    return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+
+
+def tokens(llm: Any, name: str) -> list[int]:
+    """The prompt's token ids cut to whole chunks plus one token, so vLLM's own device hit (whole
+    blocks) and kvtier's (whole chunks) have the same length."""
+    ids: list[int] = llm.get_tokenizer().encode(PROMPTS[name])
+    return ids[: (len(ids) - 1) // CHUNK * CHUNK + 1]
+
+
+def settle(scheduler: Any, timeout_s: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while scheduler.manager.in_flight:
+        assert time.monotonic() < deadline, "tier jobs did not finish"
+        time.sleep(0.02)
+        scheduler.manager.poll()
+
+
+def kv_events(llm: Any) -> list[Any]:
+    """kvtier's events published since the last call (vLLM's own GPU-medium events left out)."""
+    batches, llm.test_events[:] = list(llm.test_events), []
+    return [e for b in batches for e in b.events if getattr(e, "ownership", None) in ("host", "fs")]
+
+
+def test_chunks_of_two_blocks_reload_from_host_with_split_metrics_and_events(llm: Any) -> None:
+    scheduler, _ = connector_halves(llm)
+    metrics = scheduler.accounting.metrics
+    prompt = tokens(llm, "lighthouse")
+    hit = (len(prompt) - 1) // CHUNK * CHUNK
+    keys = scheduler.hasher.keys(prompt)[: hit // CHUNK]
+    kv_events(llm)
+    first = generate(llm, prompt)
+    assert first.kv_transfer_params["kvtier"]["tokens"] == {
+        "device": 0, "host": 0, "fs": 0, "recomputed": len(prompt)}
+    settle(scheduler)
+    ref = generate(llm, prompt)
+    assert ref.num_cached_tokens == hit
+    assert ref.kv_transfer_params["kvtier"]["tokens"]["device"] == hit
+    stores0 = metrics.value("kvtier_transfer_chunks_total", tier="host", op="load")
+
+    assert llm.reset_prefix_cache()
+    again = generate(llm, prompt)
+
+    assert again.num_cached_tokens == hit
+    assert again.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert again.kv_transfer_params["kvtier"]["tokens"] == {
+        "device": 0, "host": hit, "fs": 0, "recomputed": len(prompt) - hit}
+    assert list(scheduler.accounting.finished.values())[-1]["host"] == hit  # by engine request id
+    m = metrics.value
+    assert m("kvtier_transfer_chunks_total", tier="host", op="load") - stores0 == len(keys)
+    assert m("kvtier_transfer_bytes_total", tier="host", op="store") >= len(keys) * ROW_BYTES
+    assert m("kvtier_transfer_chunks_total", tier="fs", op="store") >= len(keys)
+    assert m("kvtier_prompt_tokens_total", source="host") >= hit
+    assert m("kvtier_used_bytes", tier="host") == m("kvtier_used_chunks", tier="host") * ROW_BYTES
+    settle(scheduler)
+    events = kv_events(llm)
+    host_stored = [k for e in events if type(e).__name__ == "BlockStored" and e.ownership == "host"
+                   for k in e.block_hashes]
+    fs_stored = [k for e in events if type(e).__name__ == "BlockStored" and e.ownership == "fs"
+                 for k in e.block_hashes]
+    assert host_stored[: len(keys)] == keys
+    assert set(keys) <= set(fs_stored)
+    stored = next(e for e in events if e.ownership == "host" and e.block_hashes[0] == keys[0])
+    assert (stored.medium, stored.block_size, stored.parent_block_hash) == ("CPU", CHUNK, None)
+    assert stored.token_ids == prompt[: len(stored.block_hashes) * CHUNK]
+
+
+def test_partial_prefix_hit_matches_the_device_prefix_cache(llm: Any) -> None:
+    scheduler, _ = connector_halves(llm)
+    base = tokens(llm, "bread")
+    generate(llm, base, max_tokens=1)
+    settle(scheduler)
+    prompt = base[:CHUNK] + tokens(llm, "garden")[:CHUNK + 1]
+    ref = generate(llm, prompt, skip_store=True)  # device hit: the first chunk of `base`
+    assert ref.num_cached_tokens == CHUNK
+
+    assert llm.reset_prefix_cache()
+    again = generate(llm, prompt, skip_store=True)
+
+    assert again.num_cached_tokens == CHUNK
+    assert again.kv_transfer_params["kvtier"]["tokens"] == {
+        "device": 0, "host": CHUNK, "fs": 0, "recomputed": len(prompt) - CHUNK}
+    assert again.outputs[0].token_ids == ref.outputs[0].token_ids
+
+
+def evict_host(llm: Any, keys: list[bytes]) -> None:
+    scheduler, _ = connector_halves(llm)
+    for filler in ("library", "birds", "railway", "chess"):
+        settle(scheduler)
+        if not any(scheduler.manager.host.contains(k) for k in keys):
+            break
+        generate(llm, tokens(llm, filler), max_tokens=1)
+    settle(scheduler)
+    assert not any(scheduler.manager.host.contains(k) for k in keys)
+
+
+def test_corrupted_fs_files_are_recomputed_and_counted(llm: Any, fs_dir: Path) -> None:
+    scheduler, _ = connector_halves(llm)
+    prompt = tokens(llm, "garden")
+    keys = scheduler.hasher.keys(prompt)
+    computed = generate(llm, prompt)
+    assert computed.num_cached_tokens == 0
+    evict_host(llm, keys)
+    files = [p for p in fs_dir.rglob("*") if p.is_file() and any(k.hex() in p.name for k in keys)]
+    assert len(files) == len(keys)
+    for path in files:
+        data = bytearray(path.read_bytes())
+        data[len(data) // 2] ^= 0xFF
+        path.write_bytes(bytes(data))
+    failures = scheduler.accounting.metrics.value("kvtier_failures_total", tier="fs", op="load")
+
+    assert llm.reset_prefix_cache()
+    again = generate(llm, prompt)
+
+    assert again.num_cached_tokens == 0
+    assert again.kv_transfer_params["kvtier"]["tokens"]["recomputed"] == len(prompt)
+    assert again.outputs[0].token_ids == computed.outputs[0].token_ids
+    after = scheduler.accounting.metrics.value("kvtier_failures_total", tier="fs", op="load")
+    assert after - failures >= 1
+
+
+def test_killed_fs_tier_process_requests_complete(llm: Any) -> None:
+    scheduler, _ = connector_halves(llm)
+    prompt = tokens(llm, "chess")
+    computed = generate(llm, prompt)
+    settle(scheduler)
+    fs = scheduler.manager.tiers["fs"]
+    restarts = fs.restarts
+    assert scheduler.reset_cache() and llm.reset_prefix_cache()
+    os.kill(fs._gen.proc.pid, signal.SIGKILL)
+
+    outs = [generate(llm, prompt), generate(llm, tokens(llm, "railway"), max_tokens=2)]
+
+    assert [len(o.outputs[0].token_ids) for o in outs] == [6, 2]
+    assert outs[0].outputs[0].token_ids == computed.outputs[0].token_ids
+    deadline = time.monotonic() + 20
+    while fs.restarts == restarts or not fs.is_up:
+        assert time.monotonic() < deadline, "the fs tier was not restarted"
+        time.sleep(0.05)
+        scheduler.manager.poll()
+
+
+def test_fs_chunks_reload_in_a_new_process(llm: Any, fs_dir: Path) -> None:
+    scheduler, _ = connector_halves(llm)
+    prompt = tokens(llm, "birds")
+    generate(llm, prompt, max_tokens=1)
+    settle(scheduler)
+    ref = generate(llm, prompt)
+    hit = (len(prompt) - 1) // CHUNK * CHUNK
+    assert ref.num_cached_tokens == hit
+
+    (run,) = run_child({"extra_configs": [extra_config(fs_dir)], "llm": LLM_ARGS,
+                        "prompts": [prompt], "max_tokens": 6})
+
+    (result,) = run["results"]
+    assert result["cached"] == hit
+    assert result["kvtier"]["tokens"] == {"device": 0, "host": 0, "fs": hit,
+                                          "recomputed": len(prompt) - hit}
+    assert result["tokens"] == list(ref.outputs[0].token_ids)
+
+
+def test_bad_configs_stop_vllm_with_kvtiers_message(vllm_env: Path) -> None:
+    unwritable = vllm_env / "a-file"  # a path under a file: unwritable even for root
+    unwritable.write_text("")
+    shm_free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
+    configs = [
+        {"blocks_per_chunk": 1},
+        {"cpu_bytes_to_use": 1 << 26, "secondary_tiers": [{"type": "tape"}]},
+        {"cpu_bytes_to_use": 1 << 26,
+         "secondary_tiers": [{"type": "fs", "root_dir": str(unwritable / "kv")}]},
+        {"cpu_bytes_to_use": shm_free + (1 << 30)},
+    ]
+    runs = run_child({"extra_configs": configs, "llm": LLM_ARGS, "prompts": []})
+    errors = [run.get("error", "") for run in runs]
+    assert "cpu_bytes_to_use" in errors[0], errors[0]
+    assert "tape" in errors[1] and "fs" in errors[1], errors[1]
+    assert "root_dir" in errors[2], errors[2]
+    assert "/dev/shm" in errors[3] and "cpu_bytes_to_use" in errors[3], errors[3]
