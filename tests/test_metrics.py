@@ -66,3 +66,27 @@ def test_delta_replays_into_metrics_of_another_registry() -> None:
     assert get("kvtier_transfer_chunks_total", labels) == 5
     assert get("kvtier_used_chunks", {"engine": "0", "tier": "host"}) == 5
     assert get("kvtier_transfer_latency_seconds_count", {"engine": "0", "tier": "host", "op": "store"}) == 1
+
+
+def test_vllm_prom_metrics_replay_stats_into_the_default_registry_twice() -> None:
+    from types import SimpleNamespace
+
+    from prometheus_client import REGISTRY
+
+    from kvtier.integrations.vllm.connector import KVTierConnector
+
+    m = KVTierMetrics()
+    m.inc("prompt_tokens", 96, "fs")
+    m.observe("transfer_latency_seconds", 0.1, "fs", "load")
+    types = {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+    config = SimpleNamespace(kv_transfer_config=None)
+    for _ in range(2):  # a second engine in the same process replaces the first's collectors
+        prom = KVTierConnector.build_prom_metrics(config, types, ["engine"], {0: ["0"]})  # type: ignore[arg-type]
+        stats = KVTierConnector.build_kv_connector_stats(m.take_delta() or {})
+        assert stats is not None and not stats.is_empty()
+        assert stats.reduce() == {"prompt_tokens": 96}
+        prom.observe(stats.to_dict(), 0)
+        assert REGISTRY.get_sample_value(
+            "kvtier_prompt_tokens_total", {"engine": "0", "source": "fs"}) == 96
+        m.inc("prompt_tokens", 96, "fs")
+        m.observe("transfer_latency_seconds", 0.1, "fs", "load")
