@@ -132,6 +132,10 @@ class FsTier(SecondaryTier):
         probe = os.path.join(self.layout_dir, temp_name("probe"))
         try:
             os.makedirs(self.layout_dir, exist_ok=True)
+            # Every fan-out directory exists up front: a store never pays a mkdir on its path.
+            for i in range(256):
+                with contextlib.suppress(FileExistsError):
+                    os.mkdir(os.path.join(self.layout_dir, f"{i:02x}"))
             fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
             os.close(fd)
             os.unlink(probe)
