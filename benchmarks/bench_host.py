@@ -13,7 +13,7 @@ Workloads:
 
 Run from the repository root (kvtier installed, or `PYTHONPATH=.`):
 `python benchmarks/bench_host.py [--slots 10000 100000 1000000] [--ops 400000]`. Prints a table and
-writes a markdown section to benchmarks/host_results.md.
+prints (or writes with --out) the markdown section kept in BENCHMARKS.md.
 """
 
 from __future__ import annotations
@@ -121,7 +121,7 @@ def main() -> None:
     parser.add_argument("--batches", type=int, nargs="+", default=[16, 256])
     parser.add_argument("--policies", nargs="+", default=["lru", "arc"])
     parser.add_argument("--ops", type=int, default=400_000, help="chunk operations per run")
-    parser.add_argument("--out", type=Path, default=Path(__file__).with_name("host_results.md"))
+    parser.add_argument("--out", type=Path, help="also write the markdown section for BENCHMARKS.md here")
     args = parser.parse_args()
 
     rows: list[Row] = []
@@ -138,8 +138,12 @@ def main() -> None:
                         f"{wall:>11,.0f}"
                     )
     load = (load_before, os.getloadavg()[0])
-    args.out.write_text(report(rows, args.slots, args.ops, load))
-    print(f"wrote {args.out}")
+    section = report(rows, args.slots, args.ops, load)
+    if args.out is None:
+        print(section)
+    else:
+        args.out.write_text(section)
+        print(f"wrote {args.out}")
 
 
 def report(
