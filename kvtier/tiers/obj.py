@@ -7,7 +7,7 @@ whole one. A load verifies the header fields and the checksum; a bad object is c
 reported as a failed key.
 
 Client: boto3 (see `obj_client`), chosen over obstore after measuring both against the same
-SeaweedFS server at 2 MiB chunks with 8 requests in flight (`benchmarks/obj_results.md`): their
+SeaweedFS server at 2 MiB chunks with 8 requests in flight (BENCHMARKS.md): their
 throughput was equal within the noise of three runs, the server being the bottleneck, and boto3 is
 the dependency kvtier already declares, reads every standard AWS credential source (environment,
 shared files, profiles, SSO, instance roles) and names S3 errors precisely for the start-up probe.
