@@ -401,30 +401,38 @@ class RedisTier(SecondaryTier):
         with self._lock:
             if time.monotonic() < self._down_until:
                 return [NO_REPLY] * len(commands)
-        replies: list[Any] = []
-        try:
-            buffers: list[Any] = []
-            for cmd in commands:
-                buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
-            conn.send_packed_command(buffers, check_health=False)
-            if read_reply is not None:
-                reader = ReplyReader(conn._sock)  # connected by send_packed_command
-                for n in range(len(commands)):
-                    replies.append(read_reply(reader, n))
-                reader.finish()
-            for _ in range(len(commands) - len(replies)):
-                try:
-                    replies.append(conn.read_response(disable_decoding=True))
-                except ResponseError as e:
-                    replies.append(e)
-        except _DOWN_ERRORS as e:
-            conn.disconnect()
-            self._mark_down(op, e)
-        except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
-            conn.disconnect()
-            self._faillog.failed(f"{op}:{type(e).__name__}", e)
-        else:
-            self._mark_up()
+        # A connection that broke while idle (the server restarted) gets one fresh try: every
+        # command here is idempotent, and nothing of the first try's replies was used.
+        was_connected = conn._sock is not None
+        for attempt in range(2):
+            replies: list[Any] = []
+            try:
+                buffers: list[Any] = []
+                for cmd in commands:
+                    buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
+                conn.send_packed_command(buffers, check_health=False)
+                if read_reply is not None:
+                    reader = ReplyReader(conn._sock)  # connected by send_packed_command
+                    for n in range(len(commands)):
+                        replies.append(read_reply(reader, n))
+                    reader.finish()
+                for _ in range(len(commands) - len(replies)):
+                    try:
+                        replies.append(conn.read_response(disable_decoding=True))
+                    except ResponseError as e:
+                        replies.append(e)
+            except _DOWN_ERRORS as e:
+                conn.disconnect()
+                stale = isinstance(e, RedisConnectionError | ConnectionError)
+                if attempt == 0 and was_connected and stale and not replies:
+                    continue
+                self._mark_down(op, e)
+            except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
+                conn.disconnect()
+                self._faillog.failed(f"{op}:{type(e).__name__}", e)
+            else:
+                self._mark_up()
+            break
         return replies + [NO_REPLY] * (len(commands) - len(replies))
 
     def _run_stores(self, conn: Any, batch: list[_Item]) -> list[bool]:
