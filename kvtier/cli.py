@@ -1,4 +1,4 @@
-"""The `kvtier` command: maintenance and benchmarking tools around the tiers."""
+"""The `kvtier` command: serve with kvtier, the demo, and maintenance and benchmarking tools."""
 
 from __future__ import annotations
 
@@ -11,8 +11,9 @@ from kvtier.errors import KVTierError
 
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
-    from kvtier.bench import tier_bench
+    from kvtier.bench import demo, tier_bench
     from kvtier.fsck import add_fsck_parser
+    from kvtier.serve import add_parser as add_serve_parser
 
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
@@ -20,11 +21,22 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command", required=True)
     add_fsck_parser(sub)
     tier_bench.add_parser(sub)
+    demo.add_parser(sub)
+    add_serve_parser(sub)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else list(argv)
+    passthrough: list[str] = []
+    if "--" in argv:  # everything after the first "--" is for the program a command starts
+        cut = argv.index("--")
+        argv, passthrough = argv[:cut], argv[cut + 1:]
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if passthrough and not getattr(args, "accepts_passthrough", False):
+        parser.error(f"kvtier {args.command} takes no arguments after --")
+    args.passthrough = passthrough
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.WARNING,
         format="%(asctime)s %(name)s %(levelname)s %(message)s",
