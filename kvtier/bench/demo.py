@@ -138,7 +138,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--device-blocks", type=int, default=40, help="device KV cache, blocks of 32 tokens")
     p.add_argument("--host-chunks", type=int, default=64, help="host tier size, chunks of 32 tokens")
     p.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + reply")
-    p.add_argument("--reply-tokens", type=int, default=16, help="tokens generated per turn")
+    p.add_argument("--reply-tokens", type=int, default=12, help="tokens generated per turn")
     p.add_argument("--fs-dir", type=Path, default=None, help="fs tier directory (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_command)
@@ -150,9 +150,10 @@ def run_command(args: argparse.Namespace) -> int:
     for flag in ("device_blocks", "host_chunks", "reply_tokens", "max_model_len"):
         if getattr(args, flag) < 1:
             raise KVTierError(f"--{flag.replace('_', '-')} {getattr(args, flag)}: must be >= 1")
-    if args.device_blocks * 32 < args.max_model_len:
+    least = -(-args.max_model_len // 32) + 1  # vLLM wants one max-length request plus a block
+    if args.device_blocks < least:
         raise KVTierError(f"--device-blocks {args.device_blocks}: must hold one --max-model-len "
-                          f"{args.max_model_len} request (at least {-(-args.max_model_len // 32)})")
+                          f"{args.max_model_len} request (at least {least})")
     try:
         check_sizes(args.conversations, args.turns)
         with contextlib.redirect_stdout(sys.stderr):
