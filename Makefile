@@ -2,7 +2,6 @@
 VENV       ?= .venv
 PY         := $(VENV)/bin/python
 PYTEST_ARGS ?=
-DEMO_ROOT  ?=
 
 .PHONY: help setup test test-fast demo lint model
 
@@ -10,7 +9,7 @@ help:
 	@echo "make setup      install system packages, .venv, dependencies and the test model"
 	@echo "make test       setup, then the whole test suite (pytest -q)"
 	@echo "make test-fast  setup, then the tests not marked slow"
-	@echo "make demo       setup, then the main job (fs tier benchmark)"
+	@echo "make demo       setup, then the main job (kvtier demo: multi-turn chat, kvtier vs vLLM alone)"
 	@echo "make lint       ruff + mypy"
 
 setup:
@@ -22,14 +21,12 @@ test: setup
 test-fast: setup
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS)
 
-# Main job: fs-tier write/read benchmark, 64 chunks of 2 MiB with 4 threads, in a temp dir
-# (or DEMO_ROOT=/some/dir to benchmark another disk).
+# Main job: a multi-turn chat on the embedded SmolLM2 with a small device KV cache, served with
+# kvtier (host tier + fs tier in a temp dir) and without it; per-turn TTFT and where each prompt's
+# KV came from (benchmarks/demo_results.md). DEMO_ARGS="--json" for one JSON object.
+DEMO_ARGS  ?=
 demo: setup
-	@root="$(DEMO_ROOT)"; cleanup=; \
-	if [ -z "$$root" ]; then root="$$(mktemp -d -t kvtier-demo.XXXXXX)"; cleanup="$$root"; fi; \
-	trap 'if [ -n "$$cleanup" ]; then rm -rf "$$cleanup"; fi' EXIT; \
-	echo "$(VENV)/bin/kvtier tier-bench --tier fs --root $$root --chunk-bytes 2097152 --chunks 64 --threads 4"; \
-	$(VENV)/bin/kvtier tier-bench --tier fs --root "$$root" --chunk-bytes 2097152 --chunks 64 --threads 4
+	$(VENV)/bin/kvtier demo $(DEMO_ARGS)
 
 lint: setup
 	$(VENV)/bin/ruff check .
