@@ -1,0 +1,166 @@
+"""A vLLM engine instance that stays up in its own process, for tests where two instances must run
+at once (a p2p holder), and helpers the test process and that child share.
+
+`EngineProcess` starts `python -m tests.integrations.shared_helpers` in a new session (so a signal
+to its process group reaches the engine and its tier processes together) and talks to it over
+stdin/stdout, one JSON line each way. The child reads a setup line (`model`, `extra_config`, `llm`),
+builds an in-process engine with the KVTierConnector, answers `{"ready": true}`, then serves
+requests until stdin closes: `{"generate": [{"prompt": [ids], "max_tokens": n}, ...]}` (greedy, one
+at a time, waiting after each until its tier jobs are done) answers a list of
+`{"tokens", "cached", "kvtier"}`, and `{"stats": TIER}` answers that tier's own stats. The caller
+sets vLLM's environment first (`conftest.vllm_env`); the child inherits it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import IO, Any
+
+from tests.integrations.conftest import connector_halves
+
+REPLY = "@kvtier-engine@ "
+"""Marks the child's answers on stdout (vLLM may print there too)."""
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def settle(scheduler: Any, timeout_s: float = 20.0) -> None:
+    """Poll the connector's manager until no tier job is in flight."""
+    deadline = time.monotonic() + timeout_s
+    while scheduler.manager.in_flight:
+        if time.monotonic() > deadline:
+            raise AssertionError("tier jobs did not finish")
+        time.sleep(0.02)
+        scheduler.manager.poll()
+
+
+def result_of(out: Any) -> dict[str, Any]:
+    """A finished request's generated tokens, vLLM's cached-token count and kvtier's split."""
+    return {"tokens": list(out.outputs[0].token_ids), "cached": out.num_cached_tokens,
+            "kvtier": (out.kv_transfer_params or {}).get("kvtier")}
+
+
+class EngineProcess:
+    """One engine in a child process (see the module docstring). `close` is idempotent."""
+
+    def __init__(self, model: Path, extra_config: dict[str, Any], llm_args: dict[str, Any],
+                 log_path: Path) -> None:
+        self.log_path = log_path
+        with open(log_path, "ab") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "tests.integrations.shared_helpers"], cwd=ROOT,
+                stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+                env=dict(os.environ), start_new_session=True,
+            )
+        self._replies: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, args=(self.proc.stdout,), daemon=True).start()
+        self._send({"model": str(model), "extra_config": extra_config, "llm": llm_args})
+        self._ready = False
+
+    def wait_ready(self, timeout_s: float = 240.0) -> None:
+        if not self._ready:
+            assert self._reply(timeout_s) == {"ready": True}
+            self._ready = True
+
+    def generate(self, requests: list[tuple[list[int], int]],
+                 timeout_s: float = 120.0) -> list[dict[str, Any]]:
+        """Serve (prompt, max_tokens) requests one after the other; their results in order."""
+        self.wait_ready()
+        self._send({"generate": [{"prompt": p, "max_tokens": n} for p, n in requests]})
+        results: list[dict[str, Any]] = self._reply(timeout_s)
+        return results
+
+    def tier_stats(self, tier: str, timeout_s: float = 30.0) -> dict[str, float]:
+        self.wait_ready()
+        self._send({"stats": tier})
+        stats: dict[str, float] = self._reply(timeout_s)
+        return stats
+
+    def signal(self, sig: signal.Signals) -> None:
+        """Send `sig` to the engine and its tier processes (the child's process group)."""
+        os.killpg(self.proc.pid, sig)
+
+    def close(self) -> None:
+        """Shut the engine down (stdin closed), or SIGKILL it if it does not exit in time."""
+        if self.proc.poll() is None:
+            with contextlib.suppress(OSError):
+                assert self.proc.stdin is not None
+                self.proc.stdin.close()
+            try:
+                self.proc.wait(30)
+            except subprocess.TimeoutExpired:
+                self.signal(signal.SIGKILL)
+        with contextlib.suppress(ProcessLookupError):
+            self.signal(signal.SIGKILL)  # tier processes the engine left behind, if any
+        self.proc.wait()
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+
+    def _read(self, stream: IO[str]) -> None:
+        for line in stream:
+            if line.startswith(REPLY):
+                self._replies.put(line[len(REPLY):])
+        self._replies.put(None)
+
+    def _reply(self, timeout_s: float) -> Any:
+        try:
+            line = self._replies.get(timeout=timeout_s)
+        except queue.Empty:
+            line = None
+        if line is None:
+            tail = self.log_path.read_text(errors="replace")[-3000:]
+            raise AssertionError(f"the engine process gave no answer (exit {self.proc.poll()}):\n{tail}")
+        return json.loads(line)
+
+
+def _answer(message: Any) -> None:
+    print(REPLY + json.dumps(message), flush=True)
+
+
+def main() -> None:
+    from vllm import LLM, SamplingParams
+    from vllm.config import KVTransferConfig
+    from vllm.inputs import TokensPrompt
+
+    setup = json.loads(sys.stdin.readline())
+    transfer = KVTransferConfig(
+        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+        kv_role="kv_both", kv_connector_extra_config=setup["extra_config"],
+    )
+    llm = LLM(model=setup["model"], kv_transfer_config=transfer, **setup["llm"])
+    scheduler, _ = connector_halves(llm)
+    _answer({"ready": True})
+    for line in sys.stdin:
+        request = json.loads(line)
+        if "stats" in request:
+            tier = scheduler.manager.tiers[request["stats"]]
+            seen = tier.stats_version
+            tier.request_stats()
+            while tier.stats_version == seen:
+                time.sleep(0.01)
+                tier.poll()
+            _answer(tier.last_stats)
+            continue
+        results = []
+        for item in request["generate"]:
+            params = SamplingParams(temperature=0.0, max_tokens=item["max_tokens"])
+            out = llm.generate([TokensPrompt(prompt_token_ids=item["prompt"])], params, use_tqdm=False)[0]
+            settle(scheduler)
+            results.append(result_of(out))
+        _answer(results)
+    llm.llm_engine.engine_core.shutdown()
+
+
+if __name__ == "__main__":
+    main()
