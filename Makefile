@@ -23,7 +23,7 @@ test-fast: setup
 
 # Main job: a multi-turn chat on the embedded SmolLM2 with a small device KV cache, served with
 # kvtier (host tier + fs tier in a temp dir) and without it; per-turn TTFT and where each prompt's
-# KV came from (benchmarks/demo_results.md). DEMO_ARGS="--json" for one JSON object.
+# KV came from (BENCHMARKS.md). DEMO_ARGS="--json" for one JSON object.
 DEMO_ARGS  ?=
 demo: setup
 	$(VENV)/bin/kvtier demo $(DEMO_ARGS)
