@@ -7,6 +7,7 @@ tier process's dispatch thread drains.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
 import threading
@@ -14,11 +15,13 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from kvtier.tiers.base import ChunkKey, JobResult, TierContext, TierEvent, TierEventKind
-from kvtier.tiers.iopool import JobTracker
+from kvtier.tiers.base import ChunkKey, Job, JobKind, JobResult, TierContext, TierEvent, TierEventKind
+from kvtier.tiers.iopool import IoPool, JobTracker
 
 LOG_INTERVAL_S = 600.0
 """A failure cause already logged is logged again (with the count since) at most this often."""
+KeyWork = Callable[[ChunkKey, int], bool]
+"""Moves one key between its host-region slot and the tier; True on success. Runs on an I/O thread."""
 
 
 class FailureLog:
@@ -113,3 +116,32 @@ class TierBook:
         with self._lock:
             out, self._finished = self._finished, []
         return out
+
+    def submit_per_key(
+        self, pool: IoPool, job: Job, work: KeyWork, on_error: Callable[[JobKind, Exception], None]
+    ) -> None:
+        """Run `work` for every key of `job` on `pool`, one task per key; the thread that finishes
+        the last key reports the job. A key whose work raises fails (`on_error` records why); once
+        the pool is shut down, every key of a new job fails at once."""
+        tracker = JobTracker(job)
+        if not job.keys:
+            self.finish(tracker)
+            return
+        failures = "store_failures" if job.kind is JobKind.STORE else "load_failures"
+
+        def run(i: int, live: bool) -> None:
+            ok = False
+            try:
+                ok = live and work(job.keys[i], job.slots[i])
+            except Exception as e:  # a failed request, or a bug: the key fails, the job goes on
+                on_error(job.kind, e)
+            if not ok:
+                self.count(failures)
+            if tracker.finish_key(i, ok):
+                self.finish(tracker)
+
+        if not pool.submit(job.kind is JobKind.LOAD, [functools.partial(run, i, True)
+                                                       for i in range(len(job.keys))]):
+            for i in range(len(job.keys)):
+                run(i, False)
+

@@ -24,12 +24,11 @@ from __future__ import annotations
 
 import contextlib
 import errno
-import functools
 import mmap
 import os
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvtier.errors import ConfigError
 from kvtier.tiers import chunkfmt
@@ -44,7 +43,7 @@ from kvtier.tiers.base import (
     TierEvent,
     TierEventKind,
 )
-from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.book import FailureLog, KeyWork, TierBook
 from kvtier.tiers.fs_index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
 from kvtier.tiers.fs_io import (
     O_CLOEXEC,
@@ -56,14 +55,12 @@ from kvtier.tiers.fs_io import (
     read_chunk,
     write_chunk,
 )
-from kvtier.tiers.iopool import IoPool, JobTracker
+from kvtier.tiers.iopool import IoPool
 from kvtier.tiers.registry import number_option
 
 MTIME_REFRESH_S = 1.0
 """A load refreshes a file's mtime only when it is older than this (saves metadata writes)."""
 
-_KeyWork = Callable[[ChunkKey, int], bool]
-"""Moves one key between its slot and its file; True on success. Runs on an I/O thread."""
 
 
 class FsTier(SecondaryTier):
@@ -211,27 +208,11 @@ class FsTier(SecondaryTier):
 
     # ---- jobs --------------------------------------------------------------------------------
 
-    def _submit(self, job: Job, work: _KeyWork) -> None:
-        tracker = JobTracker(job)
-        if not job.keys:
-            self._book.finish(tracker)
-            return
-        tasks = [functools.partial(self._run_key, tracker, i, work) for i in range(len(job.keys))]
-        if not self._pool.submit(job.kind is JobKind.LOAD, tasks):
-            for i in range(len(job.keys)):
-                self._run_key(tracker, i, None)
+    def _submit(self, job: Job, work: KeyWork) -> None:
+        self._book.submit_per_key(self._pool, job, work, self._key_raised)
 
-    def _run_key(self, tracker: JobTracker, i: int, work: _KeyWork | None) -> None:
-        """Do one key (None: the tier is shut down) and complete the job after its last key."""
-        ok = False
-        try:
-            ok = work is not None and work(tracker.job.keys[i], tracker.job.slots[i])
-        except Exception as e:  # a bug must fail the key, never lose the job
-            self._faillog.failed(f"{tracker.job.kind.value}:{type(e).__name__}", e)
-        if not ok:
-            self._book.count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
-        if tracker.finish_key(i, ok):
-            self._book.finish(tracker)
+    def _key_raised(self, kind: JobKind, e: Exception) -> None:
+        self._faillog.failed(f"{kind.value}:{type(e).__name__}", e)
 
     # ---- per-key I/O (I/O threads) -----------------------------------------------------------
 

@@ -38,7 +38,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 
 from kvtier.errors import ConfigError
 from kvtier.tiers import chunkfmt
@@ -53,8 +53,8 @@ from kvtier.tiers.base import (
     TierEvent,
     TierEventKind,
 )
-from kvtier.tiers.book import TierBook
-from kvtier.tiers.iopool import IoPool, JobTracker
+from kvtier.tiers.book import KeyWork, TierBook
+from kvtier.tiers.iopool import IoPool
 from kvtier.tiers.obj_client import (
     NOT_FOUND,
     ChunkIO,
@@ -66,9 +66,6 @@ from kvtier.tiers.obj_client import (
 )
 from kvtier.tiers.obj_health import ServerHealth
 from kvtier.tiers.obj_index import ObjIndex
-
-_KeyWork = Callable[[ChunkKey, int], bool]
-"""Moves one key between its slot and its object; True on success. Runs on an I/O thread."""
 
 
 class ObjTier(SecondaryTier):
@@ -193,28 +190,14 @@ class ObjTier(SecondaryTier):
 
     # ---- jobs --------------------------------------------------------------------------------
 
-    def _submit(self, job: Job, work: _KeyWork) -> None:
-        tracker = JobTracker(job)
-        if not job.keys:
-            self._book.finish(tracker)
-            return
-        tasks = [functools.partial(self._run_key, tracker, i, work) for i in range(len(job.keys))]
-        if not self._pool.submit(job.kind is JobKind.LOAD, tasks):
-            for i in range(len(job.keys)):
-                self._run_key(tracker, i, None)
+    def _submit(self, job: Job, work: KeyWork) -> None:
+        def unless_down(key: ChunkKey, slot: int) -> bool:
+            return not self._health.down() and work(key, slot)
 
-    def _run_key(self, tracker: JobTracker, i: int, work: _KeyWork | None) -> None:
-        """Do one key (None: the tier is shut down) and complete the job after its last key."""
-        ok = False
-        try:
-            if work is not None and not self._health.down():
-                ok = work(tracker.job.keys[i], tracker.job.slots[i])
-        except Exception as e:  # a failed request, or a bug: the key fails, the job goes on
-            self._health.failed(f"{tracker.job.kind.value}:{error_code(e)}", e)
-        if not ok:
-            self._book.count("store_failures" if tracker.job.kind is JobKind.STORE else "load_failures")
-        if tracker.finish_key(i, ok):
-            self._book.finish(tracker)
+        self._book.submit_per_key(self._pool, job, unless_down, self._key_raised)
+
+    def _key_raised(self, kind: JobKind, e: Exception) -> None:
+        self._health.failed(f"{kind.value}:{error_code(e)}", e)
 
     def _name(self, key: bytes) -> str:
         return self.layout_prefix + key.hex()
