@@ -31,7 +31,7 @@ import time
 from collections.abc import Sequence
 
 from kvtier.errors import ConfigError
-from kvtier.tiers import chunkfmt
+from kvtier.tiers import chunkfmt, fs_native
 from kvtier.tiers.base import (
     ChunkKey,
     Job,
@@ -106,6 +106,7 @@ class FsTier(SecondaryTier):
         self.temp_grace_s = float(temp_grace_s)
         self._check_writable()
         self.direct_io = self._choose_direct_io(direct_io)
+        self._native = fs_native.load()
         self._index = FsIndex(None if max_bytes is None else int(max_bytes))
         self._book = TierBook(ctx)
         self._faillog = FailureLog(ctx.log, f"fs tier {ctx.tier_name}")
@@ -186,6 +187,7 @@ class FsTier(SecondaryTier):
             "bytes_used": float(self._index.bytes_used),
             "files": float(len(self._index)),
             "direct_io": float(self.direct_io),
+            "native_io": float(self._native is not None),
         }
         out.update(self._book.counters(
             "bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
@@ -259,13 +261,13 @@ class FsTier(SecondaryTier):
     def _write(self, name: str, path: str, key: bytes, row: memoryview) -> None:
         header = self._header_buf()
         try:
-            write_chunk(path, name, header, key, self._fp, row, self.direct_io)
+            write_chunk(path, name, header, key, self._fp, row, self.direct_io, self._native)
         except FileNotFoundError:
             # Our subdirectories may have been removed; root_dir itself is never recreated.
             for d in (self.layout_dir, os.path.dirname(path)):
                 with contextlib.suppress(FileExistsError):
                     os.mkdir(d)
-            write_chunk(path, name, header, key, self._fp, row, self.direct_io)
+            write_chunk(path, name, header, key, self._fp, row, self.direct_io, self._native)
 
     def _evict(self, victims: list[bytes]) -> None:
         for key in victims:

@@ -20,6 +20,7 @@ import os
 
 from kvtier.tiers import chunkfmt
 from kvtier.tiers.fs_index import temp_name
+from kvtier.tiers.fs_native import NativeWriter
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
@@ -73,12 +74,15 @@ def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
 
 def write_chunk(
     path: str, name: str, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview,
-    direct: bool,
+    direct: bool, native: NativeWriter | None = None,
 ) -> None:
-    """Publish `row` as the chunk file `path` (named `name`). Raises OSError; FileNotFoundError
-    means the directory of `path` is missing."""
+    """Publish `row` as the chunk file `path` (named `name`), through `native` when given. Raises
+    OSError; FileNotFoundError means the directory of `path` is missing."""
     chunkfmt.pack_header(memoryview(header), key, layout_fp, row)
     tmp = os.path.join(os.path.dirname(path), temp_name(name))
+    if native is not None:
+        native.write_chunk(tmp, path, memoryview(header), row, direct)
+        return
     fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | (O_DIRECT * direct), 0o644)
     try:
         try:

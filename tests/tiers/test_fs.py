@@ -17,7 +17,7 @@ import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.fsck import fsck
-from kvtier.tiers import chunkfmt
+from kvtier.tiers import chunkfmt, fs_native
 from kvtier.tiers.base import LookupResult, TierEventKind
 from kvtier.tiers.fs import FsTier
 from tests.conftest import random_key
@@ -413,6 +413,7 @@ def test_disk_full_fails_keys_as_values_with_one_log_line(tmp_path: Path, caplog
     row = 64 * 1024
     with small_tmpfs(small, "1m") as mounted:
         if not mounted:  # fall back to a simulated ENOSPC when mount is not permitted
+            monkeypatch.setattr(fs_native, "load", lambda: None)  # the Python path calls os.pwritev
             monkeypatch.setattr(os, "pwritev", _fail_after(8, errno.ENOSPC))
         ctx = make_ctx(row, 32)
         tier = FsTier(ctx, root_dir=str(small / "kv"), n_write_threads=4)
@@ -495,6 +496,7 @@ def test_root_dir_removed_while_running(root: Path, caplog) -> None:
 
 def test_failures_are_logged_once_per_cause(root: Path, caplog, monkeypatch) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
+    monkeypatch.setattr(fs_native, "load", lambda: None)  # EIO is simulated in os.pwritev
     tier = new_tier(root)
     try:
         monkeypatch.setattr(os, "pwritev", _fail_after(0, errno.EIO))
@@ -524,3 +526,25 @@ def test_processes_sharing_a_directory_stay_consistent(root: Path) -> None:
     assert report.ok, report
     assert report.in_progress == [] and report.orphans == []
     assert report.files == report.good_files > 0
+
+
+def test_native_and_python_store_paths_write_the_same_file(root: Path, monkeypatch) -> None:
+    native = fs_native.load()
+    if native is None:
+        pytest.skip("no C compiler here: the fs tier runs its Python store path only")
+    files = []
+    for use_native in (True, False):
+        if not use_native:
+            monkeypatch.setattr(fs_native, "load", lambda: None)
+        tier = new_tier(root / str(use_native))
+        try:
+            assert tier.stats()["native_io"] == float(use_native)
+            tier.ctx.slot_view(0)[:] = bytes(range(256)) * (tier.ctx.row_bytes // 256)
+            key = bytes(32)
+            assert store_keys(tier, tier.ctx, [key]).success
+            [path] = [p for p in (root / str(use_native)).rglob(key.hex())]
+            files.append(path.read_bytes())
+            assert temp_files(root / str(use_native)) == []
+        finally:
+            tier.shutdown()
+    assert files[0] == files[1]
