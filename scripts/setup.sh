@@ -53,15 +53,17 @@ apt_install() {  # apt_install [apt-get options] pkg...: update the lists only w
 }
 
 # ---------------------------------------------------------------------------------------------
-step "1/6 system packages (fio, redis-server; valkey-server optional)"
+step "1/6 system packages (fio, redis-server, a C compiler; valkey-server optional)"
 if [ "${KVTIER_SKIP_APT:-0}" = 1 ]; then
     skip "KVTIER_SKIP_APT=1"
 else
     need=()
     command -v fio >/dev/null 2>&1 || need+=(fio)
     command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+    # The fs tier builds its C store helper with the system compiler (it falls back to Python).
+    command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || need+=(gcc)
     if [ ${#need[@]} -eq 0 ]; then
-        skip "fio, redis-server present"
+        skip "fio, redis-server, cc present"
     else
         command -v apt-get >/dev/null 2>&1 || die "missing ${need[*]} and no apt-get: install them by hand"
         echo "    apt-get install ${need[*]}"
