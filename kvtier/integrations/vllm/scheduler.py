@@ -70,21 +70,31 @@ class _Request:
 
 
 @dataclass
-class _Store:
-    keys: list[bytes]
-    priority: int
+class _Copy:
+    """A device <-> host copy every worker (TP rank) reports on; done once all of them have."""
+
     acks: int = 0
     ok: bool = True
     seconds: float = 0.0
+
+    def ack(self, acks: int, ok: bool, seconds: float, world_size: int) -> bool:
+        """Record workers' reports; True when this completes the copy."""
+        self.acks += acks
+        self.ok = self.ok and ok
+        self.seconds = max(self.seconds, seconds)
+        return self.acks >= world_size
 
 
 @dataclass
-class _Load:
-    req_id: str
-    sources: list[str]
-    acks: int = 0
-    ok: bool = True
-    seconds: float = 0.0
+class _Store(_Copy):
+    keys: list[bytes] = field(default_factory=list)
+    priority: int = 0
+
+
+@dataclass
+class _Load(_Copy):
+    req_id: str = ""
+    sources: list[str] = field(default_factory=list)
 
 
 class KVTierScheduler:
@@ -186,7 +196,7 @@ class KVTierScheduler:
             self._loading[request.request_id] = keys
         job = ChunkCopy(next(self._job_ids), request.request_id, tuple(keys), chunks, tuple(slots))
         if slots:
-            self._loads[job.job_id] = _Load(request.request_id, sources)
+            self._loads[job.job_id] = _Load(req_id=request.request_id, sources=sources)
         self._loads_to_send.append(job)
         self.counters["load_chunks"] += len(slots)
 
@@ -244,7 +254,7 @@ class KVTierScheduler:
         bpc = self.geometry.blocks_per_chunk
         chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c, _ in new)
         job_id = next(self._job_ids)
-        self._stores[job_id] = _Store([key for _, key in new], state.options.priority)
+        self._stores[job_id] = _Store(keys=[key for _, key in new], priority=state.options.priority)
         req_id = state.request.request_id
         new_keys = tuple(key for _, key in new)
         return ChunkCopy(job_id, req_id, new_keys, chunks, tuple(slots[k] for k in new_keys))
@@ -260,12 +270,8 @@ class KVTierScheduler:
             self._finish_loads(meta)
             for job_id, (acks, ok) in meta.stores.items():
                 store = self._stores.get(job_id)
-                if store is None:
-                    continue
-                store.acks += acks
-                store.ok = store.ok and ok
-                store.seconds = max(store.seconds, meta.seconds.get(job_id, 0.0))
-                if store.acks < self.world_size:
+                seconds = meta.seconds.get(job_id, 0.0)
+                if store is None or not store.ack(acks, ok, seconds, self.world_size):
                     continue
                 del self._stores[job_id]
                 self.accounting.copied("store", len(store.keys), store.seconds, store.ok)
@@ -283,12 +289,8 @@ class KVTierScheduler:
         """Count the host → device copies every worker finished (metrics and hit records)."""
         for job_id, (acks, ok) in meta.loads.items():
             load = self._loads.get(job_id)
-            if load is None:
-                continue
-            load.acks += acks
-            load.ok = load.ok and ok
-            load.seconds = max(load.seconds, meta.seconds.get(job_id, 0.0))
-            if load.acks < self.world_size:
+            seconds = meta.seconds.get(job_id, 0.0)
+            if load is None or not load.ack(acks, ok, seconds, self.world_size):
                 continue
             del self._loads[job_id]
             if load.ok:
