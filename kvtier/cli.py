@@ -12,6 +12,7 @@ from kvtier.errors import KVTierError
 def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
     from kvtier.bench import demo, tier_bench
+    from kvtier.bench.multiturn import cli as multiturn_cli
     from kvtier.fsck import add_fsck_parser
     from kvtier.serve import add_parser as add_serve_parser
 
@@ -23,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     tier_bench.add_parser(sub)
     demo.add_parser(sub)
     add_serve_parser(sub)
+    multiturn_cli.add_parser(sub)
     return parser
 
 

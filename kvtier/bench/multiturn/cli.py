@@ -1,0 +1,203 @@
+"""`kvtier bench multiturn` (run a sweep) and `kvtier bench report RESULTS...` (redraw saved ones).
+
+``kvtier bench multiturn --preset cpu`` starts one vLLM server per configuration on the embedded
+SmolLM2 model, sweeps the preset's numbers of conversations, shows progress (rich) on stderr, and
+writes results.json, results.csv and results.png to `--out` (default
+`bench-results/multiturn-<preset>-<time>`); the table goes to stdout. Workload and cache sizes
+come from the preset unless given; `--endpoint URL` drives a running server instead (one
+configuration, labelled `--label`); `--mode inprocess` uses an in-process engine. Arguments after
+`--` go to every vLLM server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+import platform
+import shlex
+import signal
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench.multiturn import configs as config_registry
+from kvtier.bench.multiturn import presets, report
+from kvtier.bench.multiturn.progress import RichHooks
+from kvtier.bench.multiturn.sweep import Plan, run_sweep
+from kvtier.errors import KVTierError
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        values = tuple(int(v) for v in text.split(",") if v.strip())
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(f"{text!r}: a comma-separated list of integers") from e
+    if not values or min(values) < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: integers >= 1")
+    return values
+
+
+def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
+    bench = sub.add_parser("bench", help="benchmarks: multi-turn tiering sweep, reports")
+    bsub = bench.add_subparsers(dest="bench_command", required=True)
+    p = bsub.add_parser("multiturn", help="multi-turn chat sweep over conversations x configurations",
+                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--preset", default="cpu", help=f"one of {', '.join(presets.PRESETS)} (default cpu)")
+    p.add_argument("--conversations", type=_ints, default=None, help="points, e.g. 2,4,8,16")
+    p.add_argument("--configs", default=None,
+                   help=f"comma-separated, from: {', '.join(config_registry.CONFIGS)}")
+    for flag in ("initial-tokens", "tokens-per-turn", "turns", "max-concurrency", "output-tokens",
+                 "seed", "block-size", "device-blocks", "host-chunks"):
+        p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--mode", choices=("server", "inprocess"), default="server")
+    p.add_argument("--endpoint", default=None, help="drive this running server (no engine started)")
+    p.add_argument("--served-model-name", default=None, help="model name for the endpoint")
+    p.add_argument("--model", type=Path, default=None, help="model dir (default: embedded SmolLM2)")
+    p.add_argument("--tokenizer", default=None, help="tokenizer (default: the model's)")
+    p.add_argument("--dtype", default=None)
+    p.add_argument("--label", default=None, help="name of this run in reports (and the endpoint's config)")
+    p.add_argument("--out", type=Path, default=None, help="results directory")
+    p.add_argument("--work-dir", type=Path, default=None, help="fs tier directories (default: a temp dir)")
+    p.add_argument("--obj-endpoint", default=None)
+    p.add_argument("--obj-bucket", default=None)
+    p.add_argument("--redis-url", default=None)
+    p.add_argument("--admission-policy", default=None)
+    p.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
+    p.set_defaults(func=run_multiturn, accepts_passthrough=True)
+    r = bsub.add_parser("report", help="table, CSV and PNG from saved results.json files")
+    r.add_argument("results", type=Path, nargs="+")
+    r.add_argument("--out", type=Path, default=Path("bench-results/report"), help="CSV and PNG go here")
+    r.add_argument("--title", default=None)
+    r.set_defaults(func=run_report)
+
+
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
+def _load_tokenizer(name: str) -> Any:
+    from transformers import AutoTokenizer
+
+    return AutoTokenizer.from_pretrained(name)
+
+
+def _model(args: argparse.Namespace) -> Path | None:
+    if args.model is not None or args.endpoint is not None:
+        given: Path | None = args.model
+        return given
+    from kvtier.models import ModelPrepError, prepare_smollm2
+
+    try:
+        with contextlib.redirect_stdout(sys.stderr):
+            model: Path = prepare_smollm2()
+            return model
+    except ModelPrepError as e:
+        raise KVTierError(str(e)) from e
+
+
+def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, dict[str, Any]]:
+    from kvtier.bench.chat_run import kv_bytes_per_token
+
+    preset = presets.preset(args.preset)
+    spec = presets.with_overrides(
+        preset.workload, initial_tokens=args.initial_tokens, tokens_per_turn=args.tokens_per_turn,
+        turns=args.turns, max_concurrency=args.max_concurrency, output_tokens=args.output_tokens,
+        seed=args.seed)
+    sweep = args.conversations or preset.sweep
+    names = args.configs.split(",") if args.configs else list(preset.configs)
+    if args.endpoint is not None:
+        names = [args.label or "endpoint"]
+    else:
+        config_registry.check_names(names)
+    if args.block_size is not None:
+        preset = presets.Preset(**{**preset.__dict__, "block_size": args.block_size})
+    sizes = presets.sizing(preset, spec, sweep, device_blocks=args.device_blocks,
+                           host_chunks=args.host_chunks)
+    model = _model(args)
+    dtype = args.dtype or preset.dtype
+    block_bytes = kv_bytes_per_token(model, dtype) * preset.block_size if model is not None else 0
+    options = {k: v for k in ("obj_endpoint", "obj_bucket", "redis_url", "admission_policy")
+               if (v := getattr(args, k))}
+    context = config_registry.BenchContext(block_bytes, sizes.device_blocks, sizes.all_fits_blocks,
+                                           sizes.host_chunks, work_dir, options)
+    tokenizer_name = args.tokenizer or (str(model) if model is not None else None)
+    if tokenizer_name is None:
+        raise KVTierError("--tokenizer: needed with --endpoint (the served model's tokenizer)")
+    mode = "endpoint" if args.endpoint else args.mode
+    plan = Plan(spec, tuple(sweep), names, mode, model,
+                args.served_model_name or (model.name if model is not None else "model"),
+                _load_tokenizer(tokenizer_name), preset.block_size, block_bytes, sizes.max_model_len,
+                context, dtype, args.endpoint, os.environ.get("OPENAI_API_KEY"),
+                tuple(args.passthrough), out)
+    meta = {
+        "label": args.label or f"{platform.node()} {args.preset}", "preset": args.preset,
+        "title": f"kvtier bench multiturn, preset {args.preset}: {spec.initial_tokens} + "
+                 f"{spec.tokens_per_turn}/turn x {spec.turns} turns, {spec.max_concurrency} in flight, "
+                 f"{model.name if model else args.endpoint} ({dtype})",
+        "workload": spec.as_json(), "sweep": list(sweep), "configs": names, "mode": mode,
+        "model": str(model) if model else None, "dtype": dtype, "block_size": preset.block_size,
+        "block_bytes": block_bytes, "sizing": sizes.__dict__,
+        "command": shlex.join(["kvtier", *sys.argv[1:]]) if sys.argv else "",
+        "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "loadavg_start": list(os.getloadavg()), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
+    }
+    return plan, meta
+
+
+def run_multiturn(args: argparse.Namespace) -> int:
+    signal.signal(signal.SIGTERM, _raise_interrupt)
+    out = args.out or Path("bench-results") / f"multiturn-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
+    with contextlib.ExitStack() as stack:
+        if args.work_dir is None:
+            work_dir = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-")))
+        else:
+            work_dir = args.work_dir
+            work_dir.mkdir(parents=True, exist_ok=True)
+        try:
+            plan, meta = _plan(args, work_dir, out)
+        except ValueError as e:
+            raise KVTierError(str(e)) from e
+        if plan.mode == "inprocess":
+            from kvtier.bench.chat_run import vllm_environment
+
+            vllm_tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-vllm-")))
+            stack.enter_context(vllm_environment(vllm_tmp))
+        points: list[dict[str, Any]] = []
+        hooks = stack.enter_context(RichHooks(plan.spec.turns))
+
+        def emit(point: dict[str, Any]) -> None:
+            points.append(point)
+            hooks.point_done(point)
+            report.write_all(out, {**meta, "loadavg_end": list(os.getloadavg())}, points)
+
+        started = time.monotonic()
+        try:
+            with contextlib.redirect_stdout(sys.stderr):
+                run_sweep(plan, hooks, emit)
+        except ValueError as e:
+            raise KVTierError(str(e)) from e
+        meta.update(seconds=round(time.monotonic() - started, 1), loadavg_end=list(os.getloadavg()))
+        paths = report.write_all(out, meta, points)
+    print(json.dumps({"meta": meta, "points": points}) if args.json else report.table(points))
+    print(f"results: {', '.join(str(p) for p in paths.values())}", file=sys.stderr)
+    return 0
+
+
+def run_report(args: argparse.Namespace) -> int:
+    try:
+        metas, points = report.load(args.results)
+    except ValueError as e:
+        raise KVTierError(str(e)) from e
+    title = args.title or (metas[0].get("title", "kvtier bench multiturn") if len(metas) == 1
+                           else "kvtier bench multiturn: " + ", ".join(str(m.get("label")) for m in metas))
+    args.out.mkdir(parents=True, exist_ok=True)
+    report.write_csv(args.out / "report.csv", points)
+    if points:
+        report.plot(args.out / "report.png", points, title)
+    print(report.table(points))
+    print(f"report: {args.out / 'report.csv'}, {args.out / 'report.png'}", file=sys.stderr)
+    return 0

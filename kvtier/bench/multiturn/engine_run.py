@@ -1,0 +1,139 @@
+"""The workload against an in-process vLLM engine (`LLMEngine`), no HTTP in between.
+
+Same scheduling as `endpoint_run` (one FIFO queue of conversations, up to `max_concurrency`
+requests in the engine at once), driven by `engine.step()`: a request's TTFT is from just before
+`add_request` to the step that returns its first token, its ITL the gaps between later steps
+that return tokens for it. Each request's prompt-token split is its own: kvtier's
+`kv_transfer_params["kvtier"]["tokens"]` with the connector, else vLLM's `num_cached_tokens` as
+device and the rest recomputed.
+
+The engine runs in this process: the caller enters `kvtier.bench.chat_run.vllm_environment`
+before vLLM is imported.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+from types import TracebackType
+from typing import Any
+
+from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
+from kvtier.bench.multiturn.server import ServerSettings
+from kvtier.bench.multiturn.stats import DEVICE, RECOMPUTED, RequestRecord
+
+OnRequest = Callable[[RequestRecord], None]
+
+
+@dataclass
+class _InFlight:
+    conv: Conversation
+    record: RequestRecord
+    last_s: float | None = None
+    tokens: int = 0
+
+
+class InProcessEngine:
+    """One `LLM` with the settings of a configuration; `run_point` serves a workload on it."""
+
+    def __init__(self, settings: ServerSettings) -> None:
+        self.settings = settings
+        self._llm: Any = None
+        self._ids = 0
+
+    def __enter__(self) -> InProcessEngine:
+        from vllm import LLM
+        from vllm.config import KVTransferConfig
+
+        s = self.settings
+        options: dict[str, Any] = {
+            "dtype": s.dtype, "enforce_eager": True, "block_size": s.block_size,
+            "num_gpu_blocks_override": s.device_blocks,
+            "kv_cache_memory_bytes": (s.device_blocks + 1) * s.block_bytes,
+            "max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs, "seed": 0,
+        }
+        if s.kvtier is not None:
+            options["kv_transfer_config"] = KVTransferConfig(
+                kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
+                kv_role="kv_both", kv_connector_extra_config=s.kvtier)
+        self._llm = LLM(model=str(s.model), **options)
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if self._llm is not None:
+            self._llm.llm_engine.engine_core.shutdown()
+            self._llm = None
+
+    @property
+    def tokenizer(self) -> Any:
+        return self._llm.get_tokenizer()
+
+    def warm_up(self) -> None:
+        """One short unmeasured request (kernel and allocator warm-up)."""
+        spec = WorkloadSpec(64, 32, 1, 1, 1, 2, seed=-1)
+        self.run_point(spec, "warm-up")
+
+    def run_point(self, spec: WorkloadSpec, tag: str,
+                  on_request: OnRequest | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
+        """Serve the whole workload; the request records (each with its own token split)."""
+        from vllm import SamplingParams
+
+        engine = self._llm.llm_engine
+        params = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
+        ready = deque(Conversation(i, spec, self.tokenizer, tag) for i in range(spec.conversations))
+        inflight: dict[str, _InFlight] = {}
+        records: list[RequestRecord] = []
+        cpu0, wall0 = time.process_time(), time.perf_counter()
+        while ready or inflight:
+            while ready and len(inflight) < spec.max_concurrency:
+                conv = ready.popleft()
+                conv.ask()
+                prompt = conv.prompt_ids()
+                self._ids += 1
+                req_id = f"{tag}-{conv.index}-{conv.turn}-{self._ids}"
+                now = time.perf_counter()
+                record = RequestRecord(conv.index, conv.turn, now, now, 0.0, len(prompt), 0)
+                engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
+                inflight[req_id] = _InFlight(conv, record)
+            outputs = engine.step()
+            now = time.perf_counter()
+            for out in outputs:
+                job = inflight.get(out.request_id)
+                if job is None:
+                    continue
+                produced = len(out.outputs[0].token_ids) if out.outputs else 0
+                if produced > job.tokens:
+                    if job.last_s is None:
+                        job.record.ttft_s = now - job.record.start_s
+                    else:
+                        job.record.itl_s.append(now - job.last_s)
+                    job.last_s, job.tokens = now, produced
+                if out.finished:
+                    del inflight[out.request_id]
+                    self._finish(job, out, now)
+                    records.append(job.record)
+                    if on_request is not None:
+                        on_request(job.record)
+                    if not job.conv.finished:
+                        ready.append(job.conv)
+        wall = time.perf_counter() - wall0
+        return records, {"cpu_fraction": (time.process_time() - cpu0) / wall if wall else 0.0,
+                         "note": "in-process: client and engine share this process"}
+
+    def _finish(self, job: _InFlight, out: Any, now: float) -> None:
+        record = job.record
+        record.end_s = now
+        record.output_tokens = job.tokens
+        job.conv.answer(out.outputs[0].text if out.outputs else "")
+        if self.settings.kvtier is not None:
+            split = ((out.kv_transfer_params or {}).get("kvtier") or {}).get("tokens")
+            if split is None:
+                record.error = "the finished request carries no kvtier token split"
+                return
+            record.tokens = {k: int(v) for k, v in split.items()}
+        else:
+            device = int(out.num_cached_tokens or 0)
+            record.tokens = {DEVICE: device, RECOMPUTED: record.prompt_tokens - device}
