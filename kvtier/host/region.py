@@ -7,15 +7,21 @@ owner that crashed is found by `remove_stale_regions()` (the pid is gone, or now
 started at another time) and removed on the next start.
 
 Pages are touched once at creation so the first store does not pay the page-fault cost.
+
+A process that copies to and from an accelerator pins its own mapping (`pin`, e.g. CUDA's
+`cudaHostRegister`) so device copies are DMA straight into the shared pages; `close()` unpins
+before unmapping.
 """
 
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import mmap
 import os
 import re
 import secrets
+from typing import Protocol
 
 from kvtier.errors import ConfigError
 
@@ -56,6 +62,16 @@ def remove_stale_regions(shm_dir: str = SHM_DIR) -> list[str]:
     return removed
 
 
+class HostPinner(Protocol):
+    """Registers host memory with an accelerator driver as page-locked (pinned) for DMA."""
+
+    def register(self, address: int, size: int) -> None:
+        """Pin `[address, address + size)`; raise when the driver refuses."""
+
+    def unregister(self, address: int) -> None:
+        """Unpin the range registered at `address`; never raises."""
+
+
 class HostRegion:
     """A mapped shared-memory segment. `buf` is writable and page-aligned."""
 
@@ -70,6 +86,7 @@ class HostRegion:
         finally:
             os.close(fd)
         self.buf = memoryview(self._mmap)
+        self._pinner: HostPinner | None = None
 
     @classmethod
     def create(
@@ -126,10 +143,39 @@ class HostRegion:
             raise ValueError(f"host region {self.name} is closed")
         np.frombuffer(self._mmap, dtype=np.uint8)[::PAGE] = 0
 
+    @property
+    def address(self) -> int:
+        """The virtual address of the mapping in this process."""
+        if self._mmap is None:
+            raise ValueError(f"host region {self.name} is closed")
+        anchor = ctypes.c_char.from_buffer(self._mmap)
+        try:
+            return ctypes.addressof(anchor)
+        finally:
+            del anchor  # releases the buffer export, so close() can unmap
+
+    @property
+    def pinned(self) -> bool:
+        return self._pinner is not None
+
+    def pin(self, pinner: HostPinner) -> None:
+        """Pin the whole mapping with `pinner` (once; `close()` unpins it before unmapping).
+
+        Raises what `pinner.register` raises, the region left unpinned.
+        """
+        if self._pinner is not None:
+            return
+        pinner.register(self.address, self.size)
+        self._pinner = pinner
+
     def close(self) -> None:
-        """Unmap; the owner also removes the segment. Idempotent."""
+        """Unpin, unmap; the owner also removes the segment. Idempotent. The caller first ends
+        every device copy still using the mapping."""
         if self._mmap is None:
             return
+        if self._pinner is not None:
+            self._pinner.unregister(self.address)
+            self._pinner = None
         self.buf.release()
         # Views exported by users (numpy, torch) may still be alive; the mapping then goes with them.
         with contextlib.suppress(BufferError):

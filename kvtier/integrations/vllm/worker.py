@@ -2,37 +2,75 @@
 
 Runs in each vLLM worker (one per TP rank), on the worker's model-runner thread. It needs nothing
 from the scheduler process but the connector metadata of each step: the host region's name, and
-(block ids, slot ids) pairs; it maps the region by name on first use.
+(block ids, slots) pairs; it maps the region by name on first use.
 
-Per step, in vLLM's order: `start_load` (bound metadata's loads, host → device), the forward pass,
-`save` (its stores, device → host, done before it returns), then `take_finished_loads`,
-`take_load_errors` and `take_worker_meta` report back.
+Per step, in vLLM's order: `before_forward` (vLLM's `handle_preemptions`, before the forward pass
+is launched), the forward pass, `start_load` (the bound metadata's loads, host → device; vLLM 0.32
+calls it after launching the pass, and the loading requests are not in it), `save` (its stores,
+device → host), then `take_finished_loads`, `take_load_errors` and `take_worker_meta` report the
+copies that ended.
+
+The copies themselves are `kvtier.transfer`'s, picked by the device of the KV tensors: on the CPU
+they run synchronously, so every job of a step is reported in that step; on CUDA they are queued on
+copy streams and each job is reported in the first report that finds it ended. A failed load's
+blocks are reported no later than its request: vLLM asks for finished requests, then for load
+errors, in each step, and a load found ended in between has its blocks reported first.
 """
 
 from __future__ import annotations
 
 import logging
-import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 
 import torch
 
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.layout import CopyPlan, EngineLayout, TPShard, engine_layout
-from kvtier.transfer import HostTransfer
+from kvtier.transfer import Transfer, make_transfer
 
 log = logging.getLogger("kvtier.vllm.worker")
 
-ENGINE_LAYOUT_BY_DEVICE = {"cpu": "vllm_cpu"}
+TransferFactory = Callable[[CopyPlan, Sequence[torch.Tensor]], Transfer]
+
+
+def engine_layout_name(device_type: str, shape: Sequence[int]) -> str:
+    """The engine layout of a vLLM layer KV tensor of `shape` on `device_type`.
+
+    vLLM 0.32 hands every attention backend a logical `[num_blocks, H, block_size, C]` layer view
+    (`vllm/v1/kv_cache_layout.py`, whatever the physical stride order). The CPU backend packs K
+    transposed into C (`vllm_cpu`); the CUDA backends for a plain KV dtype (FlashAttention,
+    FlashInfer, Triton, FlexAttention) split C per token as K | V (`vllm_flash_attn`). A 5-D
+    `[2, num_blocks, block_size, H, D]` tensor is older vLLM's FlashAttention (`stacked_kv`).
+    """
+    if device_type == "cpu":
+        return "vllm_cpu"
+    if device_type == "cuda" and len(shape) == 4:
+        return "vllm_flash_attn"
+    if device_type == "cuda" and len(shape) == 5 and shape[0] == 2:
+        return "stacked_kv"
+    raise NotImplementedError(f"kvtier: no engine layout for a KV tensor {tuple(shape)} on {device_type}")
+
+
+@dataclass(frozen=True)
+class _Job:
+    load: bool
+    req_id: str
+    block_ids: tuple[int, ...]
 
 
 class KVTierWorker:
     """One rank's copies between its KV tensors and the shared host region."""
 
-    def __init__(self, geometry: EngineGeometry, tp_rank: int) -> None:
+    def __init__(
+        self, geometry: EngineGeometry, tp_rank: int, transfer_factory: TransferFactory = make_transfer
+    ) -> None:
         self.geometry = geometry
         self.shard = TPShard(geometry.layout.num_kv_heads, geometry.tp_size, tp_rank)
-        self.transfer: HostTransfer | None = None
+        self.transfer: Transfer | None = None
+        self._transfer_factory = transfer_factory
+        self._jobs: dict[int, _Job] = {}
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self._stores: dict[int, tuple[int, bool]] = {}
@@ -40,8 +78,9 @@ class KVTierWorker:
         self._seconds: dict[int, float] = {}
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Build the copy plan from the real tensors. Called once, after vLLM allocated its KV
-        cache and before the first step; raises ValueError when a tensor's layout is unexpected."""
+        """Build the copy plan and the transfer from the real tensors. Called once, after vLLM
+        allocated its KV cache and before the first step; raises ValueError when a tensor's layout
+        is unexpected, NotImplementedError when its device has no transfer."""
         missing = [name for name in self.geometry.layer_names if name not in kv_caches]
         if missing:
             raise ValueError(f"kvtier: no KV cache tensor for layers {missing}")
@@ -50,7 +89,7 @@ class KVTierWorker:
         plan = CopyPlan(self.geometry.layout, layout, self.shard, self.geometry.block_size)
         for name, kv in zip(self.geometry.layer_names, tensors, strict=True):
             self._check(name, plan, kv)
-        self.transfer = HostTransfer(plan, tensors)
+        self.transfer = self._transfer_factory(plan, tensors)
 
     def _check(self, name: str, plan: CopyPlan, kv: torch.Tensor) -> None:
         if kv.dtype != self.geometry.layout.dtype:
@@ -61,57 +100,90 @@ class KVTierWorker:
             raise ValueError(f"kvtier: layer {name}: {exc}") from exc
 
     def _engine_layout(self, kv: torch.Tensor) -> EngineLayout:
-        name = ENGINE_LAYOUT_BY_DEVICE.get(kv.device.type)
-        if name is None:
-            raise NotImplementedError(f"kvtier: no engine layout for KV on {kv.device.type} yet")
-        return engine_layout(name)
+        return engine_layout(engine_layout_name(kv.device.type, kv.shape))
+
+    def before_forward(self) -> None:
+        """Order the coming forward pass after the stores still reading its blocks. Called before
+        each forward pass is launched (vLLM's `handle_preemptions`), also on steps without one."""
+        if self.transfer is not None:
+            self.transfer.before_forward()
 
     def start_load(self, meta: KVTierMetadata) -> None:
-        """Copy every load of `meta` host → device. Called once per step, by vLLM's
-        `start_load_kv`; the loading requests are not in this step's forward pass."""
+        """Queue every load of `meta` host → device. Called once per step, by vLLM's
+        `start_load_kv`; the loading requests are not in this step's forward pass. A load without
+        pinned host rows fails at once."""
         for job in meta.loads:
-            start = time.perf_counter()
-            ok = bool(job.slots) and self._transfer(meta).load(job.block_ids, job.slots)
-            self._seconds[job.job_id] = time.perf_counter() - start
-            if not ok:
-                self._load_errors.update(job.all_block_ids)
-            self._loads[job.job_id] = (1, ok)
-            self._finished_loads.add(job.req_id)
+            self._jobs[job.job_id] = _Job(True, job.req_id, tuple(job.all_block_ids))
+            if job.slots:
+                self._transfer(meta).submit_load(job.job_id, job.block_ids, job.slots)
+            else:
+                self._ended(job.job_id, False, 0.0)
+        self._collect()
 
     def save(self, meta: KVTierMetadata) -> None:
-        """Copy every store of `meta` device → host. Called once per step by vLLM's
-        `wait_for_save`, after the forward pass wrote the blocks; returns once copied."""
-        for job in meta.stores:
-            start = time.perf_counter()
-            ok = self._transfer(meta).store(job.block_ids, job.slots)
-            self._seconds[job.job_id] = time.perf_counter() - start
-            self._stores[job.job_id] = (1, ok)
+        """Queue every store of `meta` device → host. Called once per step by vLLM's
+        `wait_for_save`, after the forward pass that writes the blocks was launched."""
+        if meta.stores:
+            transfer = self._transfer(meta)
+            transfer.forward_done()
+            for job in meta.stores:
+                self._jobs[job.job_id] = _Job(False, job.req_id, ())
+                transfer.submit_store(job.job_id, job.block_ids, job.slots)
+        self._collect()
 
-    def _transfer(self, meta: KVTierMetadata) -> HostTransfer:
+    def _transfer(self, meta: KVTierMetadata) -> Transfer:
         if self.transfer is None:
             raise RuntimeError("kvtier: a transfer was planned before register_kv_caches")
         self.transfer.attach(meta.region_name, meta.shm_dir)
         return self.transfer
 
+    def _collect(self) -> None:
+        """Record the copies the transfer reports ended (never waits)."""
+        if self.transfer is not None:
+            for result in self.transfer.poll():
+                self._ended(result.job_id, result.ok, result.seconds)
+
+    def _ended(self, job_id: int, ok: bool, seconds: float) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            log.error("kvtier: the transfer reported unknown job %d", job_id)
+            return
+        self._seconds[job_id] = seconds
+        if not job.load:
+            self._stores[job_id] = (1, ok)
+            return
+        if not ok:
+            self._load_errors.update(job.block_ids)
+        self._loads[job_id] = (1, ok)
+        self._finished_loads.add(job.req_id)
+
     def take_finished_loads(self) -> set[str]:
         """Request ids whose loads ended (successfully or not) since the last call."""
+        self._collect()
         done, self._finished_loads = self._finished_loads, set()
         return done
 
     def take_load_errors(self) -> set[int]:
         """Block ids whose loads failed since the last call; vLLM recomputes them."""
+        self._collect()
         errors, self._load_errors = self._load_errors, set()
         return errors
 
     def take_worker_meta(self) -> KVTierWorkerMetadata | None:
         """This rank's finished copies since the last call, or None when there are none."""
+        self._collect()
         if not self._stores and not self._loads:
             return None
         meta = KVTierWorkerMetadata(self._stores, self._loads, self._seconds)
         self._stores, self._loads, self._seconds = {}, {}, {}
         return meta
 
+    @property
+    def copies_running(self) -> int:
+        """Copy jobs queued and not yet ended."""
+        return len(self._jobs)
+
     def shutdown(self) -> None:
-        """Unmap the host region. Idempotent."""
+        """Wait for the copies still running, then unmap the host region. Idempotent."""
         if self.transfer is not None:
             self.transfer.close()

@@ -1,0 +1,225 @@
+"""The asynchronous transfer: copies queued on copy streams, ordered and tracked with events.
+
+`StreamTransfer` queues each job's copies (`StagedCopy`) on a copy stream and returns at once;
+`poll` reports a job once the event recorded after its copies has completed (`query()`, which
+never blocks). The stream and event operations sit behind `CopyStreams`, implemented for CUDA by
+`kvtier.transfer_cuda.CudaStreams`, and by a scripted stand-in in the tests.
+
+Hazards, and what orders them (the compute stream is the one vLLM runs the forward pass on):
+
+1. A store must read its blocks after the forward pass that wrote them: `forward_done`, called by
+   `wait_for_save` once the pass was launched, records an event on the compute stream, and the
+   store stream waits on it before the store's copies.
+2. A stored block must not be overwritten before its copy has read it. kvtier's scheduler half
+   acknowledges a store a step or more after it was planned, and vLLM frees a request's blocks as
+   soon as it finishes or is preempted, so a later forward pass may write a block whose store is
+   still running. kvtier does not rely on the scheduler holding blocks: the compute stream waits
+   (on the device, the CPU goes on) for the last store still running, in `before_forward` (vLLM's
+   `handle_preemptions`, called before every forward pass) when the connector forwards that hook,
+   else right after the store is queued (which also delays the step's sampling by the copy).
+3. A loaded block must not be read before its copy ended: a load is reported finished only once
+   its event completed; vLLM schedules the request only after that report.
+4. A load must not write a block that an earlier step still uses (vLLM may free a block on the CPU
+   while a forward pass that touches it is still queued, and reallocate it to the loading request),
+   nor one a running store still reads: the load stream waits on the last forward pass's event and
+   on the last store still running. (vLLM also zeroes new blocks on the compute stream, but only
+   for Mamba or mixed-precision caches, which `engine_geometry` refuses.)
+5. A job that failed part way may have queued some copies: it is reported (failed) only after its
+   event, so nothing writes into its rows or blocks once kvtier or vLLM reuse them.
+6. The host rows must stay mapped and pinned while copies use them: `close` waits for every job
+   still running (the only blocking call, at shutdown or when the region changes) before
+   unpinning and unmapping; those jobs are reported by the next `poll`.
+"""
+
+from __future__ import annotations
+
+import logging
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from enum import Enum
+from typing import Protocol
+
+import torch
+
+from kvtier.host.region import HostPinner, HostRegion
+from kvtier.layout import CopyPlan, host_rows
+from kvtier.transfer import CopyResult, Transfer
+from kvtier.transfer_staged import DEFAULT_STAGING_BYTES, StagedCopy
+
+log = logging.getLogger("kvtier.transfer")
+
+
+class Direction(Enum):
+    STORE = "store"
+    LOAD = "load"
+
+
+class CopyEvent(Protocol):
+    """A marker in a stream's work; complete once everything queued before it has run."""
+
+    def query(self) -> bool:
+        """Whether the event completed; never blocks."""
+
+    def synchronize(self) -> None:
+        """Block until the event completed (shutdown only)."""
+
+
+class CopyStreams(ABC):
+    """The stream and event operations of `StreamTransfer`: one copy stream per direction, and
+    the compute stream (the caller's current stream)."""
+
+    @abstractmethod
+    def mark_compute(self) -> CopyEvent:
+        """An event after everything queued so far on the compute stream."""
+
+    @abstractmethod
+    def launch(
+        self, direction: Direction, after: Sequence[CopyEvent], enqueue: Callable[[], None]
+    ) -> tuple[CopyEvent, CopyEvent]:
+        """On `direction`'s copy stream: wait for `after`, record a start event, run `enqueue` (which
+        queues copies on that stream, the current one while it runs) and record an end event.
+        Returns (start, end); `enqueue` must not raise."""
+
+    @abstractmethod
+    def compute_waits(self, event: CopyEvent) -> None:
+        """Make later work on the compute stream wait for `event`, without blocking the caller."""
+
+    @abstractmethod
+    def seconds(self, start: CopyEvent, end: CopyEvent) -> float:
+        """Device time between two completed events."""
+
+
+@dataclass
+class _Running:
+    job_id: int
+    start: CopyEvent
+    end: CopyEvent
+    ok: bool
+
+
+class StreamTransfer(Transfer):
+    """Asynchronous copies between one rank's KV tensors and the host rows (see the module doc)."""
+
+    def __init__(
+        self,
+        plan: CopyPlan,
+        layer_tensors: Sequence[torch.Tensor],
+        streams: CopyStreams,
+        pinner: HostPinner | None = None,
+        staging_bytes: int = DEFAULT_STAGING_BYTES,
+    ) -> None:
+        self.plan = plan
+        self.staged = StagedCopy(plan, layer_tensors, staging_bytes)
+        self.streams = streams
+        self.pinner = pinner
+        self.ordered_before_forward = False  # True once vLLM calls `before_forward`
+        self._region: HostRegion | None = None
+        self._rows: torch.Tensor | None = None
+        self._running: list[_Running] = []
+        self._ended: list[CopyResult] = []
+        self._forward: CopyEvent | None = None
+        self._last_store: CopyEvent | None = None
+
+    def attach(self, region_name: str, shm_dir: str) -> None:
+        if self._region is not None and self._region.name == region_name:
+            return
+        self.close()
+        region = HostRegion.attach(region_name, shm_dir=shm_dir)
+        if self.pinner is not None:
+            try:
+                region.pin(self.pinner)
+            except Exception as exc:
+                log.warning(
+                    "kvtier could not pin host region %s (%d bytes): %s; device copies to and from "
+                    "it stay correct but run synchronously",
+                    region.name,
+                    region.size,
+                    exc,
+                )
+        row_bytes = self.plan.layout.row_bytes
+        self._rows = host_rows(region.buf, row_bytes, region.size // row_bytes)
+        self._region = region
+
+    def before_forward(self) -> None:
+        self.ordered_before_forward = True
+        if self._last_store is not None and not self._last_store.query():
+            self.streams.compute_waits(self._last_store)
+
+    def forward_done(self) -> None:
+        self._forward = self.streams.mark_compute()
+
+    def submit_store(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        after = [self._forward] if self._forward is not None else []
+        end = self._launch(job_id, Direction.STORE, after, self.staged.store, block_ids, slots)
+        if end is None:
+            return
+        self._last_store = end
+        if not self.ordered_before_forward:
+            self.streams.compute_waits(end)
+
+    def submit_load(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        after = [e for e in (self._forward, self._last_store) if e is not None and not e.query()]
+        self._launch(job_id, Direction.LOAD, after, self.staged.load, block_ids, slots)
+
+    def _launch(
+        self,
+        job_id: int,
+        direction: Direction,
+        after: Sequence[CopyEvent],
+        copy: Callable[[torch.Tensor, Sequence[Sequence[int]], Sequence[int]], None],
+        block_ids: Sequence[Sequence[int]],
+        slots: Sequence[int],
+    ) -> CopyEvent | None:
+        """Queue the job's copies; its end event, or None when nothing could be queued."""
+        rows = self._rows
+        if rows is None:
+            what = direction.value
+            log.error("kvtier %s of %d chunk(s) before the host region was attached", what, len(slots))
+            self._ended.append(CopyResult(job_id, False, 0.0))
+            return None
+        errors: list[Exception] = []
+
+        def enqueue() -> None:
+            try:
+                copy(rows, block_ids, slots)
+            except Exception as exc:
+                errors.append(exc)
+
+        try:
+            start, end = self.streams.launch(direction, after, enqueue)
+        except Exception:
+            log.exception("kvtier could not queue the %s of %d chunk(s)", direction.value, len(slots))
+            self._ended.append(CopyResult(job_id, False, 0.0))
+            return None
+        for exc in errors:
+            log.error("kvtier %s of %d chunk(s) failed: %r", direction.value, len(slots), exc)
+        self._running.append(_Running(job_id, start, end, not errors))
+        return end
+
+    def poll(self) -> list[CopyResult]:
+        done, self._ended = self._ended, []
+        running: list[_Running] = []
+        for job in self._running:
+            if job.end.query():
+                done.append(CopyResult(job.job_id, job.ok, self.streams.seconds(job.start, job.end)))
+            else:
+                running.append(job)
+        self._running = running
+        return done
+
+    @property
+    def running(self) -> int:
+        """Jobs queued and not yet reported by `poll`."""
+        return len(self._running)
+
+    def close(self) -> None:
+        for job in self._running:
+            job.end.synchronize()
+            self._ended.append(CopyResult(job.job_id, job.ok, self.streams.seconds(job.start, job.end)))
+        self._running = []
+        self._forward = self._last_store = None
+        self._rows = None
+        if self._region is not None:
+            self._region.close()
+            self._region = None

@@ -1,0 +1,97 @@
+"""The CUDA side of the asynchronous transfer: copy streams, events, and the pinned host region.
+
+`cuda_transfer` builds the `StreamTransfer` for KV tensors on one CUDA device:
+
+- `CudaHostPinner` registers the host region's mapping with `cudaHostRegister` (flag
+  `cudaHostRegisterPortable`: pinned for every CUDA context of the process), so torch's
+  `non_blocking` copies between it and the device are DMA queued on a stream; without it, a copy
+  to pageable memory returns only once done. Each TP rank pins its own mapping of the one region.
+- `CudaStreams` queues stores and loads on two dedicated streams (so device → host and host →
+  device copies overlap), orders them with `torch.cuda.Event`s, and times them with the events'
+  device clock. The compute stream is the current stream of the calling thread: vLLM calls the
+  connector's hooks on the thread and stream it runs the forward pass on.
+
+Nothing here is imported on a machine without CUDA unless KV tensors live on a CUDA device.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from typing import Any, cast
+
+import torch
+
+from kvtier.layout import CopyPlan
+from kvtier.transfer_async import CopyEvent, CopyStreams, Direction, StreamTransfer
+from kvtier.transfer_staged import DEFAULT_STAGING_BYTES
+
+log = logging.getLogger("kvtier.transfer")
+
+HOST_REGISTER_PORTABLE = 1  # cudaHostRegisterPortable
+
+
+def _cudart() -> Any:
+    return torch.cuda.cudart()  # type: ignore[no-untyped-call]
+
+
+def _event(timing: bool = False) -> torch.cuda.Event:
+    return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
+
+
+class CudaHostPinner:
+    """Pins host memory with the CUDA runtime (`cudaHostRegister` / `cudaHostUnregister`)."""
+
+    def register(self, address: int, size: int) -> None:
+        err = int(_cudart().cudaHostRegister(address, size, HOST_REGISTER_PORTABLE))
+        if err != 0:
+            raise RuntimeError(f"cudaHostRegister of {size} bytes at {address:#x}: cudaError {err}")
+
+    def unregister(self, address: int) -> None:
+        err = int(_cudart().cudaHostUnregister(address))
+        if err != 0:
+            log.warning("cudaHostUnregister at %#x failed with cudaError %d", address, err)
+
+
+class CudaStreams(CopyStreams):
+    """One store stream and one load stream on `device`; events from `torch.cuda.Event`."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self._streams = {
+            Direction.STORE: torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
+            Direction.LOAD: torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
+        }
+
+    def mark_compute(self) -> CopyEvent:
+        event = _event()
+        event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def launch(
+        self, direction: Direction, after: Sequence[CopyEvent], enqueue: Callable[[], None]
+    ) -> tuple[CopyEvent, CopyEvent]:
+        stream = self._streams[direction]
+        for event in after:
+            stream.wait_event(cast(torch.cuda.Event, event))
+        start, end = _event(timing=True), _event(timing=True)
+        start.record(stream)
+        with torch.cuda.stream(stream):
+            enqueue()
+        end.record(stream)
+        return start, end
+
+    def compute_waits(self, event: CopyEvent) -> None:
+        torch.cuda.current_stream(self.device).wait_event(cast(torch.cuda.Event, event))
+
+    def seconds(self, start: CopyEvent, end: CopyEvent) -> float:
+        millis: float = cast(torch.cuda.Event, start).elapsed_time(cast(torch.cuda.Event, end))
+        return millis / 1000.0
+
+
+def cuda_transfer(
+    plan: CopyPlan, layer_tensors: Sequence[torch.Tensor], staging_bytes: int = DEFAULT_STAGING_BYTES
+) -> StreamTransfer:
+    """The asynchronous transfer for KV tensors on one CUDA device, pinning the host region."""
+    device = layer_tensors[0].device
+    return StreamTransfer(plan, layer_tensors, CudaStreams(device), CudaHostPinner(), staging_bytes)
