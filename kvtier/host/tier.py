@@ -148,6 +148,27 @@ class HostTier:
         writing.update(new)
         return new
 
+    def prepare_store_prefix(self, keys: Sequence[bytes]) -> tuple[dict[bytes, int], int]:
+        """`prepare_store` for the longest leading run of `keys` that fits.
+
+        Returns (new key → slot pairs, n): `keys[:n]` are READY or WRITING afterwards and the rest
+        were left alone. A chunk is useful only after every chunk before it, so when pinned rows
+        leave too little room, the first chunks are the ones worth a slot. Costs O(log² len(keys))
+        `prepare_store` calls when room is short, one otherwise.
+        """
+        slots: dict[bytes, int] = {}
+        done, total = 0, len(keys)
+        step = total
+        while done < total and step:
+            step = min(step, total - done)
+            got = self.prepare_store(keys[done : done + step])
+            if got is None:
+                step //= 2
+                continue
+            slots.update(got)
+            done += step
+        return slots, done
+
     def complete_store(self, keys: Sequence[bytes], success: bool) -> None:
         """Publish (success) or roll back the WRITING entries among `keys`; others are ignored."""
         writing = self._writing

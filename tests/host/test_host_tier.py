@@ -177,6 +177,21 @@ def test_eviction_all_or_nothing_when_pinned(buf: memoryview, policy_name: str) 
     tier.check()
 
 
+def test_prefix_store_takes_the_leading_chunks_that_fit(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=8)
+    store(tier, ks(0, 1, 2, 3, 4))
+    assert tier.prepare_load(ks(0, 1, 2)) is not None
+    slots, fitted = tier.prepare_store_prefix(ks(2, 10, 11, 12, 13, 14, 15))
+    assert fitted == 6  # key 2 is present; 3 free rows and 2 unpinned ones fit 10..14, not 15
+    assert sorted(slots) == ks(10, 11, 12, 13, 14)
+    assert not tier.is_pending(k(15)) and tier.lookup(ks(15)) == 0
+    assert tier.prepare_store_prefix(ks(20, 21)) == ({}, 0)
+    tier.complete_store(list(slots), True)
+    assert tier.lookup(ks(10, 11, 12, 13, 14)) == 5
+    assert tier.prepare_store_prefix(ks(14, 0)) == ({}, 2)  # both present: nothing to allocate
+    tier.check()
+
+
 def test_writing_slots_are_never_evicted(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=2)
     assert tier.prepare_store(ks(0, 1)) is not None

@@ -66,6 +66,28 @@ def test_failed_store_frees_its_rows(sched: KVTierScheduler) -> None:
     assert sched.counters["store_failures"] == 3
 
 
+def test_chunks_without_room_wait_for_the_next_step(sched: KVTierScheduler) -> None:
+    a, b = list(range(200, 214)), list(range(300, 314))
+    compute_prompt(sched, FakeRequest("a", a), [0, 1, 2, 3])
+    compute_prompt(sched, FakeRequest("b", b), [4, 5, 6, 7])
+    host = sched.manager.host
+    pinned = sched.hasher.keys(a) + sched.hasher.keys(b)
+    assert host.prepare_load(pinned) is not None  # 6 of 8 rows pinned, as by cascades in flight
+    req = FakeRequest("c", PROMPT)
+    sched.test_blocks["c"] = [8, 9, 10, 11]  # type: ignore[attr-defined]
+    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
+    (job,) = sched.build_connector_meta(FakeSchedulerOutput({"c": 14})).stores
+    assert job.block_ids == ((8,), (9,)) and list(job.keys) == sched.hasher.keys(PROMPT)[:2]
+    assert sched.counters["store_no_space"] == 1
+    req.num_computed_tokens = 14
+    sched.update_connector_output(
+        KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata({job.job_id: (1, True)}))
+    )
+    host.complete_load(pinned)
+    (job,) = sched.build_connector_meta(FakeSchedulerOutput({"c": 1})).stores
+    assert job.block_ids == ((10,),) and list(job.keys) == sched.hasher.keys(PROMPT)[2:]
+
+
 def test_lookup_goes_past_the_device_hit_and_never_offers_the_last_token(
     sched: KVTierScheduler,
 ) -> None:

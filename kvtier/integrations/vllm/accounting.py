@@ -89,7 +89,8 @@ class Accounting:
         self.metrics.observe("transfer_latency_seconds", seconds, HOST, op)
 
     def store_rejected(self, chunks: int) -> None:
-        """No host row could be freed for `chunks` device → host stores (all pinned)."""
+        """No host row could be freed for `chunks` device → host stores (all pinned); counted at
+        every attempt."""
         self.metrics.inc("failures", chunks, HOST, "store")
 
     def finish(self, req_id: str, hits: RequestHits) -> dict[str, Any]:

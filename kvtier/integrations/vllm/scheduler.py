@@ -12,10 +12,12 @@ a secondary tier is in flight); `update_state_after_alloc` pins their host rows;
 
 Stores: `build_connector_meta` allocates host rows (WRITING) for every full chunk that this step
 completes, prompt chunks and the chunks filled during decode alike (in multi-turn chat the reply is
-part of the next turn's prefix); a chunk the request only partly fills is never stored. The worker
-copies device → host in `wait_for_save`, before the step ends, so no device block is held past its
-step (nor after the request finishes); `update_connector_output` publishes the rows
-(`complete_store`) once every worker reported its copy, then cascades them to the secondary tiers.
+part of the next turn's prefix); a chunk the request only partly fills is never stored. When
+pinned rows leave too little room, the leading chunks get rows and the rest wait for the
+request's next step. The worker copies device → host in `wait_for_save`, before the step ends, so
+no device block is held past its step (nor after the request finishes); `update_connector_output`
+publishes the rows (`complete_store`) once every worker reported its copy, then cascades them to
+the secondary tiers.
 
 Per-request options (`options.py`, from `kv_transfer_params`) may skip the load or the store,
 restrict the secondary tiers a load may come from, and set the cascade's retention priority.
@@ -240,13 +242,15 @@ class KVTierScheduler:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
         if done <= state.stored or state.options.skip_store or self._block_ids_of is None:
             return None
-        first, state.stored = state.stored, done
+        first = state.stored
         keys = state.keys[first:done]
-        slots = self.manager.host.prepare_store(keys)
-        if slots is None:
-            self.counters["store_no_space"] += len(keys)
-            self.accounting.store_rejected(len(keys))
-            return None
+        slots, fitted = self.manager.host.prepare_store_prefix(keys)
+        # Chunks that found no room (rows pinned by copies in flight) are tried again at the
+        # request's next step; a later chunk is never stored before them.
+        state.stored = first + fitted
+        if fitted < len(keys):
+            self.counters["store_no_space"] += len(keys) - fitted
+            self.accounting.store_rejected(len(keys) - fitted)
         new = [(c, key) for c, key in enumerate(keys, first) if key in slots]
         if not new:
             return None
