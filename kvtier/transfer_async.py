@@ -209,6 +209,11 @@ class StreamTransfer(Transfer):
         return done
 
     @property
+    def rows(self) -> torch.Tensor | None:
+        """The host rows (uint8 `[num_slots, row_bytes]` over the mapping), None before attach."""
+        return self._rows
+
+    @property
     def running(self) -> int:
         """Jobs queued and not yet reported by `poll`."""
         return len(self._running)

@@ -63,6 +63,10 @@ class CudaStreams(CopyStreams):
             Direction.LOAD: torch.cuda.Stream(device=device),  # type: ignore[no-untyped-call]
         }
 
+    def stream(self, direction: Direction) -> torch.cuda.Stream:
+        """The copy stream of `direction`."""
+        return self._streams[direction]
+
     def mark_compute(self) -> CopyEvent:
         event = _event()
         event.record(torch.cuda.current_stream(self.device))

@@ -17,22 +17,28 @@ BLOCK, HEAD_DIM, LAYERS, HEADS = 4, 8, 3, 4
 NUM_BLOCKS, NUM_SLOTS = 20, 10
 
 
-def layer_tensors(kind: str, heads: int, gen: torch.Generator) -> tuple[str, list[torch.Tensor]]:
-    """(engine layout name, per-layer tensors) of vLLM's shapes, in several physical orders."""
+def layer_tensors(
+    kind: str, heads: int, gen: torch.Generator, device: str = "cpu"
+) -> tuple[str, list[torch.Tensor]]:
+    """(engine layout name, per-layer tensors on `device`) of vLLM's shapes, in several physical
+    orders: the memory is allocated in that order, the tensors are vLLM's logical views of it."""
+
+    def phys(shape: tuple[int, ...]) -> torch.Tensor:
+        return random_kv(shape, torch.bfloat16, gen).to(device)
+
     logical = (NUM_BLOCKS, heads, BLOCK, 2 * HEAD_DIM)
     if kind == "vllm_cpu":
-        return kind, [random_kv(logical, torch.bfloat16, gen) for _ in range(LAYERS)]
+        return kind, [phys(logical) for _ in range(LAYERS)]
     if kind == "flash_hnd":  # vLLM KVCacheLayout LBHNC: the logical order is the memory order
-        return "vllm_flash_attn", [random_kv(logical, torch.bfloat16, gen) for _ in range(LAYERS)]
+        return "vllm_flash_attn", [phys(logical) for _ in range(LAYERS)]
     if kind == "flash_nhd":  # LBNHC (vLLM's default on CUDA): memory [B, N, H, C]
         nhd = (NUM_BLOCKS, BLOCK, heads, 2 * HEAD_DIM)
-        return "vllm_flash_attn", [random_kv(nhd, torch.bfloat16, gen).transpose(1, 2) for _ in range(LAYERS)]
+        return "vllm_flash_attn", [phys(nhd).transpose(1, 2) for _ in range(LAYERS)]
     if kind == "flash_cross_layer":  # BLNHC: one buffer [B, L, N, H, C], layers interleaved per block
-        buf = random_kv((NUM_BLOCKS, LAYERS, BLOCK, heads, 2 * HEAD_DIM), torch.bfloat16, gen)
+        buf = phys((NUM_BLOCKS, LAYERS, BLOCK, heads, 2 * HEAD_DIM))
         return "vllm_flash_attn", [buf[:, i].transpose(1, 2) for i in range(LAYERS)]
     assert kind == "stacked_kv"
-    shape = (2, NUM_BLOCKS, BLOCK, heads, HEAD_DIM)
-    return kind, [random_kv(shape, torch.bfloat16, gen) for _ in range(LAYERS)]
+    return kind, [phys((2, NUM_BLOCKS, BLOCK, heads, HEAD_DIM)) for _ in range(LAYERS)]
 
 
 KINDS = ["vllm_cpu", "flash_hnd", "flash_nhd", "flash_cross_layer", "stacked_kv"]
