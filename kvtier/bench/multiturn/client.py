@@ -28,14 +28,16 @@ class ChatClient:
     """One connection pool to `base_url` for up to `max_concurrency` requests in flight."""
 
     def __init__(self, base_url: str, model: str, output_tokens: int, max_concurrency: int, *,
-                 ignore_eos: bool = True, timeout_s: float = 600.0, api_key: str | None = None) -> None:
+                 ignore_eos: bool = True, timeout_s: float = 600.0, api_key: str | None = None,
+                 transport: httpx.AsyncBaseTransport | None = None) -> None:
         self.model = model
         self.output_tokens = output_tokens
         self.ignore_eos = ignore_eos
         headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
         limits = httpx.Limits(max_connections=max_concurrency, max_keepalive_connections=max_concurrency)
         self._http = httpx.AsyncClient(base_url=base_url.rstrip("/"), limits=limits, headers=headers,
-                                       timeout=httpx.Timeout(timeout_s, connect=30.0))
+                                       timeout=httpx.Timeout(timeout_s, connect=30.0),
+                                       transport=transport)
 
     async def aclose(self) -> None:
         await self._http.aclose()

@@ -73,7 +73,7 @@ class InProcessEngine:
 
     def warm_up(self) -> None:
         """One short unmeasured request (kernel and allocator warm-up)."""
-        spec = WorkloadSpec(64, 32, 1, 1, 1, 2, seed=-1)
+        spec = WorkloadSpec(160, 64, 1, 1, 1, 2, seed=-1)
         self.run_point(spec, "warm-up")
 
     def run_point(self, spec: WorkloadSpec, tag: str,

@@ -89,7 +89,7 @@ def _wait_metrics(url: str, before: dict[scrape.Sample, float], splitter: scrape
 
 def _served_points(plan: Plan, name: str, base_url: str, hooks: Hooks,
                    emit: Callable[[dict[str, Any]], None], with_kvtier: bool) -> None:
-    warm = replace(plan.spec, initial_tokens=64, tokens_per_turn=32, turns=1, conversations=1,
+    warm = replace(plan.spec, initial_tokens=160, tokens_per_turn=64, turns=1, conversations=1,
                    max_concurrency=1, output_tokens=2, seed=-1)
     run_endpoint_point(base_url, plan.served_name, warm, plan.tokenizer, "warm-up", api_key=plan.api_key)
     splitter: scrape.Splitter = scrape.kvtier_split if with_kvtier else scrape.vllm_split

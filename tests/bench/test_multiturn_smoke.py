@@ -1,0 +1,58 @@
+"""`kvtier bench multiturn --preset smoke` end to end (slow): two real vLLM servers (no offload, then
+kvtier's host tier) on a 16-block device cache, driven over HTTP with streaming. The host tier
+promotes tokens, vLLM alone has nothing but device hits and recompute, every point's split adds up
+to its prompt tokens, and no server is left running."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+import uuid
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _running_with(marker: str) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker.encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow
+def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
+    name = f"smoke-{uuid.uuid4().hex[:8]}"
+    argv = [sys.executable, "-m", "kvtier.cli", "bench", "multiturn", "--preset", "smoke", "--json",
+            "--served-model-name", name, "--out", str(tmp_path / "out")]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-4000:]
+    assert not _running_with(name), "a benchmark server was left running"
+    result = json.loads(done.stdout)
+    points = {p["config"]: p for p in result["points"]}
+    assert set(points) == {"no-offload", "host"}
+    for p in points.values():
+        assert p["conversations"] == 4 and p["requests"] == 12 and p["failed_requests"] == 0
+        assert p["tokens_sum_ok"], p["tokens"]
+        assert sum(p["tokens"].values()) == p["prompt_tokens"]
+        assert p["output_tokens"] == 12 * 4
+        assert p["prompt_tokens_per_s"] > 0 and p["ttft_s"]["p50"] <= p["ttft_s"]["p99"]
+        assert p["client"]["loop_lag_ms"]["p99"] < 1000
+    # the same prompts reach both servers (greedy replies of one model)
+    assert points["host"]["prompt_tokens"] == points["no-offload"]["prompt_tokens"]
+    off, host = points["no-offload"]["tokens"], points["host"]["tokens"]
+    assert set(off) == {"device", "recomputed"} and off["device"] > 0
+    assert host["host"] > 0 and points["host"]["reloaded_tokens"] == host["host"]
+    assert host["recomputed"] < off["recomputed"]
+    out = tmp_path / "out"
+    assert (out / "results.png").stat().st_size > 10_000
+    assert json.loads((out / "results.json").read_text())["points"] == result["points"]
+    assert "TTFT" in done.stderr  # progress while it ran
