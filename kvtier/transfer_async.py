@@ -18,7 +18,8 @@ Hazards, and what orders them (the compute stream is the one vLLM runs the forwa
    `handle_preemptions`, called before every forward pass) when the connector forwards that hook,
    else right after the store is queued (which also delays the step's sampling by the copy).
 3. A loaded block must not be read before its copy ended: a load is reported finished only once
-   its event completed; vLLM schedules the request only after that report.
+   its event completed; vLLM schedules the request only after that report, and holds the blocks
+   of a request aborted while loading until then (`Scheduler.finish_requests`).
 4. A load must not write a block that an earlier step still uses (vLLM may free a block on the CPU
    while a forward pass that touches it is still queued, and reallocate it to the loading request),
    nor one a running store still reads: the load stream waits on the last forward pass's event and
