@@ -111,7 +111,7 @@ def test_scheduler_fifo_concurrency_and_replies(monkeypatch: pytest.MonkeyPatch,
     assert sorted(order[:5]) == [(c, 1) for c in range(5)]
     for conv in range(5):
         assert [t for c, t in order if c == conv] == [1, 2, 3]
-    last = [m for c, t, m in fake.calls if (c, t) == (3, 3)][0]
+    last = next(m for c, t, m in fake.calls if (c, t) == (3, 3))
     assert [m["content"] for m in last if m["role"] == "assistant"] == ["reply 3.1", "reply 3.2"]
     assert set(client) == {"loop_lag_ms", "prep_ms", "cpu_fraction"}
     assert client["prep_ms"]["p50"] > 0 and client["loop_lag_ms"]["max"] >= 0

@@ -61,7 +61,7 @@ def test_request_splits_sum_to_the_prompt_tokens() -> None:
               {"device": 32, "host": 0, "fs": 256, "recomputed": 10}]
     total = sum_splits(splits)
     assert total == {"device": 96, "host": 128, "fs": 256, "recomputed": 240}
-    assert list(total)[0] == "device" and list(total)[-1] == "recomputed"
+    assert next(iter(total)) == "device" and list(total)[-1] == "recomputed"
     assert sum(total.values()) == 64 + 128 + 30 + 200 + 32 + 256 + 10
 
 
@@ -74,6 +74,8 @@ kvtier_prompt_tokens_total{engine="0",model_name="m",source="recomputed"} 900.0
 vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_cache_hit"} 100.0
 vllm:prompt_tokens_by_source_total{engine="0",model_name="m",source="local_compute"} 900.0
 vllm:num_preemptions_total{engine="0",model_name="m"} 1.0
+kvtier_transfer_seconds_total{engine="0",model_name="m",op="load",tier="host"} 1.5
+kvtier_transfer_bytes_total{engine="0",model_name="m",op="load",tier="host"} 1000.0
 """
 METRICS_AFTER = METRICS_BEFORE.replace('"device"} 100.0', '"device"} 164.0').replace(
     '"host"} 0.0', '"host"} 512.0').replace('"fs"} 0.0', '"fs"} 256.0').replace(
@@ -87,6 +89,9 @@ def test_metrics_deltas_give_the_split() -> None:
     assert scrape.kvtier_split(before, after) == {"device": 64, "fs": 256, "host": 512, "recomputed": 200}
     assert scrape.vllm_split(before, after) == {"device": 64, "recomputed": 968}
     assert scrape.preemptions(before, after) == 2
+    moved = scrape.transfers(before, scrape.parse(METRICS_AFTER.replace("} 1.5", "} 2.0").replace(
+        "} 1000.0", "} 5000.0")))
+    assert moved == {"host.load": {"seconds": 0.5, "bytes": 4000.0}}
     two_engines = METRICS_AFTER + METRICS_AFTER.replace('engine="0"', 'engine="1"')
     assert scrape.by_label(scrape.parse(two_engines), scrape.KVTIER_TOKENS, "source")["host"] == 1024
 
@@ -107,7 +112,7 @@ def test_presets_size_the_caches() -> None:
         presets.sizing(mini, mini.workload, mini.sweep, device_blocks=3)
     with pytest.raises(ValueError, match="--device-blocks"):
         presets.sizing(presets.preset("paper"), presets.PRESETS["paper"].workload, (16,))
-    with pytest.raises(ValueError, match="--preset nope.*mini"):
+    with pytest.raises(ValueError, match=r"--preset nope.*mini"):
         presets.preset("nope")
 
 

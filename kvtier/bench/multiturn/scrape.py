@@ -17,6 +17,8 @@ from kvtier.bench.multiturn.stats import DEVICE, RECOMPUTED
 KVTIER_TOKENS = "kvtier_prompt_tokens_total"
 VLLM_TOKENS = "vllm:prompt_tokens_by_source_total"
 PREEMPTIONS = "vllm:num_preemptions_total"
+TRANSFER_SECONDS = "kvtier_transfer_seconds_total"
+TRANSFER_BYTES = "kvtier_transfer_bytes_total"
 _LINE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{[^}]*\})?\s+(\S+)")
 _LABEL = re.compile(r'([a-zA-Z_][a-zA-Z0-9_]*)="((?:[^"\\]|\\.)*)"')
 
@@ -79,6 +81,22 @@ def vllm_split(before: Mapping[Sample, float], after: Mapping[Sample, float]) ->
 
 def preemptions(before: Mapping[Sample, float], after: Mapping[Sample, float]) -> int:
     return round(total(after, PREEMPTIONS) - total(before, PREEMPTIONS))
+
+
+def transfers(before: Mapping[Sample, float], after: Mapping[Sample, float]) -> dict[str, dict[str, float]]:
+    """kvtier's transfer time and bytes between two scrapes, per "<tier>.<op>" (host.store is
+    device → host, host.load host → device, <tier>.store a cascade, <tier>.load a promotion)."""
+    out: dict[str, dict[str, float]] = {}
+    for name, field in ((TRANSFER_SECONDS, "seconds"), (TRANSFER_BYTES, "bytes")):
+        for (sample, labels), value in after.items():
+            if sample != name:
+                continue
+            tags = dict(labels)
+            delta = value - before.get((sample, labels), 0.0)
+            key = f"{tags.get('tier', '')}.{tags.get('op', '')}"
+            entry = out.setdefault(key, {"seconds": 0.0, "bytes": 0.0})
+            entry[field] += delta
+    return out
 
 
 Splitter = Callable[[Mapping[Sample, float], Mapping[Sample, float]], dict[str, int]]

@@ -103,7 +103,8 @@ def _served_points(plan: Plan, name: str, base_url: str, hooks: Hooks,
         after, split = _wait_metrics(f"{base_url}/metrics", before, splitter, expected)
         source = "kvtier_metrics" if with_kvtier else "vllm_metrics"
         emit(point_summary(name, n, records, split, {
-            "tokens_from": source, "preemptions": scrape.preemptions(before, after), "client": client}))
+            "tokens_from": source, "preemptions": scrape.preemptions(before, after),
+            "kvtier_transfers": scrape.transfers(before, after), "client": client}))
 
 
 def _inprocess_points(plan: Plan, name: str, engine: Any, hooks: Hooks,
