@@ -105,6 +105,11 @@ class KVTierConnector(KVConnectorBase_V1):
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         self._work().register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        """Before every forward pass (also on steps without one): on CUDA, order it after the
+        stores still reading its blocks; nothing to do on CPU, where stores end in their step."""
+        self._work().before_forward()
+
     def start_load_kv(self, forward_context: ForwardContext, **kwargs: Any) -> None:
         self._work().start_load(self._meta())
 

@@ -14,10 +14,11 @@ Stores: `build_connector_meta` allocates host rows (WRITING) for every full chun
 completes, prompt chunks and the chunks filled during decode alike (in multi-turn chat the reply is
 part of the next turn's prefix); a chunk the request only partly fills is never stored. When
 pinned rows leave too little room, the leading chunks get rows and the rest wait for the
-request's next step. The worker copies device → host in `wait_for_save`, before the step ends, so
-no device block is held past its step (nor after the request finishes); `update_connector_output`
-publishes the rows (`complete_store`) once every worker reported its copy, then cascades them to
-the secondary tiers.
+request's next step. The worker copies device → host from `wait_for_save`: on CPU before the step
+ends; on CUDA on a copy stream, with the next forward pass ordered after it on the device
+(`handle_preemptions`), so no device block is held past its step either way, nor after the request
+finishes. `update_connector_output` publishes the rows (`complete_store`) once every worker
+reported its copy, then cascades them to the secondary tiers.
 
 Per-request options (`options.py`, from `kv_transfer_params`) may skip the load or the store,
 restrict the secondary tiers a load may come from, and set the cascade's retention priority.
@@ -305,8 +306,9 @@ class KVTierScheduler:
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Forget the request; return its prompt-token split for `kv_transfer_params` (None when
-        kvtier could not key it). Called once when it finishes or is aborted; its stores already
-        copied (stores run in the step that computes the blocks), so no block is held."""
+        kvtier could not key it). Called once when it finishes or is aborted; no block is held:
+        its stores were copied in their step (CPU) or are ordered before any forward pass that
+        could reuse the blocks (CUDA)."""
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return None
