@@ -115,6 +115,9 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
         config_registry.check_names(names)
     if args.block_size is not None:
         preset = presets.Preset(**{**preset.__dict__, "block_size": args.block_size})
+    if args.endpoint is not None and args.device_blocks is None and preset.device_blocks is None \
+            and preset.device_conversations is None:  # the endpoint's cache is not ours to size
+        preset = presets.Preset(**{**preset.__dict__, "device_blocks": 1 << 30})
     sizes = presets.sizing(preset, spec, sweep, device_blocks=args.device_blocks,
                            host_chunks=args.host_chunks)
     model = _model(args)
@@ -140,7 +143,7 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
                  f"{model.name if model else args.endpoint} ({dtype})",
         "workload": spec.as_json(), "sweep": list(sweep), "configs": names, "mode": mode,
         "model": str(model) if model else None, "dtype": dtype, "block_size": preset.block_size,
-        "block_bytes": block_bytes, "sizing": sizes.__dict__,
+        "block_bytes": block_bytes, "sizing": sizes.__dict__ if args.endpoint is None else None,
         "command": shlex.join(["kvtier", *sys.argv[1:]]) if sys.argv else "",
         "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "loadavg_start": list(os.getloadavg()), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
