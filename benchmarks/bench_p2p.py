@@ -1,19 +1,25 @@
-"""p2p tier load throughput next to a raw TCP socket copy of the same sizes, in one run.
+"""p2p tier store and load throughput next to a raw TCP socket copy of the same bytes, in one run.
 
     python -m benchmarks.bench_p2p --chunks 128 --chunk-bytes 2097152 --threads 4 --repeats 5
 
-Each repeat runs both contenders, in alternating order, over loopback:
+Each repeat runs both contenders, in alternating order, over loopback, with the same bytes, the
+same number of connections and the same memory footprint:
 
-- raw: a server process holds one ready-made value of chunk + 4 KiB (the stored chunk format);
-  `threads` client threads, each with its own connection, ask for `chunks / threads` values one at a
-  time (a 4-byte request, as the tier sends one request per chunk) and `recv_into` a pre-touched
-  buffer: no checksums, no copies beyond the kernel's.
+- raw: a server process and this process each hold `chunks` distinct pre-touched values of
+  chunk + 4 KiB (a chunk and its header, what the tier moves per chunk), like the two host
+  regions. Load: `threads` connections each ask, in one small request per batch of up to 64
+  values (the tier's batch limit), for their share of the values, which the server sends
+  back to back from its own rows and the client `recv_into`s its own rows. Store: the same
+  bytes the other way (the client sends, the server `recv_into`s and acknowledges each batch).
+  No checksums, no headers, no copies beyond the kernel's.
 - tier: `kvtier tier-bench --tier p2p --chunk-bytes N --chunks K --threads T --json`: a holder
-  peer process serves its host region; a p2p tier process loads every chunk into its own host
-  region (lookup, authenticated connection, header check, checksum on both sides, the holder's copy
-  out of its region before sending).
+  peer process serves its host region; a p2p tier process stores (indexes) every chunk of its own
+  region, then loads every chunk from the holder into its own region (lookup, authenticated
+  connection, header check, checksums on both sides), each job going through the engine-side
+  proxy exactly as in serving.
 
-Prints a table and a JSON document with the medians and the load ratio tier / raw.
+Throughput counts chunk payload bytes (the same for both). Prints a table and a JSON document with
+the medians and the ratios tier / raw for store and load.
 """
 
 from __future__ import annotations
@@ -23,61 +29,97 @@ import json
 import multiprocessing
 import socket
 import statistics
+import struct
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
+
+import numpy as np
 
 from kvtier.tiers import chunkfmt
 
+BATCH = 64
+"""Values per request: the p2p tier's own limit (protocol.MAX_FETCH_KEYS)."""
+_REQ = struct.Struct("<4sII")
+"""op (b"GET!" or b"PUT!"), first value, count."""
 
-def _serve(listener: socket.socket, value_bytes: int) -> None:
-    value = bytes(value_bytes)
+
+def _rows(count: int, value_bytes: int) -> memoryview:
+    """`count` rows of `value_bytes`, pre-touched (like a host region)."""
+    buf = np.ones(count * value_bytes, dtype=np.uint8)
+    return memoryview(buf).cast("B")
+
+
+def _recv_exact(conn: socket.socket, out: memoryview) -> None:
+    have = 0
+    while have < len(out):
+        got = conn.recv_into(out[have:])
+        if not got:
+            raise ConnectionError("peer closed")
+        have += got
+
+
+def _serve(listener: socket.socket, chunks: int, value_bytes: int) -> None:
+    rows = _rows(chunks, value_bytes)
 
     def handle(conn: socket.socket) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            while conn.recv(4, socket.MSG_WAITALL) == b"GET!":
-                conn.sendall(value)
+            conn.sendall(b"r")  # the rows exist: the client may start its clock
+            req = bytearray(_REQ.size)
+            while True:
+                try:
+                    _recv_exact(conn, memoryview(req))
+                except ConnectionError:
+                    return
+                op, first, count = _REQ.unpack(req)
+                for v in range(first, first + count):
+                    row = rows[v * value_bytes : (v + 1) * value_bytes]
+                    if op == b"GET!":
+                        conn.sendall(row)
+                    else:
+                        _recv_exact(conn, row)
+                if op == b"PUT!":
+                    conn.sendall(b"k")
 
     while True:
         conn, _ = listener.accept()
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
-def raw_socket_copy(value_bytes: int, chunks: int, threads: int) -> float:
-    """Seconds for `threads` connections to receive `chunks` values from a server process."""
+def raw_socket_copy(value_bytes: int, chunks: int, threads: int) -> tuple[float, float]:
+    """Seconds for `threads` connections to send (store), then receive (load), `chunks` values."""
     listener = socket.create_server(("127.0.0.1", 0))
-    server = multiprocessing.get_context("fork").Process(target=_serve, args=(listener, value_bytes),
-                                                         daemon=True)
+    server = multiprocessing.get_context("fork").Process(
+        target=_serve, args=(listener, chunks, value_bytes), daemon=True)
     server.start()
     try:
-        shares = [len(range(t, chunks, threads)) for t in range(threads)]
-        bufs = [memoryview(bytearray(value_bytes)) for _ in range(threads)]
+        rows = _rows(chunks, value_bytes)
+        shares = [list(range(t * chunks // threads, (t + 1) * chunks // threads)) for t in range(threads)]
         conns = [socket.create_connection(listener.getsockname()) for _ in range(threads)]
         for c in conns:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        barrier = threading.Barrier(threads + 1)
+            _recv_exact(c, memoryview(bytearray(1)))
 
-        def worker(t: int) -> None:
-            barrier.wait()
-            for _ in range(shares[t]):
-                conns[t].sendall(b"GET!")
-                have = 0
-                while have < value_bytes:
-                    got = conns[t].recv_into(bufs[t][have:])
-                    if not got:
-                        raise ConnectionError("raw server closed")
-                    have += got
+        def store(t: int) -> None:
+            ack = memoryview(bytearray(1))
+            for b in range(0, len(shares[t]), BATCH):
+                batch = shares[t][b : b + BATCH]
+                conns[t].sendall(_REQ.pack(b"PUT!", batch[0], len(batch)))
+                for v in batch:
+                    conns[t].sendall(rows[v * value_bytes : (v + 1) * value_bytes])
+                _recv_exact(conns[t], ack)
 
-        workers = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-        for w in workers:
-            w.start()
-        barrier.wait()
-        start = time.perf_counter()
-        for w in workers:
-            w.join()
-        seconds = time.perf_counter() - start
+        def load(t: int) -> None:
+            for b in range(0, len(shares[t]), BATCH):
+                batch = shares[t][b : b + BATCH]
+                conns[t].sendall(_REQ.pack(b"GET!", batch[0], len(batch)))
+                for v in batch:
+                    _recv_exact(conns[t], rows[v * value_bytes : (v + 1) * value_bytes])
+
+        seconds = (_timed(store, threads), _timed(load, threads))
         for c in conns:
             c.close()
         return seconds
@@ -85,6 +127,23 @@ def raw_socket_copy(value_bytes: int, chunks: int, threads: int) -> float:
         server.kill()
         server.join()
         listener.close()
+
+
+def _timed(work: Callable[[int], None], threads: int) -> float:
+    barrier = threading.Barrier(threads + 1)
+
+    def run(t: int) -> None:
+        barrier.wait()
+        work(t)
+
+    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
+    for w in workers:
+        w.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for w in workers:
+        w.join()
+    return time.perf_counter() - start
 
 
 def tier_bench(chunk_bytes: int, chunks: int, threads: int) -> dict[str, float]:
@@ -106,27 +165,33 @@ def main() -> None:
     p.add_argument("--json-out", help="also write the JSON document here")
     args = p.parse_args()
     gib = args.chunk_bytes * args.chunks / 2**30
-    raw: list[float] = []
-    tier: list[float] = []
+    runs: dict[str, list[float]] = {"raw_store": [], "raw_load": [], "tier_store": [], "tier_load": []}
     for r in range(args.repeats):
         order = ("raw", "tier") if r % 2 == 0 else ("tier", "raw")
         for who in order:
             if who == "raw":
-                s = raw_socket_copy(args.chunk_bytes + chunkfmt.HEADER_BYTES, args.chunks, args.threads)
-                raw.append(gib / s)
+                store_s, load_s = raw_socket_copy(args.chunk_bytes + chunkfmt.HEADER_BYTES, args.chunks,
+                                                  args.threads)
+                runs["raw_store"].append(gib / store_s)
+                runs["raw_load"].append(gib / load_s)
             else:
-                tier.append(tier_bench(args.chunk_bytes, args.chunks, args.threads)["load_gib_s"])
-        print(f"repeat {r}: raw {raw[-1]:.3f} GiB/s, tier {tier[-1]:.3f} GiB/s", file=sys.stderr)
-    doc = {
+                report = tier_bench(args.chunk_bytes, args.chunks, args.threads)
+                runs["tier_store"].append(report["store_gib_s"])
+                runs["tier_load"].append(report["load_gib_s"])
+        print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in runs.items()) + " GiB/s",
+              file=sys.stderr)
+    doc: dict[str, object] = {
         "chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "threads": args.threads,
-        "repeats": args.repeats, "raw_load_gib_s": statistics.median(raw),
-        "tier_load_gib_s": statistics.median(tier), "raw_runs": raw, "tier_runs": tier,
+        "repeats": args.repeats, "runs": runs,
     }
-    doc["load_ratio"] = doc["tier_load_gib_s"] / doc["raw_load_gib_s"]
-    print(f"{'contender':<10} {'load GiB/s':>11}")
-    print(f"{'raw':<10} {doc['raw_load_gib_s']:>11.3f}")
-    print(f"{'tier':<10} {doc['tier_load_gib_s']:>11.3f}")
-    print(f"tier/raw: {doc['load_ratio']:.2f}")
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    doc.update({f"{k}_gib_s": v for k, v in med.items()})
+    doc["store_ratio"] = med["tier_store"] / med["raw_store"]
+    doc["load_ratio"] = med["tier_load"] / med["raw_load"]
+    print(f"{'contender':<10} {'store GiB/s':>12} {'load GiB/s':>11}")
+    for who in ("raw", "tier"):
+        print(f"{who:<10} {med[who + '_store']:>12.3f} {med[who + '_load']:>11.3f}")
+    print(f"tier/raw: store {doc['store_ratio']:.2f}, load {doc['load_ratio']:.2f}")
     print(json.dumps(doc))
     if args.json_out:
         with open(args.json_out, "w") as f:

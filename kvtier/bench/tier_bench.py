@@ -71,12 +71,17 @@ def run_tier_bench(
         rows[:] = np.random.default_rng(0).integers(0, 256, size=rows.shape, dtype=np.uint8)
         digests = [xxhash.xxh3_64_digest(rows[i]) for i in range(chunks)]
         keys = [os.urandom(32) for _ in range(chunks)]
-        if tier == "p2p":  # the chunks are loaded from a peer process of our own that holds them
+        load_keys = keys
+        if tier == "p2p":
+            # The tier stores (indexes) its own rows, and loads other chunks with the same bytes
+            # that only a peer process of ours holds: what an instance loads from p2p is what it
+            # never stored, found by lookups before the load, as the scheduler does.
             from kvtier.tiers.p2p.holder import holder_peer
 
+            load_keys = [os.urandom(32) for _ in range(chunks)]
             opts.setdefault("secret", secrets.token_hex(16))
             holder = {"secret": opts["secret"]}
-            opts.setdefault("peers", [stack.enter_context(holder_peer(rows, keys, BENCH_LAYOUT_FP,
+            opts.setdefault("peers", [stack.enter_context(holder_peer(rows, load_keys, BENCH_LAYOUT_FP,
                                                                       holder))])
         spec = TierSpec(
             tier_name=tier, type=tier, module_path=None, options=opts, config_key="--tier",
@@ -91,9 +96,9 @@ def run_tier_bench(
         if tier == "p2p":
             from kvtier.tiers.p2p.holder import settle_lookups
 
-            settle_lookups(proc, keys)
+            settle_lookups(proc, load_keys)
         _progress(f"loading {chunks} chunks back from {tier}")
-        load_s = _run_jobs(proc, JobKind.LOAD, keys, chunks)
+        load_s = _run_jobs(proc, JobKind.LOAD, load_keys, chunks)
         bad = sum(xxhash.xxh3_64_digest(rows[i]) != digests[i] for i in range(chunks))
         if bad:
             raise RuntimeError(f"{bad} of {chunks} loaded chunks differ from what was stored")

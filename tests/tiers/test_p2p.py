@@ -29,6 +29,7 @@ from kvtier.tiers.process import TierProcess, TierSpec
 from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
 
 SECRET = "p2p-test-secret-0123456789"
+CURVE_KEY = "D:)Q[IlAW!ahhC2ac:9*A}h:p?([4%wOTJ%JR%cs"
 FP = bytes.fromhex(LAYOUT_FP)
 Peer = tuple[TierProcess, HostRegion]
 
@@ -98,6 +99,21 @@ def test_b_finds_and_loads_what_a_stored(make_peer) -> None:
     assert result.success and result.successful_keys == tuple(keys)
     assert [bytes(b_ctx.slot_view(s)) for s in (9, 8, 7, 6)] == rows
     assert stats(a)["chunks_served"] == 4 and stats(b)["loaded"] == 4
+
+
+def test_the_keys_of_a_load_share_few_data_requests(make_peer) -> None:
+    a, a_region = make_peer()
+    b, b_region = make_peer(peers=[address(a)], io_threads=2)
+    keys = [random_key() for _ in range(SLOTS)]
+    rows = [fill_slot(ctx_of(a_region), s) for s in range(SLOTS)]
+    store(a, keys, list(range(SLOTS)))
+    assert settle_lookup(b, keys) == [LookupResult.HIT] * SLOTS
+    b.submit_load(Job(2, JobKind.LOAD, tuple(keys), tuple(reversed(range(SLOTS)))))
+    [result] = wait_jobs(b, 1)
+    assert result.success
+    assert [bytes(ctx_of(b_region).slot_view(s)) for s in reversed(range(SLOTS))] == rows
+    served = stats(a)
+    assert served["chunks_served"] == SLOTS and 2 <= served["data_requests"] <= SLOTS // 4
 
 
 def test_slot_reused_after_store_is_a_miss_never_wrong_bytes(make_peer) -> None:
@@ -175,7 +191,7 @@ def test_holder_closing_mid_row_is_a_failed_key() -> None:
                       connect_timeout_s=2, transfer_timeout_s=2, reconnect_interval_s=1)
     out = memoryview(bytearray(ROW_BYTES))
     try:
-        assert not fetcher.fetch(listener.getsockname(), key, out)
+        assert fetcher.fetch(listener.getsockname(), [(key, out)]) == [False]
         assert book.counters()["peer_errors"] == 1
     finally:
         fetcher.close()
@@ -198,7 +214,7 @@ def test_peer_with_the_wrong_secret_is_refused_and_logged_once(make_peer, capfd)
                       reconnect_interval_s=0.01)
     data = ("127.0.0.1", int(stats(a)["data_port"]))
     try:
-        assert not fetcher.fetch(data, keys[0], memoryview(bytearray(ROW_BYTES)))
+        assert fetcher.fetch(data, [(keys[0], memoryview(bytearray(ROW_BYTES)))]) == [False]
     finally:
         fetcher.close()
     a_stats = stats(a)
@@ -231,11 +247,11 @@ def test_malformed_messages_are_rejected_and_the_server_keeps_serving(make_peer)
     data = ("127.0.0.1", int(stats(a)["data_port"]))
     with socket.create_connection(data, timeout=5) as conn:
         protocol.client_handshake(conn, secret, FP, ROW_BYTES)
-        conn.sendall(b"GET1" + (10**6).to_bytes(4, "little"))
+        conn.sendall(protocol.GET_MAGIC + (10**6).to_bytes(4, "little"))
         assert conn.recv(1) == b""  # closed by the server
     with socket.create_connection(data, timeout=5) as conn:
         conn.sendall(os.urandom(200))
-        assert conn.recv(4096, socket.MSG_WAITALL)[:8] == b"KVTP2PD1"
+        assert conn.recv(4096, socket.MSG_WAITALL)[:8] == b"KVTP2PD2"
     a_stats = stats(a)
     assert a_stats["malformed"] >= 4
     b, b_region = make_peer(peers=[ctl])
@@ -265,6 +281,47 @@ def test_peers_find_each_other_through_redis(make_peer, redis_server) -> None:
     assert bytes(ctx_of(b_region).slot_view(0)) == row
 
 
+@pytest.mark.skipif(not zmq.has("curve"), reason="this pyzmq's libzmq has no CURVE support")
+def test_curve_peers_talk_and_a_peer_without_the_key_is_refused(make_peer) -> None:
+    fleet = zmq.curve_keypair()[1].decode()
+    a, a_region = make_peer(curve_secret_key=fleet)
+    ctl = address(a)
+    b, b_region = make_peer(peers=[ctl], curve_secret_key=fleet)
+    other_key = make_peer(peers=[ctl], curve_secret_key=zmq.curve_keypair()[1].decode(),
+                          lookup_timeout_s=0.2)
+    no_key = make_peer(peers=[ctl], lookup_timeout_s=0.2)
+    key = random_key()
+    row = fill_slot(ctx_of(a_region), 1)
+    store(a, [key], [1])
+    assert settle_lookup(b, [key]) == [LookupResult.HIT]
+    b.submit_load(Job(2, JobKind.LOAD, (key,), (3,)))
+    assert wait_jobs(b, 1)[0].success
+    assert bytes(ctx_of(b_region).slot_view(3)) == row
+    # Same HMAC secret, but another CURVE key or none: the ZMQ handshake never completes.
+    for intruder, _ in (other_key, no_key):
+        assert settle_lookup(intruder, [key]) == [LookupResult.MISS]
+        intruder.submit_load(Job(3, JobKind.LOAD, (key,), (0,)))
+        assert not wait_jobs(intruder, 1)[0].success
+    assert stats(a)["lookups_served"] == 1
+    # A client that knows A's public key but holds another key pair is refused by A's ZAP gate.
+    zctx = zmq.Context()
+    dealer = zctx.socket(zmq.DEALER)
+    public, secret = zmq.curve_keypair()
+    dealer.setsockopt(zmq.LINGER, 0)
+    dealer.setsockopt(zmq.CURVE_SERVERKEY, zmq.curve_public(fleet.encode()))
+    dealer.setsockopt(zmq.CURVE_PUBLICKEY, public)
+    dealer.setsockopt(zmq.CURVE_SECRETKEY, secret)
+    dealer.connect(ctl)
+    try:
+        dealer.send_multipart(protocol.encode_control(Secret(SECRET.encode()), protocol.OP_LOOKUP, 1,
+                                                      os.urandom(16), FP, ROW_BYTES, key, 1))
+        assert not dealer.poll(500)
+    finally:
+        dealer.close()
+        zctx.term()
+    assert stats(a)["auth_refused"] >= 1 and stats(a)["lookups_served"] == 1
+
+
 @pytest.mark.parametrize(("options", "key"), [
     ({}, "secret"),
     ({"secret": "short"}, "secret"),
@@ -273,12 +330,17 @@ def test_peers_find_each_other_through_redis(make_peer, redis_server) -> None:
     ({"secret": SECRET, "peers": "tcp://127.0.0.1:1"}, "peers"),
     ({"secret": SECRET, "io_threads": 0}, "io_threads"),
     ({"secret": SECRET, "lookup_timeout_s": -1}, "lookup_timeout_s"),
+    ({"secret": SECRET, "curve_secret_key": "short"}, "curve_secret_key"),
+    ({"secret": SECRET, "curve_secret_key": "~" * 40}, "curve_secret_key"),
+    ({"secret": SECRET, "curve_secret_key": CURVE_KEY, "curve_secret_key_file": "/x"}, "curve_secret_key"),
+    ({"secret": SECRET, "curve_secret_key_file": "/nonexistent/key"}, "curve_secret_key_file"),
 ])
 def test_bad_options_name_the_option_and_never_show_the_secret(options, key, ctx) -> None:
     with pytest.raises(ConfigError) as info:
         P2PTier(ctx, **options)
     assert info.value.key == key
-    assert SECRET not in str(info.value) and "short" not in str(info.value)
+    for secret in (SECRET, "short", "~" * 40, CURVE_KEY):
+        assert secret not in str(info.value)
 
 
 def test_secret_from_a_file(ctx, tmp_path) -> None:

@@ -1,11 +1,13 @@
-"""The loading half of the p2p tier: fetch one chunk from a holder straight into a host-region slot.
+"""The loading half of the p2p tier: fetch chunks from a holder straight into host-region slots.
 
 Each I/O thread keeps its own authenticated TCP connection per peer (thread-local, so no locking on
-the data path). A fetch sends one request, reads the holder's status byte, the 4 KiB chunk header
-into a small buffer, checks it (magic, version, key, layout, length) and then reads the row with
-`recv_into` directly into the slot, and finally verifies the row's checksum there. Only a verified
-row is reported loaded; a holder that closes, resets or stalls past `transfer_timeout_s` mid-row
-leaves a failed key (the slot's partial bytes are never published: the host tier rolls it back).
+the data path). `fetch` sends one request naming up to MAX_FETCH_KEYS keys and reads the answers
+back to back: per key the status byte, the 4 KiB chunk header into a small buffer (checked: magic,
+version, key, layout, length), then the row with `recv_into` directly into its slot, piece by
+piece, each piece fed to a streaming xxh3-128 while it is still in cache, then the trailer. Only a
+row whose trailer is OK and whose checksum matches the header is reported loaded; a holder that
+closes, resets or stalls past `transfer_timeout_s` mid-batch fails the key in flight and the rest
+of the batch (the slots' partial bytes are never published: the host tier rolls them back).
 
 A connection reused after being idle may have been closed by the holder meanwhile: a failure before
 any reply byte arrived on a reused connection is retried once on a fresh connection. A peer that
@@ -19,10 +21,13 @@ import contextlib
 import socket
 import threading
 import time
+from collections.abc import Sequence
+
+import xxhash
 
 from kvtier.tiers import chunkfmt
 from kvtier.tiers.book import FailureLog, TierBook
-from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.protocol import PeerFailure
 
@@ -39,6 +44,7 @@ class Fetcher:
         self._secret = secret
         self._fp = layout_fp
         self._row_bytes = row_bytes
+        self._spans = rowhash.piece_spans(row_bytes)
         self._book = book
         self._failures = failures
         self._connect_timeout_s = connect_timeout_s
@@ -50,19 +56,22 @@ class Fetcher:
         self._all: set[socket.socket] = set()
         self._closed = False
 
-    def fetch(self, address: tuple[str, int], key: bytes, row: memoryview) -> bool:
-        """Load `key` from the holder at `address` into `row`; True only when `row` is verified."""
+    def fetch(self, address: tuple[str, int], items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
+        """Load each (key, row) from the holder at `address` into its row; per item, True only when
+        the row is verified. At most MAX_FETCH_KEYS items."""
+        done = [False] * len(items)
         with self._lock:
             if self._closed or time.monotonic() < self._down_until.get(address, 0.0):
-                return False
+                return done
         for attempt in range(2):
             try:
                 conn, reused = self._connection(address)
             except (OSError, protocol.AuthError, protocol.ProtocolError) as e:
                 self._peer_down(address, f"connect:{type(e).__name__}", e)
-                return False
+                return done
             try:
-                return self._fetch_on(conn, key, row)
+                self._fetch_on(conn, items, done)
+                return done
             except _Reset as e:
                 self._drop(address)
                 if reused and attempt == 0:
@@ -71,27 +80,46 @@ class Fetcher:
             except (OSError, ConnectionError, protocol.ProtocolError) as e:
                 self._drop(address)
                 self._peer_down(address, f"transfer:{type(e).__name__}", e)
-            return False
-        return False
+            return done
+        return done
 
-    def _fetch_on(self, conn: socket.socket, key: bytes, row: memoryview) -> bool:
+    def _fetch_on(self, conn: socket.socket, items: Sequence[tuple[bytes, memoryview]],
+                  done: list[bool]) -> None:
+        """Request every item's key, then read the answers in order into `done`."""
+        status = bytearray(1)
         try:
-            conn.sendall(protocol.encode_get([key]))
-            status = protocol.recv_bytes(conn, 1)
+            conn.sendall(protocol.encode_get([key for key, _ in items]))
+            protocol.recv_exact(conn, memoryview(status))
         except (OSError, ConnectionError) as e:
             raise _Reset(str(e) or type(e).__name__) from None
-        if status == protocol.STATUS_MISS:
-            self._book.count("load_misses")
-            return False
-        if status != protocol.STATUS_CHUNK:
-            raise protocol.ProtocolError(f"unknown status byte {status!r}")
         header = memoryview(bytearray(chunkfmt.HEADER_BYTES))
+        for i, (key, row) in enumerate(items):
+            if i:
+                protocol.recv_exact(conn, memoryview(status))
+            if status == protocol.STATUS_MISS:
+                self._book.count("load_misses")
+                continue
+            if status != protocol.STATUS_CHUNK:
+                raise protocol.ProtocolError(f"unknown status byte {bytes(status)!r}")
+            done[i] = self._read_row(conn, key, header, row)
+
+    def _read_row(self, conn: socket.socket, key: bytes, header: memoryview, row: memoryview) -> bool:
         protocol.recv_exact(conn, header)
         err, digest = chunkfmt.check_header(header, key, self._fp, self._row_bytes)
         if err is not None:
             raise protocol.ProtocolError(f"chunk header rejected: {err.value}")
-        protocol.recv_exact(conn, row)
-        if chunkfmt.checksum(row) != digest:
+        whole = xxhash.xxh3_128()
+        for start, end in self._spans:
+            piece = row[start:end]
+            protocol.recv_exact(conn, piece)
+            whole.update(piece)
+        trailer = protocol.recv_bytes(conn, 1)
+        if trailer == protocol.TRAILER_ABORTED:
+            self._book.count("load_misses")
+            return False
+        if trailer != protocol.TRAILER_OK:
+            raise protocol.ProtocolError(f"unknown trailer byte {trailer!r}")
+        if whole.digest() != digest:
             self._book.count("bad_chunks")
             self._failures.failed("bad:checksum", PeerFailure("a received chunk failed its checksum"))
             return False
@@ -105,7 +133,7 @@ class Fetcher:
         conn = socket.create_connection(address, timeout=self._connect_timeout_s)
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.settimeout(self._transfer_timeout_s)
+            protocol.set_timeout(conn, self._transfer_timeout_s)
             protocol.client_handshake(conn, self._secret, self._fp, self._row_bytes)
         except BaseException:
             conn.close()

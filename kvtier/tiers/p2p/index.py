@@ -1,28 +1,33 @@
-"""What this instance's host tier held when it was cascaded: key -> (slot, checksum), bounded LRU.
+"""What this instance's host tier held when it was cascaded: key -> (slot, checksums), bounded LRU.
 
 The host tier evicts and reuses slots without telling secondary tiers, so an entry is only a claim:
-slot `s` held the row of `key`, whose xxh3-128 checksum was `digest`, when the STORE job named it.
-`claim_verified` checks the claim before a send: the row is handed out only if it still has the
-remembered checksum (else the entry is dropped and the key is a miss).
+slot `s` held the row of `key` when the STORE job named it, with the whole-row xxh3-128 `digest`
+and the per-piece digests `pieces` (`rowhash`). The server checks each piece against the claim
+right before sending it, and calls `forget` when a piece no longer matches (a reused slot).
 
 A newer STORE naming a slot drops the entry of whatever key that slot held before. At most
 `capacity` entries are kept (the least recently stored or served go first).
 
-Threads: any; every method takes the index's lock, except the copy and checksum of the row.
+Threads: any; every method takes the index's lock (briefly: no row is read under it).
 """
 
 from __future__ import annotations
 
 import threading
 from collections import OrderedDict
+from typing import NamedTuple
 
-from kvtier.tiers import chunkfmt
+
+class Claim(NamedTuple):
+    slot: int
+    digest: bytes
+    pieces: bytes
 
 
 class ChunkIndex:
     def __init__(self, capacity: int) -> None:
         self.capacity = max(1, capacity)
-        self._entries: OrderedDict[bytes, tuple[int, bytes]] = OrderedDict()
+        self._entries: OrderedDict[bytes, Claim] = OrderedDict()
         self._slot_key: dict[int, bytes] = {}
         self._lock = threading.Lock()
         self.stale_dropped = 0
@@ -31,51 +36,38 @@ class ChunkIndex:
         with self._lock:
             return len(self._entries)
 
-    def remember(self, key: bytes, slot: int, digest: bytes) -> None:
-        """Record that `slot` now holds the row of `key` with checksum `digest`."""
+    def remember(self, key: bytes, claim: Claim) -> None:
+        """Record that `claim.slot` now holds the row of `key`."""
         with self._lock:
-            old_key = self._slot_key.pop(slot, None)
+            old_key = self._slot_key.pop(claim.slot, None)
             if old_key is not None and old_key != key:
                 self._entries.pop(old_key, None)
             old = self._entries.pop(key, None)
-            if old is not None and old[0] != slot:
-                self._slot_key.pop(old[0], None)
-            self._entries[key] = (slot, digest)
-            self._slot_key[slot] = key
+            if old is not None and old.slot != claim.slot:
+                self._slot_key.pop(old.slot, None)
+            self._entries[key] = claim
+            self._slot_key[claim.slot] = key
             while len(self._entries) > self.capacity:
-                _, (gone_slot, _) = self._entries.popitem(last=False)
-                self._slot_key.pop(gone_slot, None)
+                _, gone = self._entries.popitem(last=False)
+                self._slot_key.pop(gone.slot, None)
 
     def holds(self, keys: list[bytes]) -> list[bool]:
         with self._lock:
             return [k in self._entries for k in keys]
 
-    def forget(self, key: bytes, slot: int) -> None:
-        """Drop `key` if it still names `slot`."""
+    def claim(self, key: bytes) -> Claim | None:
+        """The claim for `key` (now the most recently used), or None when unknown."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry[0] == slot:
+            if entry is not None:
+                self._entries.move_to_end(key)
+            return entry
+
+    def forget(self, key: bytes, slot: int) -> None:
+        """Drop `key` if it still names `slot` (its row there was found changed)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None and entry.slot == slot:
                 del self._entries[key]
                 self._slot_key.pop(slot, None)
                 self.stale_dropped += 1
-
-    def claim_verified(
-        self, key: bytes, region: memoryview, row_bytes: int
-    ) -> tuple[memoryview, bytes] | None:
-        """The region row of `key` and its checksum, if its slot still holds it now.
-
-        None (and the entry dropped when it was stale) when the key is unknown or the row no longer
-        has the remembered checksum. The row is not copied: it may still change while it is sent,
-        which the requester's own checksum check catches.
-        """
-        with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return None
-            self._entries.move_to_end(key)
-        slot, digest = entry
-        row = region[slot * row_bytes : (slot + 1) * row_bytes]
-        if chunkfmt.checksum(row) == digest:
-            return row, digest
-        self.forget(key, slot)
-        return None

@@ -1,7 +1,8 @@
 """The asking half of p2p lookups: which peer holds which chunks, answered asynchronously.
 
 The dispatch thread calls `lookup`: cached answers are returned, unknown keys answer RETRY and are
-queued. One lookup thread owns a ZMQ DEALER per peer (ZMQ sockets are not shared between threads):
+queued. One lookup thread owns a ZMQ DEALER per peer (ZMQ sockets are not shared between threads; each is
+a CURVE client when `curve` is configured):
 it sends each batch of queued keys (at most MAX_LOOKUP_KEYS) to every peer at once and collects the
 answers until all peers answered or `lookup_timeout_s` passed. A key is HIT when some peer holds it
 (the first such peer is remembered as its holder, for loads), else MISS; a peer that did not answer
@@ -28,6 +29,7 @@ from kvtier.tiers.base import LookupResult
 from kvtier.tiers.book import FailureLog, TierBook
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.auth import Secret
+from kvtier.tiers.p2p.curve import Curve
 from kvtier.tiers.p2p.protocol import PeerFailure
 
 
@@ -35,8 +37,9 @@ class PeerLookup:
     def __init__(
         self, zctx: zmq.Context[zmq.Socket[bytes]], secret: Secret, instance_id: bytes,
         layout_fp: bytes, row_bytes: int, book: TierBook, failures: FailureLog, *, lookup_timeout_s: float,
-        lookup_ttl_s: float, own_address: str,
+        lookup_ttl_s: float, own_address: str, curve: Curve | None = None,
     ) -> None:
+        self._curve = curve
         self._zctx = zctx
         self._secret = secret
         self._instance_id = instance_id
@@ -163,6 +166,8 @@ class PeerLookup:
             sock.setsockopt(zmq.LINGER, 0)
             sock.setsockopt(zmq.IMMEDIATE, 1)
             sock.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_CONTROL_BYTES)
+            if self._curve is not None:
+                self._curve.make_client(sock)
             try:
                 sock.connect(addr)
             except zmq.ZMQError as e:

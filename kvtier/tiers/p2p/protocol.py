@@ -13,8 +13,11 @@ Data (plain TCP, one connection per requester thread and peer, persistent):
   client -> server: client nonce, layout fingerprint, row bytes, tag("data-c" + both nonces + the
   layout fields). server -> client: status byte (0: accepted, 1: other layout), tag("data-s" + both
   nonces + status). Either side closes the connection when the other's tag is wrong.
-  Then requests: `_GET` = magic, count (1..MAX_FETCH_KEYS), followed by `count` keys; per key the
-  server answers one byte (0: not held, 1: held) and, when held, the 4 KiB chunk header and the row.
+  Then requests: `_GET` = magic, count (1..MAX_FETCH_KEYS), followed by `count` keys. The server
+  answers the keys in order, back to back: per key one status byte (STATUS_MISS or STATUS_CHUNK)
+  and, for a chunk, the 4 KiB chunk header, the row, and one trailer byte: TRAILER_OK, or
+  TRAILER_ABORTED when the holder found part of the row changed while sending it (the rest of the
+  row was sent as zeros; the key is a miss, the connection stays usable).
 """
 
 from __future__ import annotations
@@ -40,14 +43,16 @@ OP_LOOKUP = 1
 OP_ANSWER = 2
 _HEAD = struct.Struct("<8sBxxxIIdQ16s16sQ")
 _CTL_MAGIC = b"KVTP2PC1"
-_DATA_MAGIC = b"KVTP2PD1"
-_GET_MAGIC = b"GET1"
+_DATA_MAGIC = b"KVTP2PD2"
+GET_MAGIC = b"GET2"
 _HELLO = struct.Struct(f"<8s{NONCE_BYTES}s")
 _CLIENT_AUTH = struct.Struct(f"<{NONCE_BYTES}s16sQ{TAG_BYTES}s")
 _SERVER_AUTH = struct.Struct(f"<B{TAG_BYTES}s")
 _GET = struct.Struct("<4sI")
 STATUS_MISS = b"\x00"
 STATUS_CHUNK = b"\x01"
+TRAILER_ABORTED = b"\x00"
+TRAILER_OK = b"\x01"
 
 
 class AuthError(Exception):
@@ -116,11 +121,22 @@ def decode_control(secret: Secret, frames: list[bytes]) -> Control:
     return Control(op, count, port, req, inst, fp, row_bytes, body)
 
 
+def set_timeout(sock: socket.socket, seconds: float) -> None:
+    """Make `sock` blocking, each send or receive call failing (OSError) after `seconds` without
+    progress. The timeouts are the kernel's (SO_SNDTIMEO, SO_RCVTIMEO), not Python's poll loop, so a
+    whole piece moves in one system call (`recv_exact` waits for all of it with MSG_WAITALL)."""
+    sock.settimeout(None)
+    whole = int(seconds)
+    tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVTIMEO, tv)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDTIMEO, tv)
+
+
 def recv_exact(sock: socket.socket, out: memoryview) -> None:
     """Fill `out` from `sock`; ConnectionError when the peer closes first."""
     have = 0
     while have < len(out):
-        got = sock.recv_into(out[have:])
+        got = sock.recv_into(out[have:], 0, socket.MSG_WAITALL)
         if got == 0:
             raise ConnectionError("peer closed the connection")
         have += got
@@ -160,13 +176,13 @@ def client_handshake(sock: socket.socket, secret: Secret, layout_fp: bytes, row_
 
 
 def encode_get(keys: list[bytes]) -> bytes:
-    return _GET.pack(_GET_MAGIC, len(keys)) + b"".join(keys)
+    return _GET.pack(GET_MAGIC, len(keys)) + b"".join(keys)
 
 
 def read_get(sock: socket.socket) -> list[bytes]:
     """Read and validate one data request; ProtocolError for a malformed one."""
     magic, count = _GET.unpack(recv_bytes(sock, _GET.size))
-    if magic != _GET_MAGIC:
+    if magic != GET_MAGIC:
         raise ProtocolError("wrong request magic")
     if not 1 <= count <= MAX_FETCH_KEYS:
         raise ProtocolError(f"request for {count} keys outside 1..{MAX_FETCH_KEYS}")

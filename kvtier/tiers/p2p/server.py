@@ -1,18 +1,19 @@
 """The serving half of a p2p tier: answers peers' lookups and sends them chunks from the host region.
 
-Control: one thread owns a ZMQ ROUTER bound to `listen`. It answers each valid LOOKUP with which
-keys the `ChunkIndex` claims; a message with a wrong tag or a broken format is counted, logged once
-per cause, and dropped unanswered (the asker times out: a miss). ZMQ's MAXMSGSIZE cuts off a peer
-that sends an oversized message before it is buffered.
+Control: one thread owns a ZMQ ROUTER bound to `listen` (a CURVE server when configured: `curve`).
+It answers each valid LOOKUP with which keys the `ChunkIndex` claims; a message with a wrong tag or
+a broken format is counted, logged once per cause, and dropped unanswered (the asker times out: a
+miss). ZMQ's MAXMSGSIZE cuts off a peer that sends an oversized message before it is buffered.
 
 Data: one thread accepts TCP connections on the same host (an ephemeral port, reported in answers);
 each accepted connection gets its own thread (at most `max_connections` at once; more are closed at
 once). A connection authenticates (`protocol.server_handshake`) within `handshake_timeout_s`, then
 serves requests until the peer closes it, stays idle for `idle_timeout_s`, or breaks the protocol.
-Per key, the row is sent straight from the region, and only if it still has the checksum
-remembered at STORE time (`ChunkIndex.claim_verified`): a reused slot is a miss. A row overwritten
-while it is being sent reaches the requester with that checksum in its header, so the requester's
-own check rejects it: a peer never loads another chunk's bytes.
+A request names up to MAX_FETCH_KEYS keys, answered back to back. Each row is sent straight from
+the region, piece by piece, each piece checked against the digest remembered at STORE time right
+before it is sent (`rowhash`), which also leaves the piece in cache for the kernel's copy: a reused
+slot is a miss, and a slot reused mid-row ends the row with zeros and an ABORTED trailer. The
+requester checks the whole row's checksum as well: a peer never loads another chunk's bytes.
 
 `close()` stops both threads and every connection; it is idempotent.
 """
@@ -28,8 +29,9 @@ import zmq
 
 from kvtier.tiers import chunkfmt
 from kvtier.tiers.book import FailureLog, TierBook
-from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
+from kvtier.tiers.p2p.curve import Curve
 from kvtier.tiers.p2p.index import ChunkIndex
 from kvtier.tiers.p2p.protocol import PeerFailure
 
@@ -43,7 +45,7 @@ class P2PServer:
         self, zctx: zmq.Context[zmq.Socket[bytes]], listen: str, secret: Secret, index: ChunkIndex,
         region: memoryview, row_bytes: int, layout_fp: bytes, instance_id: bytes, book: TierBook,
         failures: FailureLog, *, max_connections: int, handshake_timeout_s: float, idle_timeout_s: float,
-        transfer_timeout_s: float,
+        transfer_timeout_s: float, curve: Curve | None = None,
     ) -> None:
         self._secret = secret
         self._index = index
@@ -57,12 +59,16 @@ class P2PServer:
         self._handshake_timeout_s = handshake_timeout_s
         self._idle_timeout_s = idle_timeout_s
         self._transfer_timeout_s = transfer_timeout_s
+        self._spans = rowhash.piece_spans(row_bytes)
+        self._zeros = memoryview(bytes(rowhash.PIECE_BYTES))
         self._stop = threading.Event()
         self._lock = threading.Lock()
         self._conns: set[socket.socket] = set()
         self._router = zctx.socket(zmq.ROUTER)
         self._router.setsockopt(zmq.LINGER, 0)
         self._router.setsockopt(zmq.MAXMSGSIZE, protocol.MAX_CONTROL_BYTES)
+        if curve is not None:
+            curve.make_server(self._router)
         try:
             self._router.bind(listen)
             self.address = self._router.getsockopt_string(zmq.LAST_ENDPOINT)
@@ -141,15 +147,16 @@ class P2PServer:
 
     def _serve_conn(self, conn: socket.socket) -> None:
         try:
-            conn.settimeout(self._handshake_timeout_s)
+            protocol.set_timeout(conn, self._handshake_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             if not protocol.server_handshake(conn, self._secret, self._fp, self._row_bytes):
                 return
             head = memoryview(bytearray(protocol.STATUS_CHUNK + bytes(chunkfmt.HEADER_BYTES)))
             while not self._stop.is_set():
-                conn.settimeout(self._idle_timeout_s)
+                protocol.set_timeout(conn, self._idle_timeout_s)
                 keys = protocol.read_get(conn)
-                conn.settimeout(self._transfer_timeout_s)
+                self._book.count("data_requests")
+                protocol.set_timeout(conn, self._transfer_timeout_s)
                 for key in keys:
                     self._send_chunk(conn, key, head)
         except protocol.AuthError as e:
@@ -166,16 +173,41 @@ class P2PServer:
             conn.close()
 
     def _send_chunk(self, conn: socket.socket, key: bytes, head: memoryview) -> None:
-        claim = self._index.claim_verified(key, self._region, self._row_bytes)
+        """Answer one key: a miss, or the header and the row, each piece checked just before it goes.
+
+        A first piece that no longer matches is a plain miss. A later one (the slot was reused
+        while the row was being sent) ends the row with zeros and TRAILER_ABORTED: every byte sent
+        was checked against the claimed chunk, so a peer never receives another chunk's bytes.
+        """
+        claim = self._index.claim(key)
         if claim is None:
-            conn.sendall(protocol.STATUS_MISS)
-            self._book.count("serve_misses")
+            self._send_miss(conn)
             return
-        row, digest = claim
-        chunkfmt.pack_header_digest(head[1:], key, self._fp, self._row_bytes, digest)
+        row = self._region[claim.slot * self._row_bytes : (claim.slot + 1) * self._row_bytes]
+        first, end = self._spans[0]
+        if not rowhash.piece_matches(row[first:end], claim.pieces, 0):
+            self._index.forget(key, claim.slot)
+            self._send_miss(conn)
+            return
+        chunkfmt.pack_header_digest(head[1:], key, self._fp, self._row_bytes, claim.digest)
         conn.sendall(head)
-        conn.sendall(row)
-        self._book.count("chunks_served")
+        conn.sendall(row[first:end])
+        for i, (start, end) in enumerate(self._spans[1:], 1):
+            piece = row[start:end]
+            if not rowhash.piece_matches(piece, claim.pieces, i):
+                self._index.forget(key, claim.slot)
+                for zstart in range(start, self._row_bytes, len(self._zeros)):
+                    conn.sendall(self._zeros[: min(len(self._zeros), self._row_bytes - zstart)])
+                self._book.count("serve_aborted")
+                conn.sendall(protocol.TRAILER_ABORTED)
+                return
+            conn.sendall(piece)
+        self._book.count("chunks_served")  # before the trailer: once it arrives, the count shows
+        conn.sendall(protocol.TRAILER_OK)
+
+    def _send_miss(self, conn: socket.socket) -> None:
+        self._book.count("serve_misses")
+        conn.sendall(protocol.STATUS_MISS)
 
     def connections(self) -> int:
         with self._lock:

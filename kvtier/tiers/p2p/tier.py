@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Sequence
+import threading
+from collections import deque
+from collections.abc import Sequence
 from functools import partial
 from typing import Protocol
 from urllib.parse import urlsplit
@@ -16,12 +18,17 @@ from kvtier.tiers import chunkfmt
 from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext
 from kvtier.tiers.book import FailureLog, TierBook
 from kvtier.tiers.iopool import IoPool, JobTracker
+from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import load_secret
+from kvtier.tiers.p2p.curve import CurveGate, load_curve
 from kvtier.tiers.p2p.discovery import Discovery
 from kvtier.tiers.p2p.fetch import Fetcher
-from kvtier.tiers.p2p.index import ChunkIndex
+from kvtier.tiers.p2p.index import ChunkIndex, Claim
 from kvtier.tiers.p2p.lookup import PeerLookup
 from kvtier.tiers.p2p.server import P2PServer
+
+BATCH_BYTES = 16 << 20
+"""About how many bytes of rows one data request asks for (between 1 and MAX_FETCH_KEYS keys)."""
 
 
 class _Closable(Protocol):
@@ -51,6 +58,8 @@ class P2PTier(SecondaryTier):
     """Serves this instance's host tier to peers, and loads chunks that peers' host tiers hold.
 
     Options: `secret` or `secret_file` (shared by every peer; required, at least 16 bytes),
+    `curve_secret_key` or `curve_secret_key_file` (optional: the fleet's ZMQ CURVE secret key, Z85;
+    see `curve`),
     `listen` (ZMQ address to bind; port 0 picks a free one), `peers` (static list of peers'
     `listen` addresses; our own is ignored), `discovery_url` (a redis URL: peers register there and
     read each other; with `discovery_prefix`, `discovery_ttl_s`, and `advertise`, the address peers
@@ -67,6 +76,8 @@ class P2PTier(SecondaryTier):
         *,
         secret: str | None = None,
         secret_file: str | None = None,
+        curve_secret_key: str | None = None,
+        curve_secret_key_file: str | None = None,
         listen: str = "tcp://127.0.0.1:0",
         peers: Sequence[str] = (),
         discovery_url: str | None = None,
@@ -85,6 +96,7 @@ class P2PTier(SecondaryTier):
     ) -> None:
         super().__init__(ctx)
         key = load_secret(secret, secret_file)
+        curve = load_curve(curve_secret_key, curve_secret_key_file)
         _address("listen", listen)
         if isinstance(peers, str) or not isinstance(peers, Sequence):
             raise ConfigError("peers", peers, "must be a list of tcp://HOST:PORT addresses")
@@ -105,18 +117,24 @@ class P2PTier(SecondaryTier):
         self._book = TierBook(ctx)
         self._failures = FailureLog(ctx.log, f"p2p tier {ctx.tier_name}")
         self._index = ChunkIndex(ctx.num_slots)
+        self._spans = rowhash.piece_spans(ctx.row_bytes)
+        self._batch_keys = max(1, min(protocol.MAX_FETCH_KEYS, BATCH_BYTES // ctx.row_bytes))
+        self._closing = False
         self._instance_id = os.urandom(16)
         self._zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._built: list[_Closable] = []
+        if curve is not None:
+            self._built.append(CurveGate(self._zctx, curve, self._book, self._failures))
         try:
             self._server = P2PServer(
                 self._zctx, listen, key, self._index, ctx.region, ctx.row_bytes, self._fp,
                 self._instance_id, self._book, self._failures, max_connections=conns,
                 handshake_timeout_s=times["handshake_timeout_s"],
                 idle_timeout_s=times["idle_timeout_s"], transfer_timeout_s=times["transfer_timeout_s"],
+                curve=curve,
             )
         except (zmq.ZMQError, OSError) as e:
-            self._zctx.term()
+            self.shutdown()
             raise ConfigError("listen", listen, f"cannot listen there: {e}") from None
         self.address = self._server.address
         self._built.append(self._server)
@@ -124,7 +142,7 @@ class P2PTier(SecondaryTier):
             self._lookup = PeerLookup(
                 self._zctx, key, self._instance_id, self._fp, ctx.row_bytes, self._book, self._failures,
                 lookup_timeout_s=times["lookup_timeout_s"], lookup_ttl_s=times["lookup_ttl_s"],
-                own_address=advertise or self.address,
+                own_address=advertise or self.address, curve=curve,
             )
             self._built.append(self._lookup)
             self._fetcher = Fetcher(
@@ -143,7 +161,11 @@ class P2PTier(SecondaryTier):
                 )
                 self._built.append(self._discovery)
             self._lookup.set_peers(peer_list)
-            self._pool = IoPool(threads, 1, f"kvtier-p2p-{ctx.tier_name}")
+            self._threads = threads
+            self._pending: deque[tuple[JobTracker, int]] = deque()
+            self._pending_lock = threading.Lock()
+            self._load_pool = IoPool(threads, 0, f"kvtier-p2p-{ctx.tier_name}-load")
+            self._store_pool = IoPool(0, 1, f"kvtier-p2p-{ctx.tier_name}-store")
         except BaseException:
             self.shutdown()
             raise
@@ -159,11 +181,26 @@ class P2PTier(SecondaryTier):
 
     def submit_store(self, job: Job) -> None:
         tracker = JobTracker(job)
-        self._queue(tracker, False, [partial(self._store_key, tracker, i) for i in range(len(job.keys))])
+        if not job.keys:
+            self._book.finish(tracker)
+        elif not self._store_pool.submit(False, [partial(self._store_key, tracker, i)
+                                           for i in range(len(job.keys))]):
+            for i in range(len(job.keys)):
+                self._finish(tracker, i, False)
 
     def submit_load(self, job: Job) -> None:
+        """Queue the job's keys for the load threads (which batch them per holder), and ask peers
+        now about keys whose holder is not known yet, so the answers are there when a thread
+        takes the keys."""
         tracker = JobTracker(job)
-        self._queue(tracker, True, [partial(self._load_key, tracker, i) for i in range(len(job.keys))])
+        if not job.keys:
+            self._book.finish(tracker)
+            return
+        self._lookup.lookup(job.keys)
+        with self._pending_lock:
+            self._pending.extend((tracker, i) for i in range(len(job.keys)))
+        if not self._load_pool.submit(True, [self._drain_loads] * min(len(job.keys), self._threads)):
+            self._drain_loads()
 
     def get_finished_jobs(self) -> list[JobResult]:
         return self._book.take_finished()
@@ -181,11 +218,13 @@ class P2PTier(SecondaryTier):
         """Fail in-flight loads, stop the I/O threads, then every component in reverse. Idempotent."""
         if hasattr(self, "_fetcher"):
             self._fetcher.close()  # a load blocked on a holder fails at once
-        pool = getattr(self, "_pool", None)
-        if pool is not None:
-            for task in pool.shutdown():
-                task()
-            del self._pool
+        self._closing = True
+        for name in ("_load_pool", "_store_pool"):
+            pool = getattr(self, name, None)
+            if pool is not None:
+                for task in pool.shutdown():
+                    task()
+                delattr(self, name)
         for part in reversed(self._built):
             part.close()
         self._built.clear()
@@ -193,28 +232,38 @@ class P2PTier(SecondaryTier):
 
     # ---- I/O threads -------------------------------------------------------------------------
 
-    def _queue(self, tracker: JobTracker, load: bool, tasks: list[Callable[[], None]]) -> None:
-        if not tracker.job.keys:
-            self._book.finish(tracker)
-        elif not self._pool.submit(load, tasks):
-            for i in range(len(tracker.job.keys)):
-                self._finish(tracker, i, False)
-
     def _store_key(self, tracker: JobTracker, i: int) -> None:
-        """Remember where the host tier holds the key: nothing is copied."""
+        """Remember where the host tier holds the key, with its checksums: nothing is copied."""
         slot = tracker.job.slots[i]
-        self._index.remember(tracker.job.keys[i], slot, chunkfmt.checksum(self.ctx.slot_view(slot)))
+        digest, pieces = rowhash.row_digests(self.ctx.slot_view(slot), self._spans)
+        self._index.remember(tracker.job.keys[i], Claim(slot, digest, pieces))
         self._finish(tracker, i, True)
 
-    def _load_key(self, tracker: JobTracker, i: int) -> None:
-        key = tracker.job.keys[i]
-        holder = self._lookup.locate(key)
-        address = None if holder is None else self._lookup.data_address(holder)
-        row = self.ctx.slot_view(tracker.job.slots[i])
-        ok = address is not None and self._fetcher.fetch(address, key, row)
-        self._lookup.remember(key, holder if ok else None)
-        self._book.count("loaded" if ok else "load_failures")
-        self._finish(tracker, i, ok)
+    def _drain_loads(self) -> None:
+        """Load pending keys until none is left, a batch at a time: this thread's share of the
+        queue, at most `_batch_keys` (about BATCH_BYTES of rows, so threads that run out of work early
+        find some left to share), one request per holder. After shutdown, keys fail at once."""
+        while True:
+            with self._pending_lock:
+                share = -(-len(self._pending) // self._threads)
+                batch = [self._pending.popleft() for _ in range(min(share, self._batch_keys))]
+            if not batch:
+                return
+            groups: dict[str | None, list[tuple[JobTracker, int]]] = {}
+            for tracker, i in batch:
+                holder = None if self._closing else self._lookup.locate(tracker.job.keys[i])
+                groups.setdefault(holder, []).append((tracker, i))
+            for holder, entries in groups.items():
+                self._load_from(holder, entries)
+
+    def _load_from(self, holder: str | None, entries: list[tuple[JobTracker, int]]) -> None:
+        address = None if holder is None or self._closing else self._lookup.data_address(holder)
+        items = [(t.job.keys[i], self.ctx.slot_view(t.job.slots[i])) for t, i in entries]
+        oks = [False] * len(items) if address is None else self._fetcher.fetch(address, items)
+        for (tracker, i), (key, _), ok in zip(entries, items, oks, strict=True):
+            self._lookup.remember(key, holder if ok else None)
+            self._book.count("loaded" if ok else "load_failures")
+            self._finish(tracker, i, ok)
 
     def _finish(self, tracker: JobTracker, i: int, ok: bool) -> None:
         if tracker.finish_key(i, ok):
