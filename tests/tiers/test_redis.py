@@ -154,7 +154,7 @@ def test_a_bad_value_replaced_meanwhile_by_a_good_one_is_kept(make_tier, ctx, re
     store(tier, ctx, [key])
     conn = client(redis_tier_options).connection_pool.make_connection()
     try:
-        tier._delete_bad(conn, [(key, hashlib.sha1(b"the bad value that was read").hexdigest())])
+        tier._chunks.delete_bad(conn, [(key, hashlib.sha1(b"the bad value that was read").hexdigest())])
     finally:
         conn.disconnect()
     assert client(redis_tier_options).exists(value_key(redis_tier_options, key)) == 1

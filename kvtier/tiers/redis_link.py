@@ -1,0 +1,165 @@
+"""The redis tier's link to its server: the connection pool, pipelined round trips, and up/down state.
+
+`RedisLink` builds redis-py's pool from the tier's `url` (one connection per thread, no hidden
+retries), checks the server with a PING at startup (ConfigError naming `url` when it fails), and
+runs pipelines: many commands in one write, then one reply per command. A connection error or
+timeout marks the server down for `reconnect_interval_s`: meanwhile every pipeline answers NO_REPLY
+at once, then the next one reconnects. A connection that broke while idle (the server restarted)
+gets one fresh try first. The password in `url` never appears in logs, errors or reprs (`scrub`).
+
+Threads: any; each caller brings its own connection (`connection()`); the down state has its lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from typing import Any, cast
+from urllib.parse import parse_qsl, unquote, urlsplit
+
+import redis
+from redis.backoff import NoBackoff
+from redis.connection import parse_url as _redis_parse_url
+from redis.exceptions import ConnectionError as RedisConnectionError
+from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import TimeoutError as RedisTimeoutError
+from redis.retry import Retry
+
+from kvtier.errors import ConfigError
+from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.redis_wire import ReplyReader, redact_url
+
+_parse_url = cast(Callable[[str], dict[str, Any]], _redis_parse_url)
+"""redis-py's own URL parser (untyped there): scheme, host or path, credentials, query arguments."""
+_DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class _NoReply:
+    """The reply of a command that got none (connection error, server marked down)."""
+
+
+NO_REPLY = _NoReply()
+
+
+class RedisLink:
+    """The pool of connections to one server, and whether that server is taken as down."""
+
+    def __init__(
+        self, url: str, *, connections: int, socket_timeout_s: float, connect_timeout_s: float,
+        reconnect_interval_s: float, book: TierBook, on_down: Callable[[], None],
+    ) -> None:
+        self.url = redact_url(url)
+        given = [urlsplit(url).password, dict(parse_qsl(urlsplit(url).query)).get("password")]
+        self._secrets = {form for pw in given if pw for form in (pw, unquote(pw))}
+        self.reconnect_interval_s = float(reconnect_interval_s)
+        self._book = book
+        self._on_down = on_down
+        self._lock = threading.Lock()
+        self._down_until = 0.0
+        self._down_cause = ""
+        self.faillog = FailureLog(book.ctx.log, f"redis tier {book.ctx.tier_name} ({self.url})",
+                                  self.scrub)
+        try:
+            # Query arguments in the URL (ssl_ca_certs=..., socket_timeout=...) win, except the
+            # ones the threading model depends on: one connection per thread, no hidden retries.
+            kwargs: dict[str, Any] = {"socket_timeout": socket_timeout_s,
+                                      "socket_connect_timeout": connect_timeout_s, **_parse_url(url)}
+            kwargs.update(max_connections=connections, retry=Retry(NoBackoff(), 0))
+            self._pool = redis.ConnectionPool(**kwargs)
+        except (ValueError, TypeError, RedisError) as e:
+            raise ConfigError("url", self.url, self.scrub(f"not a usable redis URL: {e}")) from None
+        self._probe()
+
+    def scrub(self, text: str) -> str:
+        """`text` without the password, should a message from below ever quote it."""
+        for secret in self._secrets:
+            text = text.replace(secret, "***")
+        return text
+
+    def _probe(self) -> None:
+        """PING the server once; ConfigError naming `url` when it cannot be reached or refuses us."""
+        conn: Any = self._pool.make_connection()
+        try:
+            conn.send_command("PING")
+            reply = conn.read_response()
+        except (RedisError, OSError) as e:
+            self._pool.disconnect()
+            why = f"redis server did not answer PING: {type(e).__name__}: {e}"
+            raise ConfigError("url", self.url, self.scrub(why)) from None
+        finally:
+            conn.disconnect()
+        if reply not in (b"PONG", "PONG"):
+            raise ConfigError("url", self.url, f"unexpected PING reply {reply!r}")
+
+    def connection(self) -> Any:
+        """A new connection of the pool's kind, for one thread."""
+        return self._pool.make_connection()
+
+    def is_down(self) -> bool:
+        with self._lock:
+            return time.monotonic() < self._down_until
+
+    def close(self) -> None:
+        self._pool.disconnect()
+
+    def pipeline(
+        self, conn: Any, op: str, commands: list[Any],
+        read_reply: Callable[[ReplyReader, int], Any] | None = None,
+    ) -> list[Any]:
+        """Send `commands` (argument tuples, or lists of pre-framed buffers) in one write, read one
+        reply per command: the value, a ResponseError, or NO_REPLY when there was none (the server
+        is down or was just marked down by a connection error). `read_reply(reader, n)`, when
+        given, reads the reply to command `n` itself, straight from the socket."""
+        if self.is_down():
+            return [NO_REPLY] * len(commands)
+        # A connection that broke while idle (the server restarted) gets one fresh try: every
+        # command here is idempotent, and nothing of the first try's replies was used.
+        was_connected = conn._sock is not None
+        for attempt in range(2):
+            replies: list[Any] = []
+            try:
+                buffers: list[Any] = []
+                for cmd in commands:
+                    buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
+                conn.send_packed_command(buffers, check_health=False)
+                if read_reply is not None:
+                    reader = ReplyReader(conn._sock)  # connected by send_packed_command
+                    for n in range(len(commands)):
+                        replies.append(read_reply(reader, n))
+                    reader.finish()
+                for _ in range(len(commands) - len(replies)):
+                    try:
+                        replies.append(conn.read_response(disable_decoding=True))
+                    except ResponseError as e:
+                        replies.append(e)
+            except _DOWN_ERRORS as e:
+                conn.disconnect()
+                stale = isinstance(e, RedisConnectionError | ConnectionError)
+                if attempt == 0 and was_connected and stale and not replies:
+                    continue
+                self._mark_down(op, e)
+            except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
+                conn.disconnect()
+                self.faillog.failed(f"{op}:{type(e).__name__}", e)
+            else:
+                self._mark_up()
+            break
+        return replies + [NO_REPLY] * (len(commands) - len(replies))
+
+    def _mark_down(self, op: str, exc: BaseException) -> None:
+        cause = f"{op}:{type(exc).__name__}"
+        with self._lock:
+            self._down_until = time.monotonic() + self.reconnect_interval_s
+            self._down_cause = cause
+        self._on_down()  # what the server held before may be gone (restart)
+        self._book.count("connection_errors")
+        self.faillog.failed(cause, exc)
+
+    def _mark_up(self) -> None:
+        with self._lock:
+            if not self._down_cause:
+                return
+            cause, self._down_cause = self._down_cause, ""
+        self._book.ctx.log.info("redis tier %s: %s answers again (after %s)", self._book.ctx.tier_name,
+                                self.url, cause)
