@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -32,7 +33,7 @@ SLOTS = 6
 class Holder:
     """A serving half over its own region, and a requester's fetcher pointed at it."""
 
-    def __init__(self) -> None:
+    def __init__(self, idle_timeout_s: float = 30) -> None:
         self.region = memoryview(bytearray(os.urandom(ROW * SLOTS)))
         self.index = ChunkIndex(SLOTS)
         self.spans = rowhash.piece_spans(ROW)
@@ -42,7 +43,7 @@ class Holder:
         self.server = P2PServer(
             self.zctx, "tcp://127.0.0.1:0", SECRET, self.index, self.region, ROW, FP, os.urandom(16),
             self.book, FailureLog(ctx.log, "holder"), max_connections=4, handshake_timeout_s=5,
-            idle_timeout_s=30, transfer_timeout_s=5,
+            idle_timeout_s=idle_timeout_s, transfer_timeout_s=5,
         )
         self.address = ("127.0.0.1", self.server.data_port)
         self.requester = TierBook(TierContext(memoryview(bytearray(0)), ROW, 0, LAYOUT_FP, "req"))
@@ -64,6 +65,13 @@ class Holder:
 @pytest.fixture
 def holder() -> Iterator[Holder]:
     h = Holder()
+    yield h
+    h.close()
+
+
+@pytest.fixture
+def idle_closing_holder() -> Iterator[Holder]:
+    h = Holder(idle_timeout_s=0.2)
     yield h
     h.close()
 
@@ -127,3 +135,33 @@ def test_a_wrong_checksum_from_the_holder_is_a_bad_chunk(holder: Holder) -> None
     out = memoryview(bytearray(ROW))
     assert holder.fetcher.fetch(holder.address, [(key, out)]) == [False]
     assert whole != bytes(16) and holder.requester.counters()["bad_chunks"] == 1
+
+
+def test_requests_sent_ahead_are_answered_in_order_on_one_connection(holder: Holder) -> None:
+    keys = [random_key() for _ in range(4)]
+    for slot, key in enumerate(keys):
+        holder.store(key, slot)
+    outs = [memoryview(bytearray(ROW)) for _ in keys]
+    first = holder.fetcher.send(holder.address, list(zip(keys[:3], outs[:3], strict=True)))
+    second = holder.fetcher.send(holder.address, [(keys[3], outs[3])])
+    assert holder.fetcher.complete(first) == [True] * 3 and holder.fetcher.complete(second) == [True]
+    assert [bytes(o) for o in outs] == [bytes(holder.row(s)) for s in range(4)]
+    assert holder.book.counters()["data_requests"] == 2 and holder.server.connections() == 1
+
+
+def test_requests_sent_ahead_on_a_connection_the_holder_closed_go_out_again(
+    idle_closing_holder: Holder,
+) -> None:
+    holder = idle_closing_holder
+    key = random_key()
+    holder.store(key, 0)
+    assert holder.fetcher.fetch(holder.address, [(key, memoryview(bytearray(ROW)))]) == [True]
+    deadline = time.monotonic() + 5
+    while holder.server.connections():  # the holder closes the idle connection
+        assert time.monotonic() < deadline
+        time.sleep(0.05)
+    outs = [memoryview(bytearray(ROW)) for _ in range(2)]
+    requests = [holder.fetcher.send(holder.address, [(key, out)]) for out in outs]
+    assert [holder.fetcher.complete(r) for r in requests] == [[True], [True]]
+    assert all(bytes(out) == bytes(holder.row(0)) for out in outs)
+    assert "peer_errors" not in holder.requester.counters()

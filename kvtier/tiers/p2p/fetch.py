@@ -22,6 +22,7 @@ import socket
 import threading
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import xxhash
 
@@ -34,6 +35,19 @@ from kvtier.tiers.p2p.protocol import PeerFailure
 
 class _Reset(Exception):
     """The connection failed before the holder's first reply byte (it may just have been idle)."""
+
+
+@dataclass
+class Request:
+    """One data request of one thread: its items, the connection it went out on (None: it could
+    not be sent, its items fail), and what was loaded so far."""
+
+    address: tuple[str, int]
+    items: Sequence[tuple[bytes, memoryview]]
+    done: list[bool]
+    conn: socket.socket | None = None
+    reused: bool = False
+    unsent: bool = False
 
 
 class Fetcher:
@@ -59,36 +73,58 @@ class Fetcher:
     def fetch(self, address: tuple[str, int], items: Sequence[tuple[bytes, memoryview]]) -> list[bool]:
         """Load each (key, row) from the holder at `address` into its row; per item, True only when
         the row is verified. At most MAX_FETCH_KEYS items."""
-        done = [False] * len(items)
+        return self.complete(self.send(address, items))
+
+    def send(self, address: tuple[str, int], items: Sequence[tuple[bytes, memoryview]]) -> Request:
+        """Ask the holder at `address` for the items' keys (at most MAX_FETCH_KEYS); `complete` reads
+        the answers. A thread may send several requests before completing them, in order: the
+        holder answers back to back, so its connection never waits for our next request."""
+        req = Request(address, items, [False] * len(items))
         with self._lock:
             if self._closed or time.monotonic() < self._down_until.get(address, 0.0):
-                return done
-        for attempt in range(2):
-            try:
-                conn, reused = self._connection(address)
-            except (OSError, protocol.AuthError, protocol.ProtocolError) as e:
-                self._peer_down(address, f"connect:{type(e).__name__}", e)
-                return done
-            try:
-                self._fetch_on(conn, items, done)
-                return done
-            except _Reset as e:
-                self._drop(address)
-                if reused and attempt == 0:
-                    continue
-                self._peer_down(address, "transfer:closed", e)
-            except (OSError, ConnectionError, protocol.ProtocolError) as e:
-                self._drop(address)
-                self._peer_down(address, f"transfer:{type(e).__name__}", e)
-            return done
-        return done
+                return req
+        try:
+            req.conn, req.reused = self._connection(address)
+        except (OSError, protocol.AuthError, protocol.ProtocolError) as e:
+            self._peer_down(address, f"connect:{type(e).__name__}", e)
+            return req
+        try:
+            req.conn.sendall(protocol.encode_get([key for key, _ in items]))
+        except OSError:
+            req.unsent = True  # a connection closed while idle: `complete` tries a fresh one
+        return req
 
-    def _fetch_on(self, conn: socket.socket, items: Sequence[tuple[bytes, memoryview]],
-                  done: list[bool]) -> None:
-        """Request every item's key, then read the answers in order into `done`."""
+    def complete(self, req: Request) -> list[bool]:
+        """Read the answers to `req` into its rows; per item, True only when the row is verified.
+
+        A request that got no reply byte on a reused connection is sent again once, on a fresh
+        connection; any other failure marks the holder down and fails the keys not read yet."""
+        for attempt in range(2):
+            conn = req.conn
+            if conn is None:
+                return req.done
+            try:
+                if req.unsent:
+                    raise _Reset("the request could not be sent")
+                self._read_replies(conn, req.items, req.done)
+                return req.done
+            except _Reset as e:
+                self._drop(req.address, conn)
+                if req.reused and attempt == 0:
+                    req = self.send(req.address, req.items)
+                    continue
+                self._peer_down(req.address, "transfer:closed", e)
+            except (OSError, ConnectionError, protocol.ProtocolError) as e:
+                self._drop(req.address, conn)
+                self._peer_down(req.address, f"transfer:{type(e).__name__}", e)
+            return req.done
+        return req.done
+
+    def _read_replies(self, conn: socket.socket, items: Sequence[tuple[bytes, memoryview]],
+                      done: list[bool]) -> None:
+        """Read the answers to one request, in order, into `done`."""
         status = bytearray(1)
         try:
-            conn.sendall(protocol.encode_get([key for key, _ in items]))
             protocol.recv_exact(conn, memoryview(status))
         except (OSError, ConnectionError) as e:
             raise _Reset(str(e) or type(e).__name__) from None
@@ -146,12 +182,14 @@ class Fetcher:
         conns[address] = conn
         return conn, False
 
-    def _drop(self, address: tuple[str, int]) -> None:
-        conn = self._local.__dict__.get("conns", {}).pop(address, None)
-        if conn is not None:
-            with self._lock:
-                self._all.discard(conn)
-            conn.close()
+    def _drop(self, address: tuple[str, int], conn: socket.socket) -> None:
+        """Close `conn`, and forget it as this thread's connection to `address` if it still is."""
+        conns: dict[tuple[str, int], socket.socket] = self._local.__dict__.get("conns", {})
+        if conns.get(address) is conn:
+            del conns[address]
+        with self._lock:
+            self._all.discard(conn)
+        conn.close()
 
     def _peer_down(self, address: tuple[str, int], cause: str, exc: BaseException) -> None:
         with self._lock:

@@ -8,7 +8,7 @@ import threading
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
-from typing import Protocol
+from typing import NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import zmq
@@ -22,13 +22,25 @@ from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import load_secret
 from kvtier.tiers.p2p.curve import CurveGate, load_curve
 from kvtier.tiers.p2p.discovery import Discovery
-from kvtier.tiers.p2p.fetch import Fetcher
+from kvtier.tiers.p2p.fetch import Fetcher, Request
 from kvtier.tiers.p2p.index import ChunkIndex, Claim
 from kvtier.tiers.p2p.lookup import PeerLookup
 from kvtier.tiers.p2p.server import P2PServer
 
 BATCH_BYTES = 16 << 20
 """About how many bytes of rows one data request asks for (between 1 and MAX_FETCH_KEYS keys)."""
+
+
+PIPELINE = 2
+"""Data requests a load thread keeps asked for at once."""
+
+
+class _Sent(NamedTuple):
+    """A batch of keys asked of one holder (request None: no holder known or reachable)."""
+
+    request: Request | None
+    holder: str | None
+    entries: list[tuple[JobTracker, int]]
 
 
 class _Closable(Protocol):
@@ -241,27 +253,38 @@ class P2PTier(SecondaryTier):
 
     def _drain_loads(self) -> None:
         """Load pending keys until none is left, a batch at a time: this thread's share of the
-        queue, at most `_batch_keys` (about BATCH_BYTES of rows, so threads that run out of work early
-        find some left to share), one request per holder. After shutdown, keys fail at once."""
+        queue, at most `_batch_keys` (about BATCH_BYTES of rows, so threads that run out of work
+        early find some left to share), one request per holder. Up to PIPELINE batches are asked
+        for before the oldest is read, so a holder has the next request when it finishes one.
+        After shutdown, keys fail at once."""
+        inflight: deque[_Sent] = deque()
         while True:
-            with self._pending_lock:
-                share = -(-len(self._pending) // self._threads)
-                batch = [self._pending.popleft() for _ in range(min(share, self._batch_keys))]
-            if not batch:
+            batch = self._take_batch() if len(inflight) < PIPELINE else []
+            if batch:
+                groups: dict[str | None, list[tuple[JobTracker, int]]] = {}
+                for tracker, i in batch:
+                    holder = None if self._closing else self._lookup.locate(tracker.job.keys[i])
+                    groups.setdefault(holder, []).append((tracker, i))
+                inflight.extend(self._send(holder, entries) for holder, entries in groups.items())
+                continue
+            if not inflight:
                 return
-            groups: dict[str | None, list[tuple[JobTracker, int]]] = {}
-            for tracker, i in batch:
-                holder = None if self._closing else self._lookup.locate(tracker.job.keys[i])
-                groups.setdefault(holder, []).append((tracker, i))
-            for holder, entries in groups.items():
-                self._load_from(holder, entries)
+            self._complete(inflight.popleft())
 
-    def _load_from(self, holder: str | None, entries: list[tuple[JobTracker, int]]) -> None:
+    def _take_batch(self) -> list[tuple[JobTracker, int]]:
+        with self._pending_lock:
+            share = -(-len(self._pending) // self._threads)
+            return [self._pending.popleft() for _ in range(min(share, self._batch_keys))]
+
+    def _send(self, holder: str | None, entries: list[tuple[JobTracker, int]]) -> _Sent:
         address = None if holder is None or self._closing else self._lookup.data_address(holder)
         items = [(t.job.keys[i], self.ctx.slot_view(t.job.slots[i])) for t, i in entries]
-        oks = [False] * len(items) if address is None else self._fetcher.fetch(address, items)
-        for (tracker, i), (key, _), ok in zip(entries, items, oks, strict=True):
-            self._lookup.remember(key, holder if ok else None)
+        return _Sent(None if address is None else self._fetcher.send(address, items), holder, entries)
+
+    def _complete(self, sent: _Sent) -> None:
+        oks = [False] * len(sent.entries) if sent.request is None else self._fetcher.complete(sent.request)
+        for (tracker, i), ok in zip(sent.entries, oks, strict=True):
+            self._lookup.remember(tracker.job.keys[i], sent.holder if ok else None)
             self._book.count("loaded" if ok else "load_failures")
             self._finish(tracker, i, ok)
 
