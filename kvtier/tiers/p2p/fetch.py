@@ -123,33 +123,39 @@ class Fetcher:
     def _read_replies(self, conn: socket.socket, items: Sequence[tuple[bytes, memoryview]],
                       done: list[bool]) -> None:
         """Read the answers to one request, in order, into `done`."""
-        status = bytearray(1)
+        tail = memoryview(bytearray(2))  # a row's trailer, and the next key's status byte
         try:
-            protocol.recv_exact(conn, memoryview(status))
+            protocol.recv_exact(conn, tail[1:])
         except (OSError, ConnectionError) as e:
             raise _Reset(str(e) or type(e).__name__) from None
         header = memoryview(bytearray(chunkfmt.HEADER_BYTES))
         for i, (key, row) in enumerate(items):
-            if i:
-                protocol.recv_exact(conn, memoryview(status))
+            more = i + 1 < len(items)
+            status = bytes(tail[1:])
             if status == protocol.STATUS_MISS:
                 self._book.count("load_misses")
+                if more:
+                    protocol.recv_exact(conn, tail[1:])
                 continue
             if status != protocol.STATUS_CHUNK:
-                raise protocol.ProtocolError(f"unknown status byte {bytes(status)!r}")
-            done[i] = self._read_row(conn, key, header, row)
+                raise protocol.ProtocolError(f"unknown status byte {status!r}")
+            done[i] = self._read_row(conn, key, header, row, tail[: 1 + more])
 
-    def _read_row(self, conn: socket.socket, key: bytes, header: memoryview, row: memoryview) -> bool:
-        protocol.recv_exact(conn, header)
+    def _read_row(self, conn: socket.socket, key: bytes, header: memoryview, row: memoryview,
+                  tail: memoryview) -> bool:
+        """Read one chunk's header and row, then `tail`: its trailer (and the next status byte)."""
+        (first, end), *rest = self._spans
+        protocol.recv_parts(conn, [header, row[first:end]])
         err, digest = chunkfmt.check_header(header, key, self._fp, self._row_bytes)
         if err is not None:
             raise protocol.ProtocolError(f"chunk header rejected: {err.value}")
-        whole = xxhash.xxh3_128()
-        for start, end in self._spans:
+        whole = xxhash.xxh3_128(row[first:end])
+        for start, end in rest:
             piece = row[start:end]
             protocol.recv_exact(conn, piece)
             whole.update(piece)
-        trailer = protocol.recv_bytes(conn, 1)
+        protocol.recv_exact(conn, tail)
+        trailer = bytes(tail[:1])
         if trailer == protocol.TRAILER_ABORTED:
             self._book.count("load_misses")
             return False

@@ -142,6 +142,32 @@ def recv_exact(sock: socket.socket, out: memoryview) -> None:
         have += got
 
 
+def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Fill every buffer of `parts` in order from `sock` (scattered reads, one system call when the
+    bytes come in time); ConnectionError when the peer closes first."""
+    while parts:
+        got = sock.recvmsg_into(parts, 0, socket.MSG_WAITALL)[0]
+        if got == 0:
+            raise ConnectionError("peer closed the connection")
+        parts = _advance(parts, got)
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Send every buffer of `parts` in order (gathered writes: one system call when they fit)."""
+    while parts:
+        parts = _advance(parts, sock.sendmsg(parts))
+
+
+def _advance(parts: list[memoryview], done: int) -> list[memoryview]:
+    """`parts` without their first `done` bytes."""
+    while parts and done >= len(parts[0]):
+        done -= len(parts[0])
+        parts = parts[1:]
+    if parts and done:
+        parts = [parts[0][done:], *parts[1:]]
+    return parts
+
+
 def recv_bytes(sock: socket.socket, n: int) -> bytes:
     buf = bytearray(n)
     recv_exact(sock, memoryview(buf))

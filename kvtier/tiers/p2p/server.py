@@ -190,8 +190,7 @@ class P2PServer:
             self._send_miss(conn)
             return
         chunkfmt.pack_header_digest(head[1:], key, self._fp, self._row_bytes, claim.digest)
-        conn.sendall(head)
-        conn.sendall(row[first:end])
+        protocol.send_parts(conn, [head, row[first:end]])
         for i, (start, end) in enumerate(self._spans[1:], 1):
             piece = row[start:end]
             if not rowhash.piece_matches(piece, claim.pieces, i):
