@@ -2,23 +2,30 @@
 
 What a peer serves: the chunks its own host tier holds. The tier learns them from the cascade: a
 STORE job names (key, host slot) pairs while the slots are pinned; the tier computes each row's
-checksum then, remembers key -> (slot, checksum) in a bounded LRU index (`index.ChunkIndex`,
-`num_slots` entries) and completes the job at once: nothing is copied. The host tier later evicts
-and reuses slots without notice, so the index is only a claim: when a peer asks for a chunk, the
-row is copied out of the region into a per-connection send buffer and sent only if the copy still
-has the remembered checksum; otherwise the key is forgotten and the answer is "miss". A newer STORE
-naming a slot also drops whatever key the slot held before.
+checksums then (the whole row's xxh3-128 and one xxh3-64 per 512 KiB piece, `rowhash`), remembers
+key -> (slot, checksums) in a bounded LRU index (`index.ChunkIndex`, `num_slots` entries) and
+completes the job at once: nothing is copied. The host tier later evicts and reuses slots without
+notice, so the index is only a claim: when a peer asks for a chunk, each piece of the row is
+checked against its digest right before it is sent straight from the region. A reused slot is a
+miss; a slot reused while its row is being sent ends the row with zeros and an ABORTED trailer
+(the key is a miss). A newer STORE naming a slot also drops whatever key the slot held before.
 
 Lookups (`lookup.PeerLookup`): keys not known yet answer RETRY and are asked of every peer at once
 over ZMQ (DEALER -> ROUTER), in batches; a peer silent for `lookup_timeout_s` counts as holding
-nothing; answers (and which peer holds each key) are cached for `lookup_ttl_s`.
+nothing; answers (and which peer holds each key) are cached for `lookup_ttl_s`. A LOAD job also
+asks at once about its keys whose holder is not known yet.
 
-Loads (`fetch.Fetcher`): each I/O thread keeps one authenticated TCP connection per holder. The
-holder sends a status byte, the 4 KiB chunk header and the row; the requester reads the header into
-a small buffer and checks it, reads the row with `recv_into` straight into the LOAD job's slot, and
-verifies the checksum there before the key counts as loaded. A holder that dies or stalls mid-row
-fails the key (a miss: the host tier never publishes the partial row). Data goes over plain TCP
-rather than ZMQ frames because ZMQ always receives into its own new buffer, which would add a copy.
+Loads (`fetch.Fetcher`, `tier.P2PTier._drain_loads`): the keys of all pending LOAD jobs form one
+queue; each of `io_threads` load threads takes its share (about 16 MiB of rows at most), asks each
+holder for its keys in one data request, and keeps a second request in flight so the holder sends
+without pause. Each thread keeps one authenticated TCP connection per holder. The holder answers
+the keys back to back (status byte, 4 KiB chunk header, row, trailer byte); the requester reads the
+header into a small buffer and checks it, reads the row with `recv_into` straight into the LOAD
+job's slot, piece by piece, feeding each piece to a streaming checksum while it is in cache, and
+counts the key loaded only when the checksum matches. A holder that dies or stalls mid-row fails
+the keys not read yet (a miss: the host tier never publishes a partial row). Data goes over plain
+TCP rather than ZMQ frames because ZMQ always receives into its own new buffer, which would add a
+copy; sockets use the kernel's timeouts so a piece moves in one system call.
 
 Peers: a static list (`peers`), and/or a redis server (`discovery_url`, `discovery.Discovery`)
 where each instance registers its address with a TTL and reads the others'.
@@ -27,15 +34,17 @@ Security: every peer holds a shared secret (`secret` or `secret_file`, never sen
 shown in errors). Control messages carry an HMAC-SHA256 over their whole content plus a send time
 (a stale one is refused); a data connection starts with a mutual challenge-response over fresh
 nonces. Every size, count and key length is checked before use (`protocol`); nothing is unpickled.
-Refusals are counted (`auth_refused`, `malformed`) and logged once per cause. After the handshake
-the data stream is not encrypted or MACed per message: the chunk checksum catches corruption, not
-an active attacker on the path (use a trusted network; ZMQ CURVE / TLS are not implemented yet).
+With `curve_secret_key` (or `_file`), the control channel is also ZMQ CURVE: encrypted, and only
+peers holding the fleet's CURVE key complete the ZMQ handshake (`curve`). Refusals are counted
+(`auth_refused`, `malformed`) and logged once per cause. After the handshake the data stream is
+not encrypted or MACed per message: the chunk checksum catches corruption, not an active attacker
+on the path (use a trusted network for the data port).
 
 Threads (all in the tier process): the dispatch thread only queues work; `io_threads` load threads
-plus one store thread (`IoPool`); one lookup thread (owns the DEALER sockets); one control thread
-(owns the ROUTER); one accept thread and one thread per served connection (`max_connections`);
-one discovery thread when configured. Failures are values: a key that could not be loaded fails
-its job; no exception crosses the tier contract.
+plus one store thread (two `IoPool`s); one lookup thread (owns the DEALER sockets); one control
+thread (owns the ROUTER); one ZAP thread with CURVE; one accept thread and one thread per served
+connection (`max_connections`); one discovery thread when configured. Failures are values: a key
+that could not be loaded fails its job; no exception crosses the tier contract.
 """
 
 from kvtier.tiers.p2p.tier import P2PTier
