@@ -138,6 +138,9 @@ def plot(path: Path, points: Sequence[Point], title: str) -> None:
     left.set_ylabel("throughput (prompt + output tokens/s)")
     right.set_ylabel("TTFT p99 (s)")
     right.set_yscale("log")
+    plain = matplotlib.ticker.FormatStrFormatter("%g")
+    right.yaxis.set_major_formatter(plain)
+    right.yaxis.set_minor_formatter(plain)
     for ax in (left, right):
         ax.set_xlabel("conversations")
         ax.grid(True, alpha=0.3)
