@@ -80,8 +80,8 @@ def run_tier_bench(
 
             load_keys = [os.urandom(32) for _ in range(chunks)]
             opts.setdefault("secret", secrets.token_hex(16))
-            holder = {k: opts[k] for k in ("secret", "curve_secret_key", "curve_secret_key_file")
-                      if k in opts}
+            holder: dict[str, Any] = {k: opts[k] for k in ("secret", "curve_secret_key",
+                                                           "curve_secret_key_file") if k in opts}
             opts.setdefault("peers", [stack.enter_context(holder_peer(rows, load_keys, BENCH_LAYOUT_FP,
                                                                       holder))])
         spec = TierSpec(
