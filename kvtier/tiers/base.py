@@ -20,6 +20,7 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
+from typing import ClassVar
 
 ChunkKey = bytes
 """A chunk key: the raw digest from `kvtier.keys` (32 bytes)."""
@@ -115,6 +116,11 @@ class SecondaryTier(ABC):
     Construction validates the options and raises `kvtier.errors.ConfigError` (naming the option)
     for bad ones; it happens once at startup, before any job.
     """
+
+    loads_own_stores: ClassVar[bool] = True
+    """Whether a chunk this instance stored can be loaded back by this instance. False for a tier
+    that only offers the chunks to others (p2p): a store then proves nothing to this instance's
+    lookups."""
 
     def __init__(self, ctx: TierContext) -> None:
         self.ctx = ctx

@@ -108,6 +108,7 @@ class TierProcess:
         """Counts the stats reports received; `request_stats` makes the next one come at once."""
         self.restarts = 0
         self._closed = False
+        self._stores_prove_hits = True
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -300,6 +301,7 @@ class TierProcess:
         op = msg[0]
         if op == "ready":
             self._gen.ready = True
+            self._stores_prove_hits = bool(msg[1])
         elif op == "done":
             for job_id, success, keys, nbytes, seconds in msg[1]:
                 entry = self._jobs.pop(job_id, None)
@@ -308,8 +310,9 @@ class TierProcess:
                 self._backoff = self._base_backoff
                 # What a job proved about its keys is a fresh lookup answer.
                 now = time.monotonic()
-                for key in keys:
-                    self._remember(key, LookupResult.HIT, now)
+                if entry[0].kind is JobKind.LOAD or self._stores_prove_hits:
+                    for key in keys:
+                        self._remember(key, LookupResult.HIT, now)
                 if entry[0].kind is JobKind.LOAD:
                     for key in set(entry[0].keys).difference(keys):
                         self._remember(key, LookupResult.MISS, now)

@@ -9,7 +9,8 @@ or dies, or on a shutdown request.
 Wire messages (tuples of plain values; this socket connects two processes of the same instance):
   in:  ("lookup", req_id, [key, ...]) | ("store"|"load", job_id, [key, ...], [slot, ...])
        | ("stats",) | ("shutdown",)
-  out: ("ready",) | ("error", message[, key, value, allowed]) | ("lookup", req_id, [int, ...])
+  out: ("ready", loads_own_stores) | ("error", message[, key, value, allowed])
+       | ("lookup", req_id, [int, ...])
        | ("done", [(job_id, success, [key, ...], bytes, seconds), ...])
        | ("events", [(kind, [key, ...]), ...]) | ("stats", {name: value})
 """
@@ -128,7 +129,7 @@ def main() -> None:
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
-    conn.send(("ready",))
+    conn.send(("ready", cls.loads_own_stores))
     try:
         _serve(conn, tier, wake)
     except (EOFError, OSError):

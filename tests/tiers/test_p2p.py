@@ -101,6 +101,16 @@ def test_b_finds_and_loads_what_a_stored(make_peer) -> None:
     assert stats(a)["chunks_served"] == 4 and stats(b)["loaded"] == 4
 
 
+def test_own_stores_are_not_hits_for_the_instance_that_stored_them(make_peer) -> None:
+    a, a_region = make_peer()
+    keys = [random_key() for _ in range(2)]
+    for s in range(2):
+        fill_slot(ctx_of(a_region), s)
+    store(a, keys, [0, 1])
+    # A's p2p tier serves these to peers; it cannot load them itself (no peer holds them).
+    assert settle_lookup(a, keys) == [LookupResult.MISS] * 2
+
+
 def test_the_keys_of_a_load_share_few_data_requests(make_peer) -> None:
     a, a_region = make_peer()
     b, b_region = make_peer(peers=[address(a)], io_threads=2)

@@ -82,6 +82,8 @@ class P2PTier(SecondaryTier):
     `handshake_timeout_s` and `idle_timeout_s` (the serving side's connection limits).
     """
 
+    loads_own_stores = False
+
     def __init__(
         self,
         ctx: TierContext,
