@@ -86,7 +86,9 @@ METRICS_AFTER = METRICS_BEFORE.replace('"device"} 100.0', '"device"} 164.0').rep
 
 def test_metrics_deltas_give_the_split() -> None:
     before, after = scrape.parse(METRICS_BEFORE), scrape.parse(METRICS_AFTER)
-    assert scrape.kvtier_split(before, after) == {"device": 64, "fs": 256, "host": 512, "recomputed": 200}
+    split = scrape.kvtier_split(before, after)
+    assert split == {"device": 64, "host": 512, "fs": 256, "recomputed": 200}
+    assert list(split) == ["device", "host", "fs", "recomputed"]
     assert scrape.vllm_split(before, after) == {"device": 64, "recomputed": 968}
     assert scrape.preemptions(before, after) == 2
     moved = scrape.transfers(before, scrape.parse(METRICS_AFTER.replace("} 1.5", "} 2.0").replace(

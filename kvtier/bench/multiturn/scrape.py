@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from kvtier.bench.multiturn.stats import DEVICE, RECOMPUTED
+from kvtier.bench.multiturn.stats import DEVICE, HOST, RECOMPUTED
 
 KVTIER_TOKENS = "kvtier_prompt_tokens_total"
 VLLM_TOKENS = "vllm:prompt_tokens_by_source_total"
@@ -66,7 +66,7 @@ def _delta(before: Mapping[str, float], after: Mapping[str, float]) -> dict[str,
 def kvtier_split(before: Mapping[Sample, float], after: Mapping[Sample, float]) -> dict[str, int]:
     """Prompt-token sources from kvtier's counters between two scrapes."""
     delta = _delta(by_label(before, KVTIER_TOKENS, "source"), by_label(after, KVTIER_TOKENS, "source"))
-    split = {DEVICE: delta.pop(DEVICE, 0)}
+    split = {DEVICE: delta.pop(DEVICE, 0), HOST: delta.pop(HOST, 0)}
     split.update(sorted(delta.items()))
     split[RECOMPUTED] = split.pop(RECOMPUTED, 0)
     return split

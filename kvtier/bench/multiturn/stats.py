@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 PERCENTILES = (50, 95, 99)
-RECOMPUTED, DEVICE = "recomputed", "device"
+RECOMPUTED, DEVICE, HOST = "recomputed", "device", "host"
 
 
 def percentile(values: Sequence[float], q: float) -> float:
