@@ -80,7 +80,7 @@ class FakeClient:
         self.calls.append((conversation, turn, messages))
         self.inflight += 1
         self.most = max(self.most, self.inflight)
-        await asyncio.sleep(0.002 * (1 + conversation % 3))
+        await asyncio.sleep(0.03 * (1 + conversation % 3))  # longer than building a message
         self.inflight -= 1
         now = 1.0
         record = RequestRecord(conversation, turn, now, now, 0.001, 10, 2)

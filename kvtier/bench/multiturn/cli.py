@@ -22,13 +22,14 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from kvtier.bench.multiturn import configs as config_registry
 from kvtier.bench.multiturn import presets, report
-from kvtier.bench.multiturn.progress import RichHooks
-from kvtier.bench.multiturn.sweep import Plan, run_sweep
 from kvtier.errors import KVTierError
+
+if TYPE_CHECKING:
+    from kvtier.bench.multiturn.sweep import Plan
 
 
 def _ints(text: str) -> tuple[int, ...]:
@@ -101,6 +102,7 @@ def _model(args: argparse.Namespace) -> Path | None:
 
 def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, dict[str, Any]]:
     from kvtier.bench.chat_run import kv_bytes_per_token
+    from kvtier.bench.multiturn.sweep import Plan
 
     preset = presets.preset(args.preset)
     spec = presets.with_overrides(
@@ -152,6 +154,9 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
 
 
 def run_multiturn(args: argparse.Namespace) -> int:
+    from kvtier.bench.multiturn.progress import RichHooks
+    from kvtier.bench.multiturn.sweep import run_sweep
+
     signal.signal(signal.SIGTERM, _raise_interrupt)
     out = args.out or Path("bench-results") / f"multiturn-{args.preset}-{time.strftime('%Y%m%d-%H%M%S')}"
     with contextlib.ExitStack() as stack:
