@@ -4,10 +4,8 @@ metrics."""
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import signal
 import socket
 import subprocess
 import sys
@@ -18,6 +16,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.bench.multiturn.server import stop_process_group
 from kvtier.cli import main
 from kvtier.errors import KVTierError
 from kvtier.serve import CONNECTOR, build_transfer_config
@@ -148,17 +147,7 @@ def test_real_server_answers_a_chat_with_kvtier_metrics(tmp_path: Path) -> None:
         assert "kvtier_" in metrics
         assert "--kv-transfer-config '" in (tmp_path / "server.log").read_text()
     finally:
-        _stop(proc)
+        stop_process_group(proc, 20.0)
         log.close()
 
 
-def _stop(proc: subprocess.Popen[bytes]) -> None:
-    """SIGTERM the server's process group (it leads its own session), SIGKILL after 20 s."""
-    for sig, wait_s in ((signal.SIGTERM, 20), (signal.SIGKILL, 10)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait_s)
-            return
-        except subprocess.TimeoutExpired:
-            continue

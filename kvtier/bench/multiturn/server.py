@@ -136,16 +136,22 @@ class VLLMServer:
         """Stop the server's process group and remove its temp dir; idempotent."""
         proc, self.proc = self.proc, None
         if proc is not None:
-            for sig, wait_s in ((signal.SIGTERM, self.stop_timeout_s), (signal.SIGKILL, 10.0)):
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(proc.pid, sig)
-                try:
-                    proc.wait(timeout=wait_s)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-            with contextlib.suppress(ProcessLookupError):  # stragglers of the group
-                os.killpg(proc.pid, signal.SIGKILL)
+            stop_process_group(proc, self.stop_timeout_s)
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], term_timeout_s: float) -> None:
+    """SIGTERM the process group `proc` leads, SIGKILL it if `proc` outlives `term_timeout_s`;
+    afterwards no process of the group is left (stragglers get SIGKILL too)."""
+    for sig, wait_s in ((signal.SIGTERM, term_timeout_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)
