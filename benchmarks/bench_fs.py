@@ -36,7 +36,7 @@ from types import SimpleNamespace
 from typing import Any
 
 from kvtier.tiers.base import Job, JobKind, TierContext
-from kvtier.tiers.fs import FsTier
+from kvtier.tiers.fs.tier import FsTier
 
 MiB = 1 << 20
 

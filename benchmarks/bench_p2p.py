@@ -38,7 +38,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.tiers import chunkfmt
+from kvtier.tiers.common import chunkfmt
 
 BATCH = 64
 """Values per request: the p2p tier's own limit (protocol.MAX_FETCH_KEYS)."""

@@ -32,7 +32,7 @@ from typing import Any
 
 import redis
 
-from kvtier.tiers import chunkfmt
+from kvtier.tiers.common import chunkfmt
 from tests.services.redis_server import start_server, stop_server
 
 DEFAULT_BATCH_BYTES = 8 << 20

@@ -37,7 +37,7 @@ from typing import Any
 
 from kvtier.bench.chat_run import kv_bytes_per_token, vllm_environment
 from kvtier.bench.workload import CONVERSATIONS
-from kvtier.models import model_dir
+from kvtier.tools.models import model_dir
 
 KINDS = ("recompute", "fs", "host")
 

@@ -13,8 +13,8 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
     from kvtier.bench import demo, tier_bench
     from kvtier.bench.multiturn import cli as multiturn_cli
-    from kvtier.fsck import add_fsck_parser
-    from kvtier.serve import add_parser as add_serve_parser
+    from kvtier.integrations.vllm.serve import add_parser as add_serve_parser
+    from kvtier.tiers.fs.fsck import add_fsck_parser
 
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")

@@ -20,17 +20,17 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from kvtier.chunks import HOST, ChunkKey, TierEvent
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
 from kvtier.policies.base import AdmissionPolicy, AdmitAll
 from kvtier.policies.registry import resolve_admission, resolve_eviction
-from kvtier.tiers.base import ChunkKey, Job, JobKind, JobResult, LookupResult, TierEvent
+from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
 from kvtier.tiers.process import TierProcess, TierSpec
 
 log = logging.getLogger("kvtier.manager")
-HOST = "host"
 
 
 class TierHandle(Protocol):

@@ -28,9 +28,10 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from kvtier.host.region import HostRegion
-from kvtier.layout import CanonicalLayout, CopyPlan, TPShard, engine_layout, host_rows
-from kvtier.transfer_async import StreamTransfer
-from kvtier.transfer_cuda import cuda_transfer
+from kvtier.integrations.vllm.layouts import engine_layout
+from kvtier.layout import CanonicalLayout, CopyPlan, TPShard, host_rows
+from kvtier.transfer.cuda import cuda_transfer
+from kvtier.transfer.stream import StreamTransfer
 
 GIB = 1 << 30
 

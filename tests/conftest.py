@@ -9,8 +9,9 @@ from collections.abc import Iterator
 
 import pytest
 
+from kvtier.chunks import ChunkKey
 from kvtier.host.region import HostRegion
-from kvtier.tiers.base import ChunkKey, JobResult, LookupResult, TierContext
+from kvtier.tiers.base import JobResult, LookupResult, TierContext
 
 pytest_plugins = ["tests.services.redis_server", "tests.services.s3"]
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from vllm.distributed.kv_events import BlockRemoved, BlockStored
 
-from kvtier.events import REMEMBERED_KEYS, KVEventTranslator
-from kvtier.tiers.base import TierEvent, TierEventKind
+from kvtier.chunks import TierEvent, TierEventKind
+from kvtier.integrations.vllm.kv_events import REMEMBERED_KEYS, KVEventTranslator
 
 STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED
 

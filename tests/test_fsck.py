@@ -11,8 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.fsck import STRAY, WRONG_DIR, add_fsck_parser, fsck
-from kvtier.tiers.fs import FsTier
+from kvtier.tiers.fs.fsck import STRAY, WRONG_DIR, add_fsck_parser, fsck
+from kvtier.tiers.fs.tier import FsTier
 from tests.conftest import random_key
 from tests.tiers.fs_helpers import (
     LAYOUT_FP,

@@ -9,19 +9,14 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.layout import (
+from kvtier.integrations.vllm.layouts import (
     ENGINE_LAYOUTS,
-    ROW_ALIGN,
-    CanonicalLayout,
-    CopyPlan,
-    EngineLayout,
     StackedKVLayout,
-    TPShard,
     VllmCpuLayout,
     VllmFlashAttnLayout,
     engine_layout,
-    host_rows,
 )
+from kvtier.layout import ROW_ALIGN, CanonicalLayout, CopyPlan, EngineLayout, TPShard, host_rows
 
 BLOCK = 8
 HEAD_DIM = 4

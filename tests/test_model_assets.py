@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier import models
+from kvtier.tools import models
 
 
 @pytest.fixture(scope="module")

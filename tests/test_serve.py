@@ -19,7 +19,7 @@ import pytest
 from kvtier.bench.multiturn.server import stop_process_group
 from kvtier.cli import main
 from kvtier.errors import KVTierError
-from kvtier.serve import CONNECTOR, build_transfer_config
+from kvtier.integrations.vllm.serve import CONNECTOR, build_transfer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -111,7 +111,7 @@ def _get(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> s
 
 @pytest.mark.slow
 def test_real_server_answers_a_chat_with_kvtier_metrics(tmp_path: Path) -> None:
-    from kvtier.models import prepare_smollm2
+    from kvtier.tools.models import prepare_smollm2
 
     model = prepare_smollm2(quiet=True)
     port = _free_port()

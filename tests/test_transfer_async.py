@@ -19,11 +19,12 @@ import pytest
 import torch
 
 from kvtier.host.region import HostRegion
+from kvtier.integrations.vllm.layouts import engine_layout
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier.integrations.vllm.worker import KVTierWorker, engine_layout_name
-from kvtier.layout import CopyPlan, TPShard, engine_layout, host_rows
+from kvtier.layout import CopyPlan, TPShard, host_rows
 from kvtier.transfer import HostTransfer, Transfer, make_transfer
-from kvtier.transfer_async import CopyEvent, CopyStreams, Direction, StreamTransfer
+from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer
 from tests.integrations.halves import BLOCK, HEAD_DIM, HEADS, ROW_BYTES, geometry, kv_caches
 
 KEYS = (b"a" * 32, b"b" * 32)

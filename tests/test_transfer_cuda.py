@@ -11,12 +11,13 @@ import pytest
 import torch
 
 from kvtier.host.region import HostRegion
+from kvtier.integrations.vllm.layouts import engine_layout
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier.integrations.vllm.worker import KVTierWorker
-from kvtier.layout import CanonicalLayout, CopyPlan, TPShard, engine_layout
+from kvtier.layout import CanonicalLayout, CopyPlan, TPShard
 from kvtier.transfer import CopyResult
-from kvtier.transfer_async import CopyEvent, Direction, StreamTransfer
-from kvtier.transfer_cuda import CudaStreams, cuda_transfer
+from kvtier.transfer.cuda import CudaStreams, cuda_transfer
+from kvtier.transfer.stream import CopyEvent, Direction, StreamTransfer
 from tests.integrations import halves
 from tests.test_layout import make_rows, same
 from tests.test_transfer_staged import (

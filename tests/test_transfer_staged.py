@@ -9,8 +9,9 @@ import random
 import pytest
 import torch
 
-from kvtier.layout import CanonicalLayout, CopyPlan, TPShard, engine_layout
-from kvtier.transfer_staged import StagedCopy
+from kvtier.integrations.vllm.layouts import engine_layout
+from kvtier.layout import CanonicalLayout, CopyPlan, TPShard
+from kvtier.transfer.staged import StagedCopy
 from tests.test_layout import make_rows, random_kv, same
 
 BLOCK, HEAD_DIM, LAYERS, HEADS = 4, 8, 3, 4

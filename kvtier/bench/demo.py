@@ -1,6 +1,6 @@
 """`kvtier demo`: a multi-turn chat on a small device cache, with kvtier and without it.
 
-The embedded default model (SmolLM2-135M-Instruct, prepared by `kvtier.models` when missing) is
+The embedded default model (SmolLM2-135M-Instruct, prepared by `kvtier.tools.models` when missing) is
 served by an in-process vLLM engine whose device KV cache holds `--device-blocks` blocks of 32
 tokens. The kvtier pass adds the KVTierConnector with a host tier of `--host-chunks` chunks and
 an fs tier in a temp dir (or `--fs-dir`); the baseline pass is the same engine without a
@@ -145,7 +145,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
 
 
 def run_command(args: argparse.Namespace) -> int:
-    from kvtier.models import ModelPrepError, prepare_smollm2
+    from kvtier.tools.models import ModelPrepError, prepare_smollm2
 
     for flag in ("device_blocks", "host_chunks", "reply_tokens", "max_model_len"):
         if getattr(args, flag) < 1:

@@ -76,7 +76,7 @@ def run_tier_bench(
             # The tier stores (indexes) its own rows, and loads other chunks with the same bytes
             # that only a peer process of ours holds: what an instance loads from p2p is what it
             # never stored, found by lookups before the load, as the scheduler does.
-            from kvtier.tiers.p2p.holder import holder_peer
+            from kvtier.bench.p2p_holder import holder_peer
 
             load_keys = [os.urandom(32) for _ in range(chunks)]
             opts.setdefault("secret", secrets.token_hex(16))
@@ -95,7 +95,7 @@ def run_tier_bench(
         store_s = _run_jobs(proc, JobKind.STORE, keys, 0)
         rows[:] = 0
         if tier == "p2p":
-            from kvtier.tiers.p2p.holder import settle_lookups
+            from kvtier.bench.p2p_holder import settle_lookups
 
             settle_lookups(proc, load_keys)
         _progress(f"loading {chunks} chunks back from {tier}")

@@ -23,9 +23,9 @@ from collections.abc import Container, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 
+from kvtier.chunks import TierEvent, TierEventKind
 from kvtier.errors import KVTierError
 from kvtier.policies.base import EvictionPolicy
-from kvtier.tiers.base import TierEvent, TierEventKind
 
 
 class HostTierError(KVTierError, RuntimeError):

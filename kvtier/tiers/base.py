@@ -22,8 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar
 
-ChunkKey = bytes
-"""A chunk key: the raw digest from `kvtier.keys` (32 bytes)."""
+from kvtier.chunks import ChunkKey, TierEvent
 
 
 class LookupResult(enum.IntEnum):
@@ -70,19 +69,6 @@ class JobResult:
     successful_keys: tuple[ChunkKey, ...] = ()
     bytes_moved: int = 0
     seconds: float = 0.0
-
-
-class TierEventKind(enum.Enum):
-    STORED = "stored"
-    REMOVED = "removed"
-
-
-@dataclass(frozen=True)
-class TierEvent:
-    """A chunk became available in (STORED) or vanished from (REMOVED) a tier."""
-
-    kind: TierEventKind
-    keys: tuple[ChunkKey, ...]
 
 
 @dataclass

@@ -11,17 +11,9 @@ import time
 from collections import OrderedDict
 from collections.abc import Sequence
 
+from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import (
-    ChunkKey,
-    Job,
-    JobResult,
-    LookupResult,
-    SecondaryTier,
-    TierContext,
-    TierEvent,
-    TierEventKind,
-)
+from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext
 
 
 class MemoryTier(SecondaryTier):

@@ -29,16 +29,9 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
+from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.tiers.base import (
-    ChunkKey,
-    Job,
-    JobKind,
-    JobResult,
-    LookupResult,
-    TierEvent,
-    TierEventKind,
-)
+from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
 
 MAX_BACKOFF_S = 30.0
 STARTUP_TIMEOUT_S = 60.0

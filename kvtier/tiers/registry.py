@@ -17,9 +17,9 @@ from kvtier.tiers.base import SecondaryTier
 
 BUILTIN_TIERS: dict[str, str] = {
     "memory": "kvtier.tiers.memory:MemoryTier",
-    "fs": "kvtier.tiers.fs:FsTier",
-    "obj": "kvtier.tiers.obj:ObjTier",
-    "redis": "kvtier.tiers.redis:RedisTier",
+    "fs": "kvtier.tiers.fs.tier:FsTier",
+    "obj": "kvtier.tiers.obj.tier:ObjTier",
+    "redis": "kvtier.tiers.redis.tier:RedisTier",
     "p2p": "kvtier.tiers.p2p:P2PTier",
 }
 

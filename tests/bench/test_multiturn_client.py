@@ -94,7 +94,7 @@ class FakeClient:
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from kvtier.models import prepare_smollm2
+    from kvtier.tools.models import prepare_smollm2
 
     return AutoTokenizer.from_pretrained(str(prepare_smollm2(quiet=True)))
 

@@ -17,7 +17,7 @@ REPLIES = ("The council approved it.", "It was postponed because the costs had r
 def tokenizer():
     from transformers import AutoTokenizer
 
-    from kvtier.models import prepare_smollm2
+    from kvtier.tools.models import prepare_smollm2
 
     return AutoTokenizer.from_pretrained(str(prepare_smollm2(quiet=True)))
 

@@ -9,11 +9,11 @@ from collections.abc import Container, Iterator
 import numpy as np
 import pytest
 
+from kvtier.chunks import TierEvent, TierEventKind
 from kvtier.host.tier import HostTier, HostTierError
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.registry import BUILTIN_EVICTION, resolve_eviction
-from kvtier.tiers.base import TierEvent, TierEventKind
 
 ROW = 4096
 STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED

@@ -21,9 +21,9 @@ DEVICE_BLOCKS = 64
 
 def _model_path() -> Path:
     try:
-        from kvtier.models import prepare_smollm2
+        from kvtier.tools.models import prepare_smollm2
     except ImportError:
-        pytest.skip("kvtier.models is not available to prepare the test model")
+        pytest.skip("kvtier.tools.models is not available to prepare the test model")
     return prepare_smollm2(quiet=True)
 
 

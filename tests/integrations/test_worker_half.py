@@ -10,9 +10,10 @@ import pytest
 import torch
 
 from kvtier.host.region import HostRegion
+from kvtier.integrations.vllm.layouts import engine_layout
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata
 from kvtier.integrations.vllm.worker import KVTierWorker
-from kvtier.layout import CopyPlan, TPShard, engine_layout
+from kvtier.layout import CopyPlan, TPShard
 from kvtier.transfer import HostTransfer
 from tests.integrations.halves import (
     BLOCK,

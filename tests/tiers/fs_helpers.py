@@ -13,7 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 from kvtier.tiers.base import Job, JobKind, JobResult, TierContext
-from kvtier.tiers.fs import FsTier
+from kvtier.tiers.fs.tier import FsTier
 
 LAYOUT_FP = "0123456789abcdef0123456789abcdef"
 OTHER_FP = "ffeeddccbbaa99887766554433221100"

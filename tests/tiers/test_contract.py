@@ -11,8 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.chunks import TierEventKind
 from kvtier.host.region import HostRegion
-from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierEventKind
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
 from kvtier.tiers.process import TierProcess, TierSpec
 from kvtier.tiers.registry import BUILTIN_TIERS, resolve_tier
 from tests.conftest import (

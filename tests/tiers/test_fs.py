@@ -15,11 +15,13 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.chunks import TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.fsck import fsck
-from kvtier.tiers import chunkfmt, fs_native
-from kvtier.tiers.base import LookupResult, TierEventKind
-from kvtier.tiers.fs import FsTier
+from kvtier.tiers.base import LookupResult
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.fs import native as fs_native
+from kvtier.tiers.fs.fsck import fsck
+from kvtier.tiers.fs.tier import FsTier
 from tests.conftest import random_key
 from tests.tiers.fs_helpers import (
     LAYOUT_FP,

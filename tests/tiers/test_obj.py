@@ -13,11 +13,12 @@ from typing import Any
 
 import pytest
 
+from kvtier.chunks import TierEventKind
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
-from kvtier.tiers import chunkfmt
-from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierEventKind
-from kvtier.tiers.obj import ObjTier
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.obj.tier import ObjTier
 from kvtier.tiers.process import TierProcess, TierSpec
 from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
 from tests.services.s3 import SeaweedServer, free_ports

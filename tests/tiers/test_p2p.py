@@ -19,9 +19,9 @@ import zmq
 
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
-from kvtier.tiers import chunkfmt
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
-from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import P2PTier, protocol
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.fetch import Fetcher

@@ -14,9 +14,9 @@ from collections.abc import Iterator
 import pytest
 import zmq
 
-from kvtier.tiers import chunkfmt
 from kvtier.tiers.base import TierContext
-from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.fetch import Fetcher

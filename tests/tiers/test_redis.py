@@ -17,13 +17,14 @@ import pytest
 import redis
 
 from kvtier.bench.tier_bench import run_tier_bench
+from kvtier.chunks import TierEventKind
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
-from kvtier.tiers import chunkfmt
-from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierEventKind
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
+from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.process import TierProcess, TierSpec
-from kvtier.tiers.redis import RedisTier
-from kvtier.tiers.redis_wire import redact_url
+from kvtier.tiers.redis.tier import RedisTier
+from kvtier.tiers.redis.wire import redact_url
 from tests.conftest import (
     LAYOUT_FP,
     ROW_BYTES,

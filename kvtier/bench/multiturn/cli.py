@@ -90,7 +90,7 @@ def _model(args: argparse.Namespace) -> Path | None:
     if args.model is not None or args.endpoint is not None:
         given: Path | None = args.model
         return given
-    from kvtier.models import ModelPrepError, prepare_smollm2
+    from kvtier.tools.models import ModelPrepError, prepare_smollm2
 
     try:
         with contextlib.redirect_stdout(sys.stderr):

@@ -22,7 +22,8 @@ from typing import Any
 
 from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.bench.multiturn.server import ServerSettings
-from kvtier.bench.multiturn.stats import DEVICE, RECOMPUTED, RequestRecord
+from kvtier.bench.multiturn.stats import RequestRecord
+from kvtier.chunks import DEVICE, RECOMPUTED
 
 OnRequest = Callable[[RequestRecord], None]
 

@@ -19,7 +19,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.multiturn.stats import DEVICE, PERCENTILES, RECOMPUTED
+from kvtier.bench.multiturn.stats import PERCENTILES
+from kvtier.chunks import DEVICE, RECOMPUTED
 
 Point = dict[str, Any]
 

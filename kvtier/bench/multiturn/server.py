@@ -2,8 +2,9 @@
 
 `VLLMServer` is a context manager: it picks a free loopback port, starts
 `python -m vllm.entrypoints.openai.api_server` (with kvtier's `--kv-transfer-config` when the
-configuration has one; `kvtier.serve.vllm_command`) in its own session and process group, with its
-temp files, sockets and caches in a private temp dir and its output in `log_path`, and waits for
+configuration has one; `kvtier.integrations.vllm.serve.vllm_command`) in its own session and
+process group, with its temp files, sockets and caches in a private temp dir and its output in
+`log_path`, and waits for
 `/health`. On exit, on an error and on Ctrl-C it stops the whole process group (SIGTERM, then
 SIGKILL after `stop_timeout_s`), so nothing it started is left running.
 """
@@ -27,7 +28,7 @@ from types import TracebackType
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.serve import CONNECTOR, vllm_command
+from kvtier.integrations.vllm.serve import CONNECTOR, vllm_command
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from kvtier.chunks import DEVICE, RECOMPUTED
+
 PERCENTILES = (50, 95, 99)
-RECOMPUTED, DEVICE, HOST = "recomputed", "device", "host"
 
 
 def percentile(values: Sequence[float], q: float) -> float:

@@ -20,13 +20,12 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.events import HOST
+from kvtier.chunks import DEVICE, HOST, RECOMPUTED
 from kvtier.host.tier import HostTier
 from kvtier.manager import TieringManager
 from kvtier.metrics import KVTierMetrics
 
 FINISHED_KEPT = 4096
-DEVICE, RECOMPUTED = "device", "recomputed"
 
 
 @dataclass

@@ -10,7 +10,7 @@ Observability: metrics reach vLLM's `/metrics` through `get_kv_connector_stats` 
 `build_kv_connector_stats` / `build_prom_metrics` (`stats.py`), and are readable in-process from
 `connector.scheduler.accounting.metrics.snapshot()`; each finished request's prompt tokens split by
 source come back in its output's `kv_transfer_params["kvtier"]["tokens"]` (`accounting.py`); KV
-events go out through `take_events` when vLLM's KV events are enabled (`kvtier.events`).
+events go out through `take_events` when vLLM's KV events are enabled (`kvtier.integrations.vllm.kv_events`).
 """
 
 from __future__ import annotations

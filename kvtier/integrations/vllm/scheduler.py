@@ -24,7 +24,8 @@ Per-request options (`options.py`, from `kv_transfer_params`) may skip the load 
 restrict the secondary tiers a load may come from, and set the cascade's retention priority.
 
 Metrics and the per-request split of prompt tokens by source are kept by `accounting.py`; KV events
-(`kvtier.events`) are drained every step by `take_events` and translated when vLLM's KV events are on.
+(`kv_events.py`) are drained every step by `take_events` and translated when vLLM's KV events are
+on.
 """
 
 from __future__ import annotations
@@ -36,14 +37,15 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
+from kvtier.chunks import HOST
 from kvtier.config import KVTierConfig
-from kvtier.events import KVEventTranslator
 from kvtier.integrations.vllm.accounting import Accounting, RequestHits
 from kvtier.integrations.vllm.geometry import EngineGeometry
+from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.options import RequestOptions
 from kvtier.keys import ChunkHasher
-from kvtier.manager import HOST, TieringManager
+from kvtier.manager import TieringManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

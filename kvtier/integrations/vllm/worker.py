@@ -26,8 +26,9 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.integrations.vllm.geometry import EngineGeometry
+from kvtier.integrations.vllm.layouts import engine_layout
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.layout import CopyPlan, EngineLayout, TPShard, engine_layout
+from kvtier.layout import CopyPlan, EngineLayout, TPShard
 from kvtier.transfer import Transfer, make_transfer
 
 log = logging.getLogger("kvtier.vllm.worker")

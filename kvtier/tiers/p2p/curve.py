@@ -22,7 +22,7 @@ import zmq.auth.thread
 from zmq.utils import z85
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p.protocol import PeerFailure
 
 KEY_CHARS = 40

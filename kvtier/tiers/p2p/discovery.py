@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p.protocol import PeerFailure
 
 

@@ -26,8 +26,8 @@ from dataclasses import dataclass
 
 import xxhash
 
-from kvtier.tiers import chunkfmt
-from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.protocol import PeerFailure

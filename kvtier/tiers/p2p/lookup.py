@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from kvtier.tiers.base import LookupResult
-from kvtier.tiers.book import FailureLog, TierBook
+from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.curve import Curve

@@ -14,10 +14,10 @@ from urllib.parse import urlsplit
 import zmq
 
 from kvtier.errors import ConfigError
-from kvtier.tiers import chunkfmt
 from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext
-from kvtier.tiers.book import FailureLog, TierBook
-from kvtier.tiers.iopool import IoPool, JobTracker
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.book import FailureLog, TierBook
+from kvtier.tiers.common.iopool import IoPool, JobTracker
 from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import load_secret
 from kvtier.tiers.p2p.curve import CurveGate, load_curve

@@ -13,8 +13,8 @@ import logging
 import threading
 import time
 
-from kvtier.tiers.book import FailureLog
-from kvtier.tiers.obj_client import is_connection_error
+from kvtier.tiers.common.book import FailureLog
+from kvtier.tiers.obj.client import is_connection_error
 
 DOWN_S = 1.0
 """After a connection-level failure (refused, timed out, closed), requests are not sent for this

@@ -19,7 +19,8 @@ import threading
 from collections import Counter, OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvtier.tiers.base import ChunkKey, LookupResult
+from kvtier.chunks import ChunkKey
+from kvtier.tiers.base import LookupResult
 
 MAX_REMEMBERED = 1 << 20
 """Present keys remembered without `max_bytes` (about 150 MB of index at most)."""

@@ -1,7 +1,7 @@
 """The fs secondary tier: one file per chunk, named by its key, on a local or shared filesystem.
 
 A chunk file is the `chunkfmt` header (4 KiB) followed by the host row; the directory layout is in
-`kvtier.tiers.fs_index`. Several instances (processes, hosts) may share one directory without
+`kvtier.tiers.fs.index`. Several instances (processes, hosts) may share one directory without
 configuration: files are published by writing a temp file in the target directory and renaming it
 over the final name, so a reader sees either no file or a complete one; a file that another
 instance removes between a lookup and a load is a miss. Files are not fsynced: after a crash a file
@@ -30,22 +30,15 @@ import threading
 import time
 from collections.abc import Sequence
 
+from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.tiers import chunkfmt, fs_native
-from kvtier.tiers.base import (
-    ChunkKey,
-    Job,
-    JobKind,
-    JobResult,
-    LookupResult,
-    SecondaryTier,
-    TierContext,
-    TierEvent,
-    TierEventKind,
-)
-from kvtier.tiers.book import FailureLog, KeyWork, TierBook
-from kvtier.tiers.fs_index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
-from kvtier.tiers.fs_io import (
+from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.book import FailureLog, KeyWork, TierBook
+from kvtier.tiers.common.iopool import IoPool
+from kvtier.tiers.fs import native as fs_native
+from kvtier.tiers.fs.index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
+from kvtier.tiers.fs.io import (
     O_CLOEXEC,
     O_DIRECT,
     PAGE,
@@ -55,7 +48,6 @@ from kvtier.tiers.fs_io import (
     read_chunk,
     write_chunk,
 )
-from kvtier.tiers.iopool import IoPool
 from kvtier.tiers.registry import number_option
 
 MTIME_REFRESH_S = 1.0

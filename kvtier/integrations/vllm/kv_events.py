@@ -20,9 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.tiers.base import ChunkKey, TierEvent, TierEventKind
+from kvtier.chunks import HOST, ChunkKey, TierEvent, TierEventKind
 
-HOST = "host"
 # tier type → (medium, locality); a plugin tier of unknown type is STORAGE, locality unknown.
 PLACEMENT: dict[str, tuple[str, str | None]] = {
     HOST: ("CPU", "LOCAL"),

@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from kvtier.tiers import chunkfmt
-from kvtier.tiers.fs_index import (
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.fs.index import (
     CHUNK_NAME_RE,
     FANOUT_DIR_RE,
     LAYOUT_DIR_RE,

@@ -3,7 +3,7 @@
 `StreamTransfer` queues each job's copies (`StagedCopy`) on a copy stream and returns at once;
 `poll` reports a job once the event recorded after its copies has completed (`query()`, which
 never blocks). The stream and event operations sit behind `CopyStreams`, implemented for CUDA by
-`kvtier.transfer_cuda.CudaStreams`, and by a scripted stand-in in the tests.
+`kvtier.transfer.cuda.CudaStreams`, and by a scripted stand-in in the tests.
 
 Hazards, and what orders them (the compute stream is the one vLLM runs the forward pass on):
 
@@ -45,8 +45,8 @@ import torch
 
 from kvtier.host.region import HostPinner, HostRegion
 from kvtier.layout import CopyPlan, host_rows
-from kvtier.transfer import CopyResult, Transfer
-from kvtier.transfer_staged import DEFAULT_STAGING_BYTES, StagedCopy
+from kvtier.transfer.base import CopyResult, Transfer
+from kvtier.transfer.staged import DEFAULT_STAGING_BYTES, StagedCopy
 
 log = logging.getLogger("kvtier.transfer")
 

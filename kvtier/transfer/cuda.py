@@ -23,8 +23,8 @@ from typing import Any, cast
 import torch
 
 from kvtier.layout import CopyPlan
-from kvtier.transfer_async import CopyEvent, CopyStreams, Direction, StreamTransfer
-from kvtier.transfer_staged import DEFAULT_STAGING_BYTES
+from kvtier.transfer.staged import DEFAULT_STAGING_BYTES
+from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer
 
 log = logging.getLogger("kvtier.transfer")
 

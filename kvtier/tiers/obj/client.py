@@ -23,7 +23,7 @@ import threading
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.tiers import chunkfmt
+from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.registry import number_option
 
 HIDDEN = "<hidden>"

@@ -18,9 +18,9 @@ import errno
 import mmap
 import os
 
-from kvtier.tiers import chunkfmt
-from kvtier.tiers.fs_index import temp_name
-from kvtier.tiers.fs_native import NativeWriter
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.fs.index import temp_name
+from kvtier.tiers.fs.native import NativeWriter
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)

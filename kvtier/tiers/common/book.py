@@ -15,8 +15,9 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from kvtier.tiers.base import ChunkKey, Job, JobKind, JobResult, TierContext, TierEvent, TierEventKind
-from kvtier.tiers.iopool import IoPool, JobTracker
+from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.tiers.base import Job, JobKind, JobResult, TierContext
+from kvtier.tiers.common.iopool import IoPool, JobTracker
 
 LOG_INTERVAL_S = 600.0
 """A failure cause already logged is logged again (with the count since) at most this often."""

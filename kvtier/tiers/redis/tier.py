@@ -33,23 +33,15 @@ from urllib.parse import urlsplit
 
 from redis.utils import HIREDIS_AVAILABLE
 
+from kvtier.chunks import ChunkKey, TierEvent
 from kvtier.errors import ConfigError
-from kvtier.tiers import chunkfmt
-from kvtier.tiers.base import (
-    ChunkKey,
-    Job,
-    JobKind,
-    JobResult,
-    LookupResult,
-    SecondaryTier,
-    TierContext,
-    TierEvent,
-)
-from kvtier.tiers.book import TierBook
-from kvtier.tiers.iopool import JobTracker
-from kvtier.tiers.redis_chunks import ChunkStore, Item
-from kvtier.tiers.redis_link import RedisLink
-from kvtier.tiers.redis_wire import redact_url
+from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.book import TierBook
+from kvtier.tiers.common.iopool import JobTracker
+from kvtier.tiers.redis.chunks import ChunkStore, Item
+from kvtier.tiers.redis.link import RedisLink
+from kvtier.tiers.redis.wire import redact_url
 from kvtier.tiers.registry import number_option
 
 SCHEMES = ("redis", "rediss", "unix")
