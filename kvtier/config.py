@@ -13,6 +13,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from kvtier.errors import ConfigError, unknown_name_message
+from kvtier.policies.base import AdmissionPolicy, AdmitAll, EvictionPolicy
+from kvtier.policies.lru import LRUPolicy
+from kvtier.policies.registry import resolve_admission, resolve_eviction
 from kvtier.tiers.registry import check_tier_options, resolve_tier
 
 HASH_ALGORITHMS = ("sha256", "blake3")
@@ -43,13 +46,22 @@ class KVTierConfig:
     tier_job_timeout_s: float = 60.0
     tier_restart_backoff_s: float = 1.0
     shm_dir: str = "/dev/shm"
+    eviction_class: type[EvictionPolicy[Any]] = field(default=LRUPolicy, compare=False, repr=False)
+    """The class `eviction_policy` names, resolved once when the config is parsed."""
+    admission_class: type[AdmissionPolicy] = field(default=AdmitAll, compare=False, repr=False)
+    """The class `admission_policy` names, resolved once when the config is parsed."""
+
+    @classmethod
+    def field_names(cls) -> list[str]:
+        """The JSON keys (every field but the resolved classes)."""
+        return [f.name for f in fields(cls) if not f.name.endswith("_class")]
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVTierConfig:
         """Parse and validate a config dict."""
         if not isinstance(raw, Mapping):
             raise ConfigError("kv_connector_extra_config", raw, "must be a JSON object")
-        known = [f.name for f in fields(cls)]
+        known = cls.field_names()
         for key in raw:
             if key not in known:
                 raise ConfigError(key, raw[key], unknown_name_message(str(key), known))
@@ -59,7 +71,6 @@ class KVTierConfig:
         policy_mp = _optional_string(raw, "eviction_policy_module_path")
         admission = _string(raw, "admission_policy", "all")
         admission_mp = _optional_string(raw, "admission_policy_module_path")
-        _check_policies(policy, policy_mp, admission, admission_mp)
         hash_algorithm = _string(raw, "hash_algorithm", "sha256")
         if hash_algorithm not in HASH_ALGORITHMS:
             raise ConfigError("hash_algorithm", hash_algorithm, f"one of {HASH_ALGORITHMS}")
@@ -75,16 +86,9 @@ class KVTierConfig:
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
+            eviction_class=resolve_eviction(policy, policy_mp),
+            admission_class=resolve_admission(admission, admission_mp),
         )
-
-
-def _check_policies(
-    policy: str, policy_mp: str | None, admission: str, admission_mp: str | None
-) -> None:
-    from kvtier.policies.registry import resolve_admission, resolve_eviction
-
-    resolve_eviction(policy, policy_mp)
-    resolve_admission(admission, admission_mp)
 
 
 def _int(raw: Mapping[str, Any], key: str, default: int | None, *, minimum: int) -> int:

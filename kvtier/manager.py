@@ -15,18 +15,16 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 from kvtier.chunks import HOST, ChunkKey, TierEvent
 from kvtier.config import KVTierConfig
-from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
+from kvtier.metrics import KVTierMetrics
 from kvtier.policies.base import AdmissionPolicy, AdmitAll
-from kvtier.policies.registry import resolve_admission, resolve_eviction
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
 from kvtier.tiers.process import TierProcess, TierSpec
 
@@ -62,18 +60,6 @@ class PrefixLookup:
 
 
 @dataclass(frozen=True)
-class TransferOutcome:
-    """One finished tier job: `chunks` moved, `failed` not, in `seconds` (as the tier measured)."""
-
-    tier: str
-    kind: JobKind
-    chunks: int
-    failed: int
-    bytes_moved: int
-    seconds: float
-
-
-@dataclass(frozen=True)
 class _Transfer:
     tier: str
     kind: JobKind
@@ -88,6 +74,7 @@ class TieringManager:
         host: HostTier,
         tiers: Sequence[TierHandle],
         admission: AdmissionPolicy | None = None,
+        metrics: KVTierMetrics | None = None,
     ) -> None:
         self.host = host
         self.tiers = {t.name: t for t in tiers}
@@ -97,8 +84,8 @@ class TieringManager:
         self._job_ids = itertools.count(1)
         self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
-        self._outcomes: list[TransferOutcome] = []
-        self.counters: Counter[str] = Counter()
+        self.metrics = metrics or KVTierMetrics()
+        """Where every transfer, failure and refusal of this manager is counted."""
         self.region: HostRegion | None = None
 
     @classmethod
@@ -110,20 +97,12 @@ class TieringManager:
         All-or-nothing: if any part fails (a tier rejects its options, the region does not fit),
         what was already built is shut down in reverse order and the error is re-raised.
         """
-        if row_bytes > config.cpu_bytes_to_use:
-            raise ConfigError(
-                "cpu_bytes_to_use", config.cpu_bytes_to_use,
-                f"must hold at least one chunk row ({row_bytes} bytes)",
-            )
-        region = HostRegion.create(config.cpu_bytes_to_use, shm_dir=config.shm_dir)
+        region = HostRegion.create(config.cpu_bytes_to_use, shm_dir=config.shm_dir, min_bytes=row_bytes)
         started: list[TierProcess] = []
         try:
             num_slots = region.size // row_bytes
-            policy = resolve_eviction(config.eviction_policy, config.eviction_policy_module_path)
-            host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy(num_slots))
-            admission = resolve_admission(
-                config.admission_policy, config.admission_policy_module_path
-            )()
+            policy = config.eviction_class(num_slots)
+            host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy)
             for i, tier in enumerate(config.secondary_tiers):
                 spec = TierSpec(
                     tier_name=tier.name, type=tier.type, module_path=tier.module_path,
@@ -139,7 +118,7 @@ class TieringManager:
                 started.append(proc)
             for proc in started:
                 proc.wait_ready()
-            manager = cls(host, started, admission)
+            manager = cls(host, started, config.admission_class())
         except BaseException:
             for proc in reversed(started):
                 proc.shutdown()
@@ -201,7 +180,7 @@ class TieringManager:
         """Allocate host slots for `keys` and load each from its source tier."""
         slots = self.host.prepare_store(keys)
         if slots is None:
-            self.counters["promotions_no_space"] += 1
+            self.metrics.inc("promotions_refused", 1)
             return False
         by_tier: dict[str, list[ChunkKey]] = {}
         for key, source in zip(keys, sources, strict=True):
@@ -224,7 +203,7 @@ class TieringManager:
                 continue
             slots = self.host.prepare_load(admitted)
             if slots is None:
-                self.counters[f"cascade_skipped:{name}"] += len(admitted)
+                self.metrics.inc("cascade_skipped_chunks", len(admitted), name)
                 continue
             tier.submit_store(self._job(name, JobKind.STORE, admitted, slots))
 
@@ -245,14 +224,7 @@ class TieringManager:
         ok = set(result.successful_keys).intersection(transfer.keys)
         failed = [k for k in transfer.keys if k not in ok]
         done = [k for k in transfer.keys if k in ok]
-        kind = transfer.kind.value
-        self.counters[f"{kind}_chunks:{transfer.tier}"] += len(done)
-        self.counters[f"{kind}_bytes:{transfer.tier}"] += result.bytes_moved
-        if failed:
-            self.counters[f"{kind}_failures:{transfer.tier}"] += len(failed)
-        self._outcomes.append(TransferOutcome(
-            transfer.tier, transfer.kind, len(done), len(failed), result.bytes_moved, result.seconds
-        ))
+        self._count(transfer, len(done), len(failed), result)
         if transfer.kind is JobKind.STORE:
             self.host.complete_load(transfer.keys)
             return
@@ -267,10 +239,14 @@ class TieringManager:
         events, self._events = self._events, []
         return events
 
-    def take_outcomes(self) -> list[TransferOutcome]:
-        """Tier jobs finished since the last call, oldest first (for metrics)."""
-        outcomes, self._outcomes = self._outcomes, []
-        return outcomes
+    def _count(self, transfer: _Transfer, done: int, failed: int, result: JobResult) -> None:
+        m, tier, op = self.metrics, transfer.tier, transfer.kind.value
+        m.inc("failures", failed, tier, op)
+        if done:
+            m.inc("transfer_chunks", done, tier, op)
+            m.inc("transfer_bytes", result.bytes_moved, tier, op)
+            m.inc("transfer_seconds", result.seconds, tier, op)
+            m.observe("transfer_latency_seconds", result.seconds, tier, op)
 
     @property
     def in_flight(self) -> int:

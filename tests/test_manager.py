@@ -70,6 +70,16 @@ def settle(m: TieringManager, keys: list[bytes], tiers=None, timeout_s: float = 
         time.sleep(0.002)
 
 
+def chunks(m: TieringManager, tier: str, op: str) -> float:
+    """Chunks the manager moved for `tier` and `op`, as its metrics count them."""
+    return m.metrics.value("kvtier_transfer_chunks_total", tier=tier, op=op)
+
+
+def changes(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    """The samples of a metrics snapshot that moved, by how much."""
+    return {k: v - before.get(k, 0) for k, v in after.items() if v != before.get(k, 0)}
+
+
 def evict_all(m: TieringManager) -> None:
     store_in_host(m, [random_key() for _ in range(HOST_SLOTS)])
     drain(m)
@@ -79,8 +89,8 @@ def test_cascade_then_promotion_restores_identical_rows(manager: TieringManager)
     keys = [random_key() for _ in range(4)]
     rows = store_in_host(manager, keys)
     drain(manager)
-    assert manager.counters["store_chunks:memory"] == 4
-    assert manager.counters["store_chunks:fs"] == 4
+    assert chunks(manager, "memory", "store") == 4
+    assert chunks(manager, "fs", "store") == 4
     evict_all(manager)
     assert manager.host.lookup(keys) == 0
     first = manager.lookup_prefix(keys)
@@ -99,8 +109,8 @@ def test_promotion_from_a_chosen_tier(manager: TieringManager) -> None:
     drain(manager)
     evict_all(manager)
     assert settle(manager, keys, tiers=["fs"]).ready == 2
-    assert manager.counters["load_chunks:fs"] == 2
-    assert manager.counters["load_chunks:memory"] == 0
+    assert chunks(manager, "fs", "load") == 2
+    assert chunks(manager, "memory", "load") == 0
 
 
 def test_promotions_report_their_source_tier_and_outcome(manager: TieringManager) -> None:
@@ -110,7 +120,7 @@ def test_promotions_report_their_source_tier_and_outcome(manager: TieringManager
     evict_all(manager)
     store_in_host(manager, keys[:1])
     drain(manager)
-    manager.take_outcomes()
+    before = manager.metrics.snapshot()
     promoting: tuple[str, ...] = ()
     deadline = time.monotonic() + 10
     while True:
@@ -123,10 +133,17 @@ def test_promotions_report_their_source_tier_and_outcome(manager: TieringManager
         time.sleep(0.002)
     assert found.ready == 3
     assert promoting == ("fs", "fs")
-    loads = [o for o in manager.take_outcomes() if o.kind.value == "load"]
-    assert [(o.tier, o.chunks, o.failed, o.bytes_moved) for o in loads] == [("fs", 2, 0, 2 * ROW)]
-    assert loads[0].seconds >= 0
-    assert manager.take_outcomes() == []
+    moved = changes(before, manager.metrics.snapshot())
+    fs_load = 'tier="fs"'
+    timings = ("kvtier_transfer_seconds", "kvtier_transfer_latency_seconds_sum")
+    assert {k: v for k, v in moved.items() if "load" in k and not k.startswith(timings)} == {
+        f'kvtier_transfer_chunks_total{{op="load",{fs_load}}}': 2,
+        f'kvtier_transfer_bytes_total{{op="load",{fs_load}}}': 2 * ROW,
+        f'kvtier_transfer_latency_seconds_count{{op="load",{fs_load}}}': 1,
+    }
+    assert moved.get(f'kvtier_transfer_seconds_total{{op="load",{fs_load}}}', 0) >= 0
+    manager.poll()
+    assert chunks(manager, "fs", "load") == 2  # a finished job is counted once
 
 
 def test_prefix_stops_at_the_first_chunk_no_tier_holds(manager: TieringManager) -> None:
@@ -145,7 +162,7 @@ def test_no_host_space_means_no_promotion(manager: TieringManager) -> None:
     pinned = [random_key() for _ in range(HOST_SLOTS)]
     assert manager.host.prepare_store(pinned) is not None
     assert settle(manager, keys) == PrefixLookup(0, pending=False)
-    assert manager.counters["promotions_no_space"] >= 1
+    assert manager.metrics.value("kvtier_promotions_refused_total") >= 1
     manager.host.complete_store(pinned, success=False)
     manager.host.check()
 

@@ -72,6 +72,21 @@ class HostPinner(Protocol):
         """Unpin the range registered at `address`; never raises."""
 
 
+def check_region_size(size: int, shm_dir: str, key: str, min_bytes: int = 1) -> int:
+    """`size` rounded up to a page, or ConfigError naming `key` when it is below `min_bytes` (e.g.
+    one chunk row) or the region would not fit in the free space of `shm_dir` now. The one check of
+    a host region's size: the host tier's start and `kvtier serve`'s early check both call it."""
+    if size < max(min_bytes, 1):
+        what = f"at least one chunk row ({min_bytes} bytes)" if min_bytes > 1 else "a positive number"
+        raise ConfigError(key, size, f"must hold {what}")
+    size = -(-size // PAGE) * PAGE
+    st = os.statvfs(shm_dir)
+    free = st.f_bavail * st.f_frsize
+    if size > free:
+        raise ConfigError(key, size, f"the host region must fit in {shm_dir}, which has {free} bytes free")
+    return size
+
+
 class HostRegion:
     """A mapped shared-memory segment. `buf` is writable and page-aligned."""
 
@@ -90,23 +105,21 @@ class HostRegion:
 
     @classmethod
     def create(
-        cls, size: int, *, shm_dir: str = SHM_DIR, pretouch: bool = True, key: str = "cpu_bytes_to_use"
+        cls,
+        size: int,
+        *,
+        shm_dir: str = SHM_DIR,
+        pretouch: bool = True,
+        key: str = "cpu_bytes_to_use",
+        min_bytes: int = 1,
     ) -> HostRegion:
         """Create and map a fresh segment of `size` bytes (rounded up to a page).
 
-        Raises ConfigError naming `key` when the size is not positive or does not fit in the free
-        space of `shm_dir`.
+        Raises ConfigError naming `key` when the size is below `min_bytes` or does not fit in the
+        free space of `shm_dir` (`check_region_size`).
         """
-        if size <= 0:
-            raise ConfigError(key, size, "must be a positive number of bytes")
-        size = -(-size // PAGE) * PAGE
         remove_stale_regions(shm_dir)
-        st = os.statvfs(shm_dir)
-        free = st.f_bavail * st.f_frsize
-        if size > free:
-            raise ConfigError(
-                key, size, f"the host region must fit in {shm_dir}, which has {free} bytes free"
-            )
+        size = check_region_size(size, shm_dir, key, min_bytes)
         pid = os.getpid()
         name = f"kvtier-{pid}-{_start_time(pid)}-{secrets.token_hex(4)}"
         path = os.path.join(shm_dir, name)

@@ -43,6 +43,10 @@ def compute_prompt(s: KVTierScheduler, req: FakeRequest, block_ids: list[int], o
     s.request_finished(req)  # type: ignore[arg-type]
 
 
+def host_failures(sched: KVTierScheduler, op: str) -> float:
+    return sched.manager.metrics.value("kvtier_failures_total", tier="host", op=op)
+
+
 def test_store_is_published_only_after_the_worker_copied_it(sched: KVTierScheduler) -> None:
     req = FakeRequest("a", PROMPT)
     sched.test_blocks["a"] = [7, 3, 5, 9]  # type: ignore[attr-defined]
@@ -63,7 +67,7 @@ def test_store_is_published_only_after_the_worker_copied_it(sched: KVTierSchedul
 def test_failed_store_frees_its_rows(sched: KVTierScheduler) -> None:
     compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3], ok=False)
     assert sched.manager.host.stats().used == 0
-    assert sched.counters["store_failures"] == 3
+    assert host_failures(sched, "store") == 3
 
 
 def test_chunks_without_room_wait_for_the_next_step(sched: KVTierScheduler) -> None:
@@ -78,7 +82,7 @@ def test_chunks_without_room_wait_for_the_next_step(sched: KVTierScheduler) -> N
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
     (job,) = sched.build_connector_meta(FakeSchedulerOutput({"c": 14})).stores
     assert job.block_ids == ((8,), (9,)) and list(job.keys) == sched.hasher.keys(PROMPT)[:2]
-    assert sched.counters["store_no_space"] == 1
+    assert host_failures(sched, "store") == 1
     req.num_computed_tokens = 14
     sched.update_connector_output(
         KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata({job.job_id: (1, True)}))

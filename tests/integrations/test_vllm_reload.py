@@ -99,6 +99,11 @@ def settle(scheduler: Any, timeout_s: float = 20.0) -> None:
         scheduler.manager.poll()
 
 
+def host_loads(scheduler: Any) -> float:
+    """Chunks copied host → device so far (kvtier's transfer metric)."""
+    return scheduler.manager.metrics.value("kvtier_transfer_chunks_total", tier="host", op="load")
+
+
 def reference(llm: Any, prompt: str) -> tuple[Result, int, list[bytes]]:
     """Serve `prompt` once (computed, stored) and again from vLLM's device prefix cache; return the
     second result, the hit length and the keys of the hit's chunks."""
@@ -115,13 +120,13 @@ def test_reload_from_host_tier_matches_device_prefix_cache(llm: Any, spy: KVSpy)
     scheduler, _ = connector_halves(llm)
     ref, hit, keys = reference(llm, PROMPTS["lighthouse"])
     assert all(scheduler.manager.host.contains(k) for k in keys)
-    loads = scheduler.counters["load_chunks"]
+    loads = host_loads(scheduler)
 
     assert llm.reset_prefix_cache()
     again = generate(llm, PROMPTS["lighthouse"])
 
     assert again.cached == hit
-    assert scheduler.counters["load_chunks"] - loads == len(keys)
+    assert host_loads(scheduler) - loads == len(keys)
     assert again.tokens == ref.tokens
     for key in keys:
         assert spy.loaded[key] == spy.stored[key]
@@ -138,13 +143,13 @@ def test_reload_from_fs_tier_after_host_eviction(llm: Any, spy: KVSpy) -> None:
         generate(llm, PROMPTS[filler], max_tokens=1)
     assert not any(host.contains(k) for k in keys), "the fillers did not evict the prompt"
     settle(scheduler)
-    fs_loads = manager.counters["load_chunks:fs"]
+    fs_loads = manager.metrics.value("kvtier_transfer_chunks_total", tier="fs", op="load")
 
     assert llm.reset_prefix_cache()
     again = generate(llm, PROMPTS["bread"])
 
     assert again.cached == hit
-    assert manager.counters["load_chunks:fs"] - fs_loads == len(keys)
+    assert manager.metrics.value("kvtier_transfer_chunks_total", tier="fs", op="load") - fs_loads == len(keys)
     assert again.tokens == ref.tokens
     for key in keys:
         assert spy.loaded[key] == spy.stored[key]
@@ -161,14 +166,14 @@ def test_decode_chunks_of_one_turn_are_reloaded_in_the_next(llm: Any, spy: KVSpy
     hit = (len(turn2) - 1) // CHUNK * CHUNK
     assert hit == len(keys) * CHUNK
     settle(scheduler)
-    loads = scheduler.counters["load_chunks"]
+    loads = host_loads(scheduler)
 
     assert llm.reset_prefix_cache()
     again = generate(llm, turn2)
     ref = generate(llm, turn2)  # vLLM's own device prefix cache, same hit length
 
     assert again.cached == ref.cached == hit
-    assert scheduler.counters["load_chunks"] - loads == len(keys)
+    assert host_loads(scheduler) - loads == len(keys)
     assert again.tokens == ref.tokens
     for key in keys:
         assert spy.loaded[key] == spy.stored[key]
@@ -180,12 +185,12 @@ def test_a_batch_mixing_a_reload_and_a_miss(llm: Any) -> None:
     scheduler, _ = connector_halves(llm)
     _, hit, keys = reference(llm, PROMPTS["birds"])
     settle(scheduler)
-    loads = scheduler.counters["load_chunks"]
+    loads = host_loads(scheduler)
     assert llm.reset_prefix_cache()
     params = SamplingParams(temperature=0.0, max_tokens=4)
     outs = llm.generate([PROMPTS["birds"], PROMPTS["garden"]], params, use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [hit, 0]
-    assert scheduler.counters["load_chunks"] - loads == len(keys)
+    assert host_loads(scheduler) - loads == len(keys)
     assert all(len(o.outputs[0].token_ids) == 4 for o in outs)
     garden = scheduler.hasher.keys(list(outs[1].prompt_token_ids))
     settle(scheduler)

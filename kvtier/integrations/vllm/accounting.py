@@ -23,7 +23,6 @@ from typing import Any
 from kvtier.chunks import DEVICE, HOST, RECOMPUTED
 from kvtier.host.tier import HostTier
 from kvtier.manager import TieringManager
-from kvtier.metrics import KVTierMetrics
 
 FINISHED_KEPT = 4096
 
@@ -52,7 +51,7 @@ class Accounting:
     def __init__(self, manager: TieringManager, chunk_tokens: int) -> None:
         self.manager = manager
         self.chunk_tokens = chunk_tokens
-        self.metrics = KVTierMetrics()
+        self.metrics = manager.metrics
         self.sources = [HOST, *manager.tiers]
         self.finished: OrderedDict[str, dict[str, int]] = OrderedDict()
 
@@ -103,17 +102,7 @@ class Accounting:
         return {"kvtier": {"tokens": dict(split)}}
 
     def step(self) -> None:
-        """Once per engine step: finished tier jobs and occupancy of every tier."""
-        m = self.metrics
-        for out in self.manager.take_outcomes():
-            op = out.kind.value
-            if out.failed:
-                m.inc("failures", out.failed, out.tier, op)
-            if out.chunks:
-                m.inc("transfer_chunks", out.chunks, out.tier, op)
-                m.inc("transfer_bytes", out.bytes_moved, out.tier, op)
-                m.inc("transfer_seconds", out.seconds, out.tier, op)
-                m.observe("transfer_latency_seconds", out.seconds, out.tier, op)
+        """Once per engine step: occupancy of every tier (the manager counts its own transfers)."""
         self._occupancy_host(self.manager.host)
         for name, tier in self.manager.tiers.items():
             self._occupancy(name, getattr(tier, "last_stats", {}))

@@ -57,8 +57,6 @@ HIT_SOURCE = {
 class KVTierConnector(KVConnectorBase_V1):
     """Tiered KV-cache offloading for vLLM: host memory first, then secondary tiers."""
 
-    _cache_hit_source = CacheHitSource.HOST
-
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
@@ -190,7 +188,7 @@ class KVTierConnector(KVConnectorBase_V1):
         metadata instead). Called by vLLM's scheduler every step."""
         if self.scheduler is None:
             return None
-        delta = self.scheduler.accounting.metrics.take_delta()
+        delta = self.scheduler.manager.metrics.take_delta()
         return None if delta is None else KVTierStats(delta)
 
     @classmethod

@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
@@ -119,7 +118,6 @@ class KVTierScheduler:
         self.hasher = ChunkHasher(config.hash_algorithm, geometry.fingerprint, layout.chunk_tokens)
         self.shm_dir = config.shm_dir
         self.world_size = world_size
-        self.counters: Counter[str] = Counter()
         self._block_ids_of: BlockIdsFn | None = None
         self._requests: dict[str, _Request] = {}
         self._loads_to_send: list[ChunkCopy] = []
@@ -195,7 +193,8 @@ class KVTierScheduler:
         ids = blocks.get_block_ids()[0]
         chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c in range(first, first + count))
         if slots is None:
-            self.counters["load_pin_failures"] += 1
+            # The rows left the host tier since the lookup: these chunks are recomputed.
+            self.manager.metrics.inc("failures", count, HOST, "load")
             slots = []
         else:
             self._loading[request.request_id] = keys
@@ -203,7 +202,6 @@ class KVTierScheduler:
         if slots:
             self._loads[job.job_id] = _Load(req_id=request.request_id, sources=sources)
         self._loads_to_send.append(job)
-        self.counters["load_chunks"] += len(slots)
 
     # -- each step -----------------------------------------------------------------------------
 
@@ -252,7 +250,6 @@ class KVTierScheduler:
         # request's next step; a later chunk is never stored before them.
         state.stored = first + fitted
         if fitted < len(keys):
-            self.counters["store_no_space"] += len(keys) - fitted
             self.accounting.store_rejected(len(keys) - fitted)
         new = [(c, key) for c, key in enumerate(keys, first) if key in slots]
         if not new:
@@ -283,7 +280,6 @@ class KVTierScheduler:
                 del self._stores[job_id]
                 self.accounting.copied("store", len(store.keys), store.seconds, store.ok)
                 host.complete_store(store.keys, success=store.ok)
-                self.counters["store_chunks" if store.ok else "store_failures"] += len(store.keys)
                 if store.ok:
                     self.manager.cascade(store.keys, store.priority)
         for req_id in output.finished_recving or ():
