@@ -19,9 +19,9 @@ import pytest
 import torch
 
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.layouts import engine_layout
+from kvtier.integrations.vllm.layouts import engine_layout, engine_layout_name
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata
-from kvtier.integrations.vllm.worker import KVTierWorker, engine_layout_name
+from kvtier.integrations.vllm.worker import KVTierWorker
 from kvtier.layout import CopyPlan, TPShard, host_rows
 from kvtier.transfer import HostTransfer, Transfer, make_transfer
 from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer

@@ -25,6 +25,8 @@ Read from the installed vLLM 0.32.0 sources:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from kvtier.errors import ConfigError, unknown_name_message
@@ -90,3 +92,21 @@ def engine_layout(name: str) -> EngineLayout:
     if name not in ENGINE_LAYOUTS:
         raise ConfigError("engine_layout", name, unknown_name_message(name, ENGINE_LAYOUTS))
     return ENGINE_LAYOUTS[name]()
+
+
+def engine_layout_name(device_type: str, shape: Sequence[int]) -> str:
+    """The engine layout of a vLLM layer KV tensor of `shape` on `device_type`.
+
+    vLLM 0.32 hands every attention backend a logical `[num_blocks, H, block_size, C]` layer view
+    (`vllm/v1/kv_cache_layout.py`, whatever the physical stride order). The CPU backend packs K
+    transposed into C (`vllm_cpu`); the CUDA backends for a plain KV dtype (FlashAttention,
+    FlashInfer, Triton, FlexAttention) split C per token as K | V (`vllm_flash_attn`). A 5-D
+    `[2, num_blocks, block_size, H, D]` tensor is older vLLM's FlashAttention (`stacked_kv`).
+    """
+    if device_type == "cpu":
+        return "vllm_cpu"
+    if device_type == "cuda" and len(shape) == 4:
+        return "vllm_flash_attn"
+    if device_type == "cuda" and len(shape) == 5 and shape[0] == 2:
+        return "stacked_kv"
+    raise NotImplementedError(f"kvtier: no engine layout for a KV tensor {tuple(shape)} on {device_type}")

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.integrations.vllm.geometry import EngineGeometry
-from kvtier.integrations.vllm.layouts import engine_layout
+from kvtier.integrations.vllm.layouts import engine_layout, engine_layout_name
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.layout import CopyPlan, EngineLayout, TPShard
 from kvtier.transfer import Transfer, make_transfer
@@ -34,24 +34,6 @@ from kvtier.transfer import Transfer, make_transfer
 log = logging.getLogger("kvtier.vllm.worker")
 
 TransferFactory = Callable[[CopyPlan, Sequence[torch.Tensor]], Transfer]
-
-
-def engine_layout_name(device_type: str, shape: Sequence[int]) -> str:
-    """The engine layout of a vLLM layer KV tensor of `shape` on `device_type`.
-
-    vLLM 0.32 hands every attention backend a logical `[num_blocks, H, block_size, C]` layer view
-    (`vllm/v1/kv_cache_layout.py`, whatever the physical stride order). The CPU backend packs K
-    transposed into C (`vllm_cpu`); the CUDA backends for a plain KV dtype (FlashAttention,
-    FlashInfer, Triton, FlexAttention) split C per token as K | V (`vllm_flash_attn`). A 5-D
-    `[2, num_blocks, block_size, H, D]` tensor is older vLLM's FlashAttention (`stacked_kv`).
-    """
-    if device_type == "cpu":
-        return "vllm_cpu"
-    if device_type == "cuda" and len(shape) == 4:
-        return "vllm_flash_attn"
-    if device_type == "cuda" and len(shape) == 5 and shape[0] == 2:
-        return "stacked_kv"
-    raise NotImplementedError(f"kvtier: no engine layout for a KV tensor {tuple(shape)} on {device_type}")
 
 
 @dataclass(frozen=True)
