@@ -200,15 +200,7 @@ class CopyPlan:
         slots: Sequence[int],
     ) -> None:
         """Write this rank's heads of chunk i (blocks `block_ids_per_chunk[i]`) to `slots[i]`."""
-        pairs = self._pairs(layer_tensors, block_ids_per_chunk, host_rows, slots)
-        if len(set(slots)) != len(slots):
-            raise ValueError(f"slots must be distinct, got {list(slots)}")
-        if not self.shard.writes:
-            return
-        for layer, kv in enumerate(layer_tensors):
-            for engine, host in self._views(kv, host_rows, layer):
-                for slot, j, block in pairs:
-                    host[slot, j].copy_(engine[block])
+        self._copy(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host=True)
 
     def host_to_engine(
         self,
@@ -218,13 +210,32 @@ class CopyPlan:
         slots: Sequence[int],
     ) -> None:
         """Write this rank's heads of row `slots[i]` into blocks `block_ids_per_chunk[i]`."""
+        self._copy(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host=False)
+
+    def _copy(
+        self,
+        layer_tensors: Sequence[torch.Tensor],
+        block_ids_per_chunk: Sequence[Sequence[int]],
+        host_rows: torch.Tensor,
+        slots: Sequence[int],
+        to_host: bool,
+    ) -> None:
+        """One pass over the bytes in either direction; the destinations must be distinct (host
+        slots on a store, engine blocks on a load), and a non-writing replica stores nothing."""
         pairs = self._pairs(layer_tensors, block_ids_per_chunk, host_rows, slots)
-        if len({block for _, _, block in pairs}) != len(pairs):
+        if to_host and len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {list(slots)}")
+        if not to_host and len({block for _, _, block in pairs}) != len(pairs):
             raise ValueError("destination block ids must be distinct")
+        if to_host and not self.shard.writes:
+            return
         for layer, kv in enumerate(layer_tensors):
             for engine, host in self._views(kv, host_rows, layer):
                 for slot, j, block in pairs:
-                    engine[block].copy_(host[slot, j])
+                    if to_host:
+                        host[slot, j].copy_(engine[block])
+                    else:
+                        engine[block].copy_(host[slot, j])
 
     def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V block views `[num_blocks, H_local, block_size, D]` of one layer tensor;
