@@ -35,8 +35,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.chat_run import kv_bytes_per_token, vllm_environment
-from kvtier.bench.workload import CONVERSATIONS
+from kvtier.bench.multiturn.chats import CHATS
+from kvtier.bench.multiturn.presets import kv_bytes_per_token
+from kvtier.integrations.vllm.launch import in_process_env, transfer_config
 from kvtier.tools.models import model_dir
 
 KINDS = ("recompute", "fs", "host")
@@ -44,7 +45,7 @@ KINDS = ("recompute", "fs", "host")
 
 def prompt_ids(tokenizer: Any, index: int, tokens: int) -> list[int]:
     """`tokens` token ids of real English text, different from the first token on per `index`."""
-    texts = [c.opening for c in CONVERSATIONS]
+    texts = [c.opening for c in CHATS]
     ids: list[int] = tokenizer.encode(f"Reading list number {index}. ")
     turn = index
     while len(ids) < tokens:
@@ -55,7 +56,6 @@ def prompt_ids(tokenizer: Any, index: int, tokens: int) -> list[int]:
 
 def build_llm(model: Path, tokens: int, block_size: int, host_prompts: float, fs_dir: Path) -> Any:
     from vllm import LLM
-    from vllm.config import KVTransferConfig
 
     per_token = kv_bytes_per_token(model, "float32")
     device_blocks = tokens // block_size + 4
@@ -63,13 +63,10 @@ def build_llm(model: Path, tokens: int, block_size: int, host_prompts: float, fs
         "cpu_bytes_to_use": int(host_prompts * tokens * per_token),
         "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}],
     }
-    transfer = KVTransferConfig(kv_connector="KVTierConnector",
-                                kv_connector_module_path="kvtier.integrations.vllm",
-                                kv_role="kv_both", kv_connector_extra_config=config)
     return LLM(model=str(model), dtype="float32", enforce_eager=True, block_size=block_size,
                num_gpu_blocks_override=device_blocks,
                kv_cache_memory_bytes=(device_blocks + 1) * block_size * per_token,
-               max_model_len=tokens + 16, max_num_seqs=1, seed=0, kv_transfer_config=transfer)
+               max_model_len=tokens + 16, max_num_seqs=1, seed=0, kv_transfer_config=transfer_config(config))
 
 
 def serve(llm: Any, prompt: list[int], kvtier: dict[str, Any] | None = None) -> tuple[float, dict[str, int]]:
@@ -101,7 +98,7 @@ def run(tokens: int, prompts: int, block_size: int) -> dict[str, Any]:
     samples: dict[str, list[float]] = {kind: [] for kind in ("first", *KINDS)}
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-ttft-", dir="/var/tmp")))
-        stack.enter_context(vllm_environment(tmp))
+        stack.enter_context(in_process_env(tmp))
         llm = build_llm(model, tokens, block_size, 1.5, tmp / "fs")
         tokenizer = llm.get_tokenizer()
         serve(llm, tokenizer.encode("Warm-up request, not measured."))

@@ -11,8 +11,10 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench.demo import format_report
-from kvtier.bench.workload import CONVERSATIONS, ChatSession, check_sizes, max_turns, round_robin
+from kvtier.bench.demo import format_report, round_robin
+from kvtier.bench.multiturn.chats import CHATS as CONVERSATIONS
+from kvtier.bench.multiturn.chats import check_sizes, max_turns
+from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.cli import main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -24,10 +26,11 @@ def test_round_robin_serves_every_conversation_before_the_next_turn() -> None:
 
 
 def test_session_grows_by_user_messages_and_replies() -> None:
-    chat = ChatSession(0, CONVERSATIONS[0])
-    chat.ask(1)
+    spec = WorkloadSpec(0, 0, turns=2, conversations=1, max_concurrency=1, output_tokens=1)
+    chat = Conversation(0, spec, tokenizer=None, script=CONVERSATIONS[0])
+    chat.ask()
     chat.answer("A reply.")
-    chat.ask(2)
+    chat.ask()
     assert [m["role"] for m in chat.messages] == ["system", "user", "assistant", "user"]
     assert chat.messages[1]["content"] == CONVERSATIONS[0].opening
     assert chat.messages[3]["content"] == CONVERSATIONS[0].followups[0]

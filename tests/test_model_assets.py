@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.integrations.vllm.launch import isolated_env
 from kvtier.tools import models
 
 
@@ -85,18 +86,7 @@ _SERVE = textwrap.dedent(
 @pytest.mark.slow
 def test_vllm_cpu_serves_converted_model_greedily(smollm2_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    env = dict(
-        os.environ,
-        VLLM_ENABLE_V1_MULTIPROCESSING="0",
-        HF_HUB_OFFLINE="1",
-        TRANSFORMERS_OFFLINE="1",
-        TMPDIR=str(tmp_path),
-        VLLM_RPC_BASE_PATH=str(tmp_path),
-        VLLM_CACHE_ROOT=str(tmp_path / "vllm-cache"),
-        HF_HOME=str(tmp_path / "hf"),
-        VLLM_NO_USAGE_STATS="1",
-        DO_NOT_TRACK="1",
-    )
+    env = {**os.environ, **isolated_env(tmp_path, in_process=True)}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
     proc = subprocess.run(
         [sys.executable, "-c", _SERVE, str(smollm2_dir)],

@@ -19,7 +19,8 @@ import pytest
 from kvtier.bench.multiturn.server import stop_process_group
 from kvtier.cli import main
 from kvtier.errors import KVTierError
-from kvtier.integrations.vllm.serve import CONNECTOR, build_transfer_config
+from kvtier.integrations.vllm.launch import CONNECTOR, isolated_env
+from kvtier.integrations.vllm.serve import build_transfer_config
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -115,9 +116,7 @@ def test_real_server_answers_a_chat_with_kvtier_metrics(tmp_path: Path) -> None:
 
     model = prepare_smollm2(quiet=True)
     port = _free_port()
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "TMPDIR": str(tmp_path),
-           "VLLM_RPC_BASE_PATH": str(tmp_path), "VLLM_CACHE_ROOT": str(tmp_path / "vllm-cache"),
-           "VLLM_NO_USAGE_STATS": "1"}
+    env = {**os.environ, **isolated_env(tmp_path, in_process=False)}
     vllm_args = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smol",
                  "--dtype", "float32", "--enforce-eager", "--max-model-len", "1024",
                  "--block-size", "32", "--num-gpu-blocks-override", "64",

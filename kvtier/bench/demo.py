@@ -1,12 +1,15 @@
 """`kvtier demo`: a multi-turn chat on a small device cache, with kvtier and without it.
 
-The embedded default model (SmolLM2-135M-Instruct, prepared by `kvtier.tools.models` when missing) is
-served by an in-process vLLM engine whose device KV cache holds `--device-blocks` blocks of 32
-tokens. The kvtier pass adds the KVTierConnector with a host tier of `--host-chunks` chunks and
-an fs tier in a temp dir (or `--fs-dir`); the baseline pass is the same engine without a
-connector, so only vLLM's own device prefix cache helps it. Both passes serve the same prompts
-(the baseline replays the kvtier pass's replies) one request at a time, turn 1 of every
-conversation first, then turn 2, ... (`kvtier.bench.workload`).
+A view of the multi-turn benchmark (`kvtier.bench.multiturn`): the embedded default model
+(SmolLM2-135M-Instruct, prepared by `kvtier.tools.models` when missing) is served by the
+benchmark's in-process engine (`engine_run.InProcessEngine`) whose device KV cache holds
+`--device-blocks` blocks of 32 tokens, in two of its configurations (`configs`): `host+fs` (the
+KVTierConnector with a host tier of `--host-chunks` chunks and an fs tier in a temp dir, or in
+`--fs-dir`) and `no-offload` (the same engine without a connector, so only vLLM's own device prefix
+cache helps it). The conversations are the demo's fixed chats (`multiturn.chats`) with one request
+in flight, so the benchmark's queue of conversations serves turn 1 of every conversation first,
+then turn 2, ... (`round_robin`). The baseline replays the kvtier pass's replies
+(`Conversation.transcript`): identical prompts, and only each turn's first token is generated.
 
 With the defaults the conversations' prefixes outgrow the device cache from the first turn on and
 the host tier from the third or fourth turn on, so later turns are served from host memory and
@@ -19,80 +22,133 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
-import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.chat_run import (
-    EngineSettings,
-    TurnResult,
-    kv_bytes_per_token,
-    run_chat_pass,
-    vllm_environment,
-)
-from kvtier.bench.workload import CONVERSATIONS, check_sizes, max_turns
-from kvtier.config import KVTierConfig
+from kvtier.bench.multiturn.chats import CHATS, check_sizes, max_turns
+from kvtier.bench.multiturn.configs import BenchContext, EngineConfig, resolve
+from kvtier.bench.multiturn.conversation import Conversation, Script, WorkloadSpec
+from kvtier.bench.multiturn.engine_run import InProcessEngine, OnRequest
+from kvtier.bench.multiturn.presets import kv_bytes_per_token
+from kvtier.bench.multiturn.server import ServerSettings
+from kvtier.bench.multiturn.stats import RequestRecord
+from kvtier.chunks import DEVICE, HOST, RECOMPUTED
 from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.launch import in_process_env
 
-SOURCES = ("device", "host", "fs", "recomputed")
+SOURCES = (DEVICE, HOST, "fs", RECOMPUTED)
+
+
+@dataclass(frozen=True)
+class DemoSettings:
+    """The demo's flags: the chats served, and the engine both passes share."""
+
+    model: Path
+    conversations: int
+    turns: int
+    device_blocks: int
+    host_chunks: int
+    max_model_len: int
+    reply_tokens: int
+    fs_dir: Path | None
+    block_size: int = 32
+    dtype: str = "float32"
+
+    def workload(self) -> WorkloadSpec:
+        """The benchmark's spec of the chats: one request in flight, `reply_tokens` per reply (the
+        chats' scripts give the user messages, so the generated-text sizes are 0)."""
+        return WorkloadSpec(initial_tokens=0, tokens_per_turn=0, turns=self.turns,
+                            conversations=self.conversations, max_concurrency=1,
+                            output_tokens=self.reply_tokens)
+
+    def engine_settings(self, config: EngineConfig, block_bytes: int) -> ServerSettings:
+        """The benchmark's engine settings for `config`: one request at a time."""
+        return ServerSettings(self.model, self.model.name, self.block_size, config.device_blocks,
+                              self.max_model_len, 1, block_bytes, self.dtype, config.kvtier)
+
+
+def round_robin(conversations: int, turns: int) -> Iterator[tuple[int, int]]:
+    """(conversation index, turn) pairs in serving order: every conversation's turn 1, then 2, ..."""
+    for turn in range(1, turns + 1):
+        for conv in range(conversations):
+            yield conv, turn
 
 
 def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _split_text(tokens: dict[str, int]) -> str:
-    return " ".join(f"{source} {tokens.get(source, 0)}" for source in SOURCES)
+def _split(record: RequestRecord) -> dict[str, int]:
+    """The record's prompt-token split with every demo source (0 where none came from it)."""
+    return {**dict.fromkeys(SOURCES, 0), **(record.tokens or {})}
 
 
-def _turn_printer(label: str) -> Any:
-    def show(r: TurnResult) -> None:
+def _turn_printer(label: str) -> OnRequest:
+    def show(r: RequestRecord) -> None:
+        split = " ".join(f"{source} {count}" for source, count in _split(r).items())
         _progress(f"  {label:8} conversation {r.conversation} turn {r.turn}: {r.prompt_tokens:4} "
-                  f"prompt tokens, TTFT {r.ttft_s * 1000:7.1f} ms  ({_split_text(r.tokens)})")
+                  f"prompt tokens, TTFT {r.ttft_s * 1000:7.1f} ms  ({split})")
     return show
 
 
-def kvtier_config(settings: EngineSettings, host_chunks: int, fs_dir: Path) -> dict[str, Any]:
-    """The connector's extra config: a host tier of `host_chunks` one-block chunks and fs."""
-    row = kv_bytes_per_token(settings.model, settings.dtype) * settings.block_size
-    raw = {"cpu_bytes_to_use": host_chunks * row, "eviction_policy": "lru",
-           "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}]}
-    KVTierConfig.from_dict(raw)
-    return raw
+def _serve_pass(engine_settings: ServerSettings, spec: WorkloadSpec, scripts: Sequence[Script],
+                label: str) -> tuple[list[RequestRecord], list[Conversation]]:
+    """One pass of the chats on a fresh engine (after its warm-up request): the records, in
+    serving order, and the conversations as they ended. Raises RuntimeError when a request
+    failed or the turns were not served in `round_robin` order."""
+    with InProcessEngine(engine_settings) as engine:
+        engine.warm_up()
+        chats = [Conversation(i, spec, engine.tokenizer, script=script)
+                 for i, script in enumerate(scripts)]
+        records, _ = engine.run_point(spec, label, _turn_printer(label), chats)
+    for r in records:
+        if r.error:
+            raise RuntimeError(f"{label}: conversation {r.conversation} turn {r.turn}: {r.error}")
+    order = [(r.conversation, r.turn) for r in records]
+    if order != list(round_robin(spec.conversations, spec.turns)):
+        raise RuntimeError(f"{label}: turns served out of round-robin order: {order}")
+    return records, chats
 
 
-def run_demo(settings: EngineSettings, conversations: int, turns: int, host_chunks: int,
-             fs_dir: Path | None) -> dict[str, Any]:
+def _turn_json(record: RequestRecord) -> dict[str, Any]:
+    return {"conversation": record.conversation, "turn": record.turn,
+            "prompt_tokens": record.prompt_tokens, "ttft_s": round(record.ttft_s, 4),
+            "tokens": _split(record)}
+
+
+def run_demo(s: DemoSettings) -> dict[str, Any]:
     """Both passes; the report `--json` prints (see the module docstring)."""
-    check_sizes(conversations, turns)
+    check_sizes(s.conversations, s.turns)
+    spec = s.workload()
+    block_bytes = kv_bytes_per_token(s.model, s.dtype) * s.block_size
     started = time.monotonic()
     with contextlib.ExitStack() as stack:
-        tmp = Path(tempfile.mkdtemp(prefix="kvtier-demo-"))
-        stack.callback(shutil.rmtree, tmp, ignore_errors=True)
-        fs_root = fs_dir if fs_dir is not None else tmp / "fs"
-        fs_root.mkdir(parents=True, exist_ok=True)
-        config = kvtier_config(settings, host_chunks, fs_root)
-        stack.enter_context(vllm_environment(tmp))
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-demo-",
+                                                                   ignore_cleanup_errors=True)))
+        context = BenchContext(block_bytes, s.device_blocks, s.device_blocks, s.host_chunks,
+                               s.fs_dir if s.fs_dir is not None else tmp)
+        kvtier, alone = resolve("host+fs", context), resolve("no-offload", context)
+        stack.enter_context(in_process_env(tmp))
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))
-        _progress(f"kvtier pass: {settings.device_blocks} device blocks of {settings.block_size} "
-                  f"tokens, host tier {host_chunks} chunks, fs tier in {fs_root}")
-        with_kvtier = run_chat_pass(settings, config, conversations, turns,
-                                    progress=_turn_printer("kvtier"))
-        replies = {(r.conversation, r.turn): r.reply for r in with_kvtier}
+        _progress(f"kvtier pass: {s.device_blocks} device blocks of {s.block_size} tokens, host tier "
+                  f"{s.host_chunks} chunks, fs tier under {context.work_dir}")
+        with_kvtier, chats = _serve_pass(s.engine_settings(kvtier, block_bytes), spec,
+                                         CHATS[:s.conversations], "kvtier")
         _progress("baseline pass: same engine, no connector (vLLM's own prefix cache only)")
-        baseline = run_chat_pass(settings, None, conversations, turns, replies=replies,
-                                 baseline_sources=["host", "fs"],
-                                 progress=_turn_printer("baseline"))
+        baseline, _ = _serve_pass(s.engine_settings(alone, block_bytes), spec,
+                                  [chat.transcript() for chat in chats], "baseline")
     return {
-        "model": settings.model.name, "dtype": settings.dtype,
-        "device_blocks": settings.device_blocks, "block_size": settings.block_size,
-        "host_chunks": host_chunks, "conversations": conversations, "turns": turns,
-        "reply_tokens": settings.reply_tokens, "seconds": round(time.monotonic() - started, 1),
-        "kvtier": [r.as_json() for r in with_kvtier],
-        "baseline": [r.as_json() for r in baseline],
+        "model": s.model.name, "dtype": s.dtype, "device_blocks": s.device_blocks,
+        "block_size": s.block_size, "host_chunks": s.host_chunks,
+        "conversations": s.conversations, "turns": s.turns, "reply_tokens": s.reply_tokens,
+        "seconds": round(time.monotonic() - started, 1),
+        "kvtier": [_turn_json(r) for r in with_kvtier],
+        "baseline": [_turn_json(r) for r in baseline],
     }
 
 
@@ -117,8 +173,8 @@ def format_report(report: dict[str, Any]) -> str:
         kv_ms = _mean([r["ttft_s"] for r in kv]) * 1000
         base_ms = _mean([r["ttft_s"] for r in base]) * 1000
         sums = {s: sum(r["tokens"].get(s, 0) for r in kv) for s in SOURCES}
-        base_dev = sum(r["tokens"]["device"] for r in base)
-        base_rec = sum(r["tokens"]["recomputed"] for r in base)
+        base_dev = sum(r["tokens"][DEVICE] for r in base)
+        base_rec = sum(r["tokens"][RECOMPUTED] for r in base)
         lines.append(
             f"| {turn} | {sum(r['prompt_tokens'] for r in kv)} | {kv_ms:.0f} | {base_ms:.0f} "
             f"| {base_ms / kv_ms if kv_ms else 0:.1f}x | {' / '.join(str(sums[s]) for s in SOURCES)} "
@@ -132,14 +188,15 @@ def format_report(report: dict[str, Any]) -> str:
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="multi-turn chat on a small device cache, with and without kvtier")
-    p.add_argument("--conversations", type=int, default=len(CONVERSATIONS),
-                   help=f"chats served round-robin (1-{len(CONVERSATIONS)})")
+    p.add_argument("--conversations", type=int, default=len(CHATS),
+                   help=f"chats served round-robin (1-{len(CHATS)})")
     p.add_argument("--turns", type=int, default=max_turns(), help=f"turns per chat (1-{max_turns()})")
     p.add_argument("--device-blocks", type=int, default=40, help="device KV cache, blocks of 32 tokens")
     p.add_argument("--host-chunks", type=int, default=64, help="host tier size, chunks of 32 tokens")
     p.add_argument("--max-model-len", type=int, default=1024, help="longest prompt + reply")
     p.add_argument("--reply-tokens", type=int, default=12, help="tokens generated per turn")
-    p.add_argument("--fs-dir", type=Path, default=None, help="fs tier directory (default: a temp dir)")
+    p.add_argument("--fs-dir", type=Path, default=None,
+                   help="the fs tier's files go under this directory (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_command)
 
@@ -158,10 +215,10 @@ def run_command(args: argparse.Namespace) -> int:
         check_sizes(args.conversations, args.turns)
         with contextlib.redirect_stdout(sys.stderr):
             model = prepare_smollm2()
+        settings = DemoSettings(model, args.conversations, args.turns, args.device_blocks,
+                                args.host_chunks, args.max_model_len, args.reply_tokens, args.fs_dir)
+        report = run_demo(settings)
     except (ValueError, ModelPrepError) as e:
         raise KVTierError(str(e)) from e
-    settings = EngineSettings(model=model, device_blocks=args.device_blocks,
-                              max_model_len=args.max_model_len, reply_tokens=args.reply_tokens)
-    report = run_demo(settings, args.conversations, args.turns, args.host_chunks, args.fs_dir)
     print(json.dumps(report) if args.json else format_report(report), flush=True)
     return 0

@@ -1,19 +1,21 @@
 """An in-process vLLM engine (CPU backend, real SmolLM2) with the KVTierConnector, for slow tests.
 
 `vllm_env` points vLLM's temp files, sockets and caches at a private temp dir and runs the engine
-in this process (VLLM_ENABLE_V1_MULTIPROCESSING=0), so the test sees both connector halves.
+in this process (`kvtier.integrations.vllm.launch.in_process_env`), so the test sees both
+connector halves.
 `make_llm(extra_config)` starts one engine (about 10 s on 2 cores) and shuts it down at the end of
 the module; tests of one module share it.
 """
 
 from __future__ import annotations
 
-import tempfile
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
+
+from kvtier.integrations.vllm.launch import in_process_env, transfer_config
 
 BLOCK_SIZE = 32  # the smallest block size vLLM's CPU attention accepts (a multiple of 32)
 DEVICE_BLOCKS = 64
@@ -29,19 +31,7 @@ def _model_path() -> Path:
 
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    tmp = tmp_path_factory.mktemp("vllm")
-    env = {
-        "VLLM_ENABLE_V1_MULTIPROCESSING": "0",
-        "HF_HUB_OFFLINE": "1",
-        "TMPDIR": str(tmp),
-        "VLLM_RPC_BASE_PATH": str(tmp),
-        "VLLM_CACHE_ROOT": str(tmp / "vllm-cache"),
-        "VLLM_NO_USAGE_STATS": "1",
-    }
-    with pytest.MonkeyPatch.context() as mp:
-        for key, value in env.items():
-            mp.setenv(key, value)
-        mp.setattr(tempfile, "tempdir", str(tmp))
+    with in_process_env(tmp_path_factory.mktemp("vllm")) as tmp:
         yield tmp
 
 
@@ -52,14 +42,7 @@ def make_llm(vllm_env: Path) -> Iterator[Callable[..., Any]]:
 
     def make(extra_config: dict[str, Any], **kwargs: Any) -> Any:
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
-        transfer = KVTransferConfig(
-            kv_connector="KVTierConnector",
-            kv_connector_module_path="kvtier.integrations.vllm",
-            kv_role="kv_both",
-            kv_connector_extra_config=extra_config,
-        )
         options: dict[str, Any] = {
             "enforce_eager": True,
             "block_size": BLOCK_SIZE,
@@ -70,7 +53,7 @@ def make_llm(vllm_env: Path) -> Iterator[Callable[..., Any]]:
             "seed": 0,
         }
         options.update(kwargs)
-        llm = LLM(model=str(model), kv_transfer_config=transfer, **options)
+        llm = LLM(model=str(model), kv_transfer_config=transfer_config(extra_config), **options)
         started.append(llm)
         return llm
 

@@ -14,6 +14,8 @@ import json
 import sys
 from typing import Any
 
+from kvtier.integrations.vllm.launch import transfer_config
+
 
 def _describe(exc: BaseException) -> str:
     parts = []
@@ -26,16 +28,10 @@ def _describe(exc: BaseException) -> str:
 
 def run(request: dict[str, Any], extra_config: dict[str, Any]) -> dict[str, Any]:
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
 
-    transfer = KVTransferConfig(
-        kv_connector="KVTierConnector",
-        kv_connector_module_path="kvtier.integrations.vllm",
-        kv_role="kv_both",
-        kv_connector_extra_config=extra_config,
-    )
     try:
-        llm = LLM(model=request["model"], kv_transfer_config=transfer, **request["llm"])
+        llm = LLM(model=request["model"], kv_transfer_config=transfer_config(extra_config),
+                  **request["llm"])
     except Exception as exc:
         return {"error": _describe(exc)}
     params = SamplingParams(temperature=0.0, max_tokens=request.get("max_tokens", 8))

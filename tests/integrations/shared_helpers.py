@@ -25,6 +25,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
+from kvtier.integrations.vllm.launch import transfer_config
 from tests.integrations.conftest import connector_halves
 
 REPLY = "@kvtier-engine@ "
@@ -130,14 +131,10 @@ def _answer(message: Any) -> None:
 
 def main() -> None:
     from vllm import LLM, SamplingParams
-    from vllm.config import KVTransferConfig
     from vllm.inputs import TokensPrompt
 
     setup = json.loads(sys.stdin.readline())
-    transfer = KVTransferConfig(
-        kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-        kv_role="kv_both", kv_connector_extra_config=setup["extra_config"],
-    )
+    transfer = transfer_config(setup["extra_config"])
     llm = LLM(model=setup["model"], kv_transfer_config=transfer, **setup["llm"])
     scheduler, _ = connector_halves(llm)
     _answer({"ready": True})

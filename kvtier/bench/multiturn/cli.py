@@ -101,7 +101,6 @@ def _model(args: argparse.Namespace) -> Path | None:
 
 
 def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, dict[str, Any]]:
-    from kvtier.bench.chat_run import kv_bytes_per_token
     from kvtier.bench.multiturn.sweep import Plan
 
     preset = presets.preset(args.preset)
@@ -124,7 +123,7 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
                            host_chunks=args.host_chunks)
     model = _model(args)
     dtype = args.dtype or preset.dtype
-    block_bytes = kv_bytes_per_token(model, dtype) * preset.block_size if model is not None else 0
+    block_bytes = presets.kv_bytes_per_token(model, dtype) * preset.block_size if model is not None else 0
     options = {k: v for k in ("obj_endpoint", "obj_bucket", "redis_url", "admission_policy")
                if (v := getattr(args, k))}
     context = config_registry.BenchContext(block_bytes, sizes.device_blocks, sizes.all_fits_blocks,
@@ -170,10 +169,10 @@ def run_multiturn(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise KVTierError(str(e)) from e
         if plan.mode == "inprocess":
-            from kvtier.bench.chat_run import vllm_environment
+            from kvtier.integrations.vllm.launch import in_process_env
 
             vllm_tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-vllm-")))
-            stack.enter_context(vllm_environment(vllm_tmp))
+            stack.enter_context(in_process_env(vllm_tmp))
         points: list[dict[str, Any]] = []
         hooks = stack.enter_context(RichHooks(plan.spec.turns))
 

@@ -11,6 +11,11 @@ A user message is the next part of the conversation's report (`corpus`) followed
 the report cut word by word to the exact size. Every turn the model's actual reply is appended
 before the next user message (`Conversation.answer`), so the prefix a turn shares with the
 previous one includes that reply. Everything is deterministic for a given seed, tag and tokenizer.
+
+A conversation given a `Script` asks the script's fixed user messages instead (the sizes above do
+not apply; `kvtier demo`'s chats); a script that also records replies replays a conversation:
+the runner then generates only each turn's first token and appends the recorded reply, so two
+passes send identical prompts (`Conversation.transcript` records one).
 """
 
 from __future__ import annotations
@@ -20,9 +25,13 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Protocol
 
 from kvtier.bench.multiturn.corpus import question, rng_for, words
-from kvtier.bench.workload import SYSTEM_PROMPT
 
 Message = dict[str, str]
+SYSTEM_PROMPT = (
+    "You are a patient and precise assistant. Answer in plain English, in a few sentences, and "
+    "stay close to the text the user gives you. When the user asks a follow-up question, use what "
+    "was said earlier in the conversation."
+)
 FILLERS = ("and", "so", "then", "also", "too", "again", "here", "now")
 OPENING = "Please read this report carefully; I will ask questions about it."
 FOLLOW_UP = "Here is the next part of the report."
@@ -72,9 +81,24 @@ def chat_ids(tokenizer: Tokenizer, messages: list[Message], generation_prompt: b
     return [int(t) for t in ids]
 
 
+@dataclass(frozen=True)
+class Script:
+    """Fixed text of a conversation: the opening user message, the follow-ups in order and, for
+    a replay, the assistant's reply to each turn."""
+
+    title: str
+    opening: str
+    followups: tuple[str, ...]
+    replies: tuple[str, ...] = ()
+
+    def message(self, turn: int) -> str:
+        """The user message of `turn` (1-based)."""
+        return self.opening if turn == 1 else self.followups[turn - 2]
+
+
 @dataclass
 class Conversation:
-    """One conversation: the messages so far, and the report text not yet used."""
+    """One conversation: the messages so far, and the report text not yet used (or its script)."""
 
     index: int
     spec: WorkloadSpec
@@ -82,8 +106,14 @@ class Conversation:
     tag: str = ""
     messages: list[Message] = field(default_factory=list)
     turn: int = 0
+    script: Script | None = None
 
     def __post_init__(self) -> None:
+        script = self.script
+        if script is not None and (1 + len(script.followups) < self.spec.turns
+                                   or 0 < len(script.replies) < self.spec.turns):
+            raise ValueError(f"--turns {self.spec.turns}: script {script.title!r} has text for "
+                             f"{1 + len(script.followups)} turns and {len(script.replies)} replies")
         self._rng = rng_for(self.spec.seed, self.tag, self.index)
         self._words: Iterator[str] = words(self._rng)
         self._pending: list[str] = []
@@ -102,11 +132,14 @@ class Conversation:
             raise RuntimeError(f"conversation {self.index}: all {self.spec.turns} turns were asked")
         if self.turn > 0 and self.messages[-1]["role"] != "assistant":
             raise RuntimeError(f"conversation {self.index}: turn {self.turn} has no answer yet")
-        first = self.turn == 0
-        base = 0 if first else len(chat_ids(self.tokenizer, self.messages, generation_prompt=False))
-        target = self.spec.initial_tokens if first else self.spec.tokens_per_turn
-        flag = "--initial-tokens" if first else "--tokens-per-turn"
-        text = self._fit(target, base, OPENING if first else FOLLOW_UP, question(self._rng), flag)
+        if self.script is not None:
+            text = self.script.message(self.turn + 1)
+        else:
+            first = self.turn == 0
+            base = 0 if first else len(chat_ids(self.tokenizer, self.messages, generation_prompt=False))
+            target = self.spec.initial_tokens if first else self.spec.tokens_per_turn
+            flag = "--initial-tokens" if first else "--tokens-per-turn"
+            text = self._fit(target, base, OPENING if first else FOLLOW_UP, question(self._rng), flag)
         self.messages.append({"role": "user", "content": text})
         self.turn += 1
         return [dict(m) for m in self.messages]
@@ -116,6 +149,21 @@ class Conversation:
         if self.messages[-1]["role"] != "user":
             raise RuntimeError(f"conversation {self.index}: no question to answer")
         self.messages.append({"role": "assistant", "content": reply})
+
+    @property
+    def recorded_reply(self) -> str | None:
+        """The script's reply to the turn asked last (a replay), or None: the model answers."""
+        if self.script is None or not self.script.replies or self.turn == 0:
+            return None
+        return self.script.replies[self.turn - 1]
+
+    def transcript(self) -> Script:
+        """The conversation so far (at least one turn asked) as a script that replays it: its
+        user messages and the replies given."""
+        users = [m["content"] for m in self.messages if m["role"] == "user"]
+        replies = tuple(m["content"] for m in self.messages if m["role"] == "assistant")
+        title = self.script.title if self.script is not None else f"conversation {self.index}"
+        return Script(title, users[0], tuple(users[1:]), replies)
 
     def prompt_ids(self) -> list[int]:
         """The current messages through the chat template, ready for the assistant's reply."""

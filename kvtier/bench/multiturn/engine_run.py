@@ -5,9 +5,11 @@ requests in the engine at once), driven by `engine.step()`: a request's TTFT is 
 `add_request` to the step that returns its first token, its ITL the gaps between later steps
 that return tokens for it. Each request's prompt-token split is its own: kvtier's
 `kv_transfer_params["kvtier"]["tokens"]` with the connector, else vLLM's `num_cached_tokens` as
-device and the rest recomputed.
+device and the rest recomputed. A conversation replaying a script's replies
+(`Conversation.recorded_reply`) asks for one output token per turn (its TTFT) and is answered with
+the recorded reply.
 
-The engine runs in this process: the caller enters `kvtier.bench.chat_run.vllm_environment`
+The engine runs in this process: the caller enters `kvtier.integrations.vllm.launch.in_process_env`
 before vLLM is imported.
 """
 
@@ -15,7 +17,7 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -24,6 +26,7 @@ from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.bench.multiturn.server import ServerSettings
 from kvtier.bench.multiturn.stats import RequestRecord
 from kvtier.chunks import DEVICE, RECOMPUTED
+from kvtier.integrations.vllm.launch import transfer_config
 
 OnRequest = Callable[[RequestRecord], None]
 
@@ -46,7 +49,6 @@ class InProcessEngine:
 
     def __enter__(self) -> InProcessEngine:
         from vllm import LLM
-        from vllm.config import KVTransferConfig
 
         s = self.settings
         options: dict[str, Any] = {
@@ -56,9 +58,7 @@ class InProcessEngine:
             "max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs, "seed": 0,
         }
         if s.kvtier is not None:
-            options["kv_transfer_config"] = KVTransferConfig(
-                kv_connector="KVTierConnector", kv_connector_module_path="kvtier.integrations.vllm",
-                kv_role="kv_both", kv_connector_extra_config=s.kvtier)
+            options["kv_transfer_config"] = transfer_config(s.kvtier)
         self._llm = LLM(model=str(s.model), **options)
         return self
 
@@ -77,14 +77,19 @@ class InProcessEngine:
         spec = WorkloadSpec(160, 64, 1, 1, 1, 2, seed=-1)
         self.run_point(spec, "warm-up")
 
-    def run_point(self, spec: WorkloadSpec, tag: str,
-                  on_request: OnRequest | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
-        """Serve the whole workload; the request records (each with its own token split)."""
+    def run_point(self, spec: WorkloadSpec, tag: str, on_request: OnRequest | None = None,
+                  conversations: Sequence[Conversation] = ()) -> tuple[list[RequestRecord], dict[str, Any]]:
+        """Serve the whole workload: `conversations` (made on `spec`; by default
+        `spec.conversations` new ones with text tagged `tag`) in that order, each to its last turn;
+        the request records (each with its own token split). Raises ValueError before serving a
+        prompt that leaves no room for `spec.output_tokens` within the engine's `max_model_len`."""
         from vllm import SamplingParams
 
         engine = self._llm.llm_engine
         params = SamplingParams(temperature=0.0, max_tokens=spec.output_tokens, ignore_eos=True)
-        ready = deque(Conversation(i, spec, self.tokenizer, tag) for i in range(spec.conversations))
+        first_token = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+        ready = deque(conversations or (Conversation(i, spec, self.tokenizer, tag)
+                                        for i in range(spec.conversations)))
         inflight: dict[str, _InFlight] = {}
         records: list[RequestRecord] = []
         cpu0, wall0 = time.process_time(), time.perf_counter()
@@ -93,11 +98,15 @@ class InProcessEngine:
                 conv = ready.popleft()
                 conv.ask()
                 prompt = conv.prompt_ids()
+                if len(prompt) + spec.output_tokens > self.settings.max_model_len:
+                    raise ValueError(f"conversation {conv.index} turn {conv.turn}: {len(prompt)} prompt "
+                                     f"tokens do not fit max_model_len {self.settings.max_model_len}")
                 self._ids += 1
                 req_id = f"{tag}-{conv.index}-{conv.turn}-{self._ids}"
                 now = time.perf_counter()
                 record = RequestRecord(conv.index, conv.turn, now, now, 0.0, len(prompt), 0)
-                engine.add_request(req_id, {"prompt_token_ids": prompt}, params)
+                replay = conv.recorded_reply is not None
+                engine.add_request(req_id, {"prompt_token_ids": prompt}, first_token if replay else params)
                 inflight[req_id] = _InFlight(conv, record)
             outputs = engine.step()
             now = time.perf_counter()
@@ -128,7 +137,8 @@ class InProcessEngine:
         record = job.record
         record.end_s = now
         record.output_tokens = job.tokens
-        job.conv.answer(out.outputs[0].text if out.outputs else "")
+        reply = job.conv.recorded_reply
+        job.conv.answer(reply if reply is not None else (out.outputs[0].text if out.outputs else ""))
         if self.settings.kvtier is not None:
             split = ((out.kv_transfer_params or {}).get("kvtier") or {}).get("tokens")
             if split is None:

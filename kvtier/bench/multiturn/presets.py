@@ -14,12 +14,15 @@ the engine's cache sizes.
 
 Sizes derived from the workload (`Sizing`): blocks one conversation needs at its last turn, the
 `all-fits` device cache, and a host tier holding every conversation when a preset says "all".
+Bytes come from the model's geometry (`kv_bytes_per_token`).
 """
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, replace
+from pathlib import Path
 
 from kvtier.bench.multiturn.conversation import WorkloadSpec
 
@@ -99,6 +102,14 @@ PRESETS: dict[str, Preset] = {
         "mini", WorkloadSpec(800, 200, 4, 16, 4, 16),
         sweep=(16,), configs=("no-offload", "host", "all-fits"), block_size=128, device_blocks=64),
 }
+
+
+def kv_bytes_per_token(model: Path, dtype: str) -> int:
+    """KV bytes per token of the model directory `model` in `dtype` (all layers, K and V)."""
+    config = json.loads((model / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    return int(config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * itemsize)
 
 
 def preset(name: str) -> Preset:

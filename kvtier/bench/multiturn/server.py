@@ -3,10 +3,10 @@
 `VLLMServer` is a context manager: it picks a free loopback port, starts
 `python -m vllm.entrypoints.openai.api_server` (with kvtier's `--kv-transfer-config` when the
 configuration has one; `kvtier.integrations.vllm.serve.vllm_command`) in its own session and
-process group, with its temp files, sockets and caches in a private temp dir and its output in
-`log_path`, and waits for
-`/health`. On exit, on an error and on Ctrl-C it stops the whole process group (SIGTERM, then
-SIGKILL after `stop_timeout_s`), so nothing it started is left running.
+process group, isolated in a private temp dir (`kvtier.integrations.vllm.launch.isolated_env`)
+with its output in `log_path`, and waits for `/health`. On exit, on an error and on Ctrl-C it
+stops the whole process group (SIGTERM, then SIGKILL after `stop_timeout_s`), so nothing it started
+is left running.
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ from types import TracebackType
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.integrations.vllm.serve import CONNECTOR, vllm_command
+from kvtier.integrations.vllm.launch import connector_config, isolated_env
+from kvtier.integrations.vllm.serve import vllm_command
 
 
 @dataclass(frozen=True)
@@ -58,8 +59,7 @@ class ServerSettings:
         if self.kvtier is None:
             return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                     "--model", str(self.model), *self.vllm_args(port)]
-        transfer = {**CONNECTOR, "kv_connector_extra_config": self.kvtier}
-        return vllm_command(str(self.model), transfer, self.vllm_args(port))
+        return vllm_command(str(self.model), connector_config(self.kvtier), self.vllm_args(port))
 
 
 def free_port() -> int:
@@ -105,9 +105,7 @@ class VLLMServer:
     def _start(self) -> None:
         self._tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-server-"))
         self.port = free_port()
-        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-               "TMPDIR": str(self._tmp), "VLLM_RPC_BASE_PATH": str(self._tmp),
-               "VLLM_CACHE_ROOT": str(self._tmp / "vllm-cache"), "VLLM_NO_USAGE_STATS": "1"}
+        env = {**os.environ, **isolated_env(self._tmp, in_process=False)}
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             log.write(f"$ {json.dumps(self.settings.argv(self.port))}\n".encode())

@@ -26,10 +26,9 @@ from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.launch import CONNECTOR, connector_config
 
 DEFAULT_CPU_GB = 1.0
-CONNECTOR = {"kv_connector": "KVTierConnector",
-             "kv_connector_module_path": "kvtier.integrations.vllm", "kv_role": "kv_both"}
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:
@@ -47,7 +46,7 @@ def _read_config_file(path: Path) -> dict[str, Any]:
         if not isinstance(extra, dict):
             raise KVTierError(f"--config {path}: kv_connector_extra_config must be a JSON object")
         return {**CONNECTOR, **raw, "kv_connector_extra_config": dict(extra)}
-    return {**CONNECTOR, "kv_connector_extra_config": raw}
+    return connector_config(raw)
 
 
 def _check_fs_dir(path: Path) -> None:
@@ -66,7 +65,7 @@ def build_transfer_config(cpu_gb: float | None, fs: Path | None,
     Raises `KVTierError` (a `ConfigError` names the config key) on anything vLLM would refuse.
     """
     transfer: dict[str, Any] = (_read_config_file(config_file) if config_file is not None
-                                else dict(CONNECTOR))
+                                else connector_config({}))
     extra: dict[str, Any] = dict(transfer.get("kv_connector_extra_config", {}))
     if cpu_gb is not None:
         if not math.isfinite(cpu_gb) or cpu_gb <= 0:

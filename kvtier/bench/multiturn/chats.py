@@ -1,40 +1,18 @@
-"""A multi-turn chat workload with real English text, for the demo and the benchmarks.
+"""The demo's chats: six document-based conversations with fixed English text.
 
-Each conversation opens with a long user message (a document and a request about it, about 300
-SmolLM2 tokens with the shared system prompt), then asks short follow-ups. A turn's prompt is the
-whole conversation so far through the model's chat template: system prompt, every earlier user
-message and model reply, and the new user message. Turns are served round-robin across the
-conversations (turn 1 of every conversation, then turn 2 of every conversation, ...), so a
-conversation's prefix has to survive every other conversation's turn before it is asked again:
-with more conversations than the device cache holds, it has been evicted from the device by then.
-
-Everything here is deterministic: the same sizes give the same user messages in the same order.
+Each opens with a long user message (a document and a request about it, about 300 SmolLM2 tokens
+with the shared system prompt), then asks short follow-ups: `Script`s for
+`kvtier.bench.multiturn.conversation.Conversation`, whose user messages they fix instead of the
+generated report text. `kvtier demo` serves them one request at a time, turn 1 of every chat
+first, so each chat's prefix has to survive every other chat's turn before it is asked again.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from dataclasses import dataclass, field
-from typing import Any, Protocol
+from kvtier.bench.multiturn.conversation import Script
 
-SYSTEM_PROMPT = (
-    "You are a patient and precise assistant. Answer in plain English, in a few sentences, and "
-    "stay close to the text the user gives you. When the user asks a follow-up question, use what "
-    "was said earlier in the conversation."
-)
-
-
-@dataclass(frozen=True)
-class Conversation:
-    """A document-based chat: the opening message, then the follow-ups in order."""
-
-    title: str
-    opening: str
-    followups: tuple[str, ...]
-
-
-CONVERSATIONS: tuple[Conversation, ...] = (
-    Conversation(
+CHATS: tuple[Script, ...] = (
+    Script(
         "lighthouse",
         "Here is the start of a short story I am writing. The lighthouse keeper had lived on the "
         "island for thirty years, and in all that time he had never once missed lighting the lamp at "
@@ -53,7 +31,7 @@ CONVERSATIONS: tuple[Conversation, ...] = (
          "Give the story a title and explain your choice in one sentence.",
          "Rewrite the first sentence of the story so that it sounds more dramatic."),
     ),
-    Conversation(
+    Script(
         "bread",
         "I found this recipe in my grandmother's notebook and I would like to understand it. A "
         "simple country bread begins the night before baking. Mix a spoonful of yeast with warm "
@@ -72,7 +50,7 @@ CONVERSATIONS: tuple[Conversation, ...] = (
          "Could I use whole wheat flour instead? What would change?",
          "Summarise the whole recipe as a short list of steps."),
     ),
-    Conversation(
+    Script(
         "library",
         "Please help me prepare for a committee meeting. The committee met on Tuesday to review "
         "the proposed budget for the new public library. The architect presented three designs: a "
@@ -92,7 +70,7 @@ CONVERSATIONS: tuple[Conversation, ...] = (
          "Draft a short written comment for Friday supporting the market site.",
          "What risks does the warehouse option carry over ten years?"),
     ),
-    Conversation(
+    Script(
         "birds",
         "I am reading about bird migration for a school project. Migratory birds navigate "
         "thousands of kilometres each year using a combination of cues. Young birds inherit a "
@@ -112,7 +90,7 @@ CONVERSATIONS: tuple[Conversation, ...] = (
          "Suggest a simple experiment a school class could do about this topic.",
          "Write two sentences that could end my project report."),
     ),
-    Conversation(
+    Script(
         "railway",
         "Our village is writing a leaflet about a walking trail. When the old railway line closed "
         "in the nineteen sixties, the tracks were lifted and the embankments slowly disappeared "
@@ -130,7 +108,7 @@ CONVERSATIONS: tuple[Conversation, ...] = (
          "Suggest three things children could look for along the trail.",
          "Write a closing sentence inviting visitors to the signal box museum."),
     ),
-    Conversation(
+    Script(
         "garden",
         "I have just moved into a house with a small garden and I want to grow vegetables. "
         "Planting a vegetable garden starts with choosing a sunny spot that drains well after rain. "
@@ -151,62 +129,14 @@ CONVERSATIONS: tuple[Conversation, ...] = (
 )
 
 
-class ChatTokenizer(Protocol):
-    """The part of a Hugging Face tokenizer the workload uses."""
-
-    def apply_chat_template(self, conversation: list[dict[str, str]], **kwargs: Any) -> Any: ...
-
-
-@dataclass
-class ChatSession:
-    """One conversation in progress: the messages so far (system prompt first)."""
-
-    index: int
-    conversation: Conversation
-    messages: list[dict[str, str]] = field(default_factory=list)
-
-    def __post_init__(self) -> None:
-        if not self.messages:
-            self.messages.append({"role": "system", "content": SYSTEM_PROMPT})
-
-    def ask(self, turn: int) -> None:
-        """Append the user message of `turn` (1-based): the opening, then the follow-ups."""
-        conv = self.conversation
-        text = conv.opening if turn == 1 else conv.followups[turn - 2]
-        self.messages.append({"role": "user", "content": text})
-
-    def answer(self, reply: str) -> None:
-        """Append the model's reply to the last user message."""
-        self.messages.append({"role": "assistant", "content": reply})
-
-    def prompt_ids(self, tokenizer: ChatTokenizer) -> list[int]:
-        """The conversation through the chat template, ready for the assistant's next reply."""
-        ids = tokenizer.apply_chat_template(self.messages, add_generation_prompt=True, tokenize=True)
-        if isinstance(ids, dict) or hasattr(ids, "input_ids"):  # a BatchEncoding
-            ids = ids["input_ids"]
-        return [int(t) for t in ids]
-
-
 def max_turns() -> int:
-    """The most turns every conversation has text for."""
-    return 1 + min(len(c.followups) for c in CONVERSATIONS)
+    """The most turns every chat has text for."""
+    return 1 + min(len(c.followups) for c in CHATS)
 
 
 def check_sizes(conversations: int, turns: int) -> None:
-    """Raise ValueError (naming the flag and the value) unless the workload has that much text."""
-    if not 1 <= conversations <= len(CONVERSATIONS):
-        raise ValueError(f"--conversations {conversations}: must be between 1 and {len(CONVERSATIONS)}")
+    """Raise ValueError (naming the flag and the value) unless the chats have that much text."""
+    if not 1 <= conversations <= len(CHATS):
+        raise ValueError(f"--conversations {conversations}: must be between 1 and {len(CHATS)}")
     if not 1 <= turns <= max_turns():
         raise ValueError(f"--turns {turns}: must be between 1 and {max_turns()}")
-
-
-def sessions(conversations: int) -> list[ChatSession]:
-    """Fresh sessions for the first `conversations` conversations."""
-    return [ChatSession(i, conv) for i, conv in enumerate(CONVERSATIONS[:conversations])]
-
-
-def round_robin(conversations: int, turns: int) -> Iterator[tuple[int, int]]:
-    """(conversation index, turn) pairs in serving order: every conversation's turn 1, then 2, ..."""
-    for turn in range(1, turns + 1):
-        for conv in range(conversations):
-            yield conv, turn
