@@ -51,3 +51,11 @@ def test_memory_is_bounded() -> None:
     (first,) = t.translate("host", TierEvent(STORED, (k(0),)))
     (last,) = t.translate("host", TierEvent(STORED, (k(n - 1),)))
     assert first.token_ids == [] and last.token_ids == [n - 1]
+
+
+def test_placement_is_what_the_tier_class_declares() -> None:
+    t = KVEventTranslator({"slow": "DelayedMemoryTier", "lost": "NoSuchTier", "r": "redis"}, 1,
+                          module_paths={"slow": "tests.tiers.plugin_tier"})
+    assert t.placement("slow") == ("CPU", "LOCAL")  # a plugin inherits or sets its own
+    assert t.placement("r") == ("CPU", "REMOTE")
+    assert t.placement("lost") == ("STORAGE", None)

@@ -13,6 +13,7 @@ import time
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -62,10 +63,7 @@ def holder_peer(
         _wait(proc, stored, timeout_s, "store")
         if not results[0].success:
             raise HolderError("the p2p holder peer failed to take the chunks")
-        seen = proc.stats_version
-        proc.request_stats()
-        _wait(proc, lambda: proc.stats_version != seen, timeout_s, "report its address")
-        yield f"tcp://127.0.0.1:{int(proc.last_stats['control_port'])}"
+        yield f"tcp://127.0.0.1:{urlsplit(proc.endpoints['control']).port}"
     finally:
         if proc is not None:
             proc.shutdown()

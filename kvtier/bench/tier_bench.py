@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
 import json
 import os
 import secrets
@@ -115,6 +116,7 @@ def run_tier_bench(
             "store_s": store_s, "load_s": load_s,
             "store_gib_s": gib / store_s, "load_gib_s": gib / load_s,
             "tier_stats": proc.last_stats,
+            "tier_usage": None if proc.last_usage is None else dataclasses.asdict(proc.last_usage),
         }
     finally:
         if proc is not None:

@@ -20,9 +20,14 @@ import logging
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import ClassVar
+from typing import ClassVar, Literal
 
 from kvtier.chunks import ChunkKey, TierEvent
+
+Medium = Literal["CPU", "STORAGE"]
+"""What holds a tier's chunks, in vLLM's KV-event words: memory ("CPU") or storage ("STORAGE")."""
+Locality = Literal["LOCAL", "REMOTE"]
+"""Whether a tier's chunks are on this host ("LOCAL") or reached over the network ("REMOTE")."""
 
 
 class LookupResult(enum.IntEnum):
@@ -71,6 +76,16 @@ class JobResult:
     seconds: float = 0.0
 
 
+@dataclass(frozen=True)
+class TierUsage:
+    """How full a tier is, as far as this instance knows: `bytes_used` bytes in `chunks` chunks, out
+    of `capacity_bytes` (0: unbounded, or bounded by something this instance cannot see)."""
+
+    bytes_used: int = 0
+    chunks: int = 0
+    capacity_bytes: int = 0
+
+
 @dataclass
 class TierContext:
     """What a tier gets from kvtier when it is built.
@@ -103,6 +118,10 @@ class SecondaryTier(ABC):
     for bad ones; it happens once at startup, before any job.
     """
 
+    medium: ClassVar[Medium] = "STORAGE"
+    """What holds the chunks (vLLM's KV-event `medium`); each tier class sets its own."""
+    locality: ClassVar[Locality | None] = None
+    """Where the chunks are from this host (vLLM's KV-event `locality`); None: not declared."""
     loads_own_stores: ClassVar[bool] = True
     """Whether a chunk this instance stored can be loaded back by this instance. False for a tier
     that only offers the chunks to others (p2p): a store then proves nothing to this instance's
@@ -131,8 +150,19 @@ class SecondaryTier(ABC):
         """Chunks stored or removed by this tier since the last call. Optional hook."""
         return []
 
+    def usage(self) -> TierUsage | None:
+        """How full the tier is now (the fill metrics); None: not reported. Optional hook, called
+        on the dispatch thread about twice a second and on request; must not block on I/O."""
+        return None
+
     def stats(self) -> dict[str, float]:
-        """Counters for metrics (e.g. bytes used, bad chunks dropped). Optional hook."""
+        """Free-form counters of the tier's own (e.g. bad chunks dropped, failures), shown as they
+        are; what fills the tier is `usage`. Optional hook, called like `usage`."""
+        return {}
+
+    def endpoints(self) -> dict[str, str]:
+        """Addresses where other processes reach this tier, by role (p2p: "control", "data"); empty
+        for a tier nobody connects to. Optional hook, called once, right after construction."""
         return {}
 
     def shutdown(self) -> None:

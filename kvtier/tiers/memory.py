@@ -13,11 +13,14 @@ from collections.abc import Sequence
 
 from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext, TierUsage
 
 
 class MemoryTier(SecondaryTier):
     """Rows kept as `bytes` in an LRU-ordered dict (most recently used last)."""
+
+    medium = "CPU"
+    locality = "LOCAL"
 
     def __init__(self, ctx: TierContext, *, max_bytes: int | float | None = None) -> None:
         super().__init__(ctx)
@@ -78,5 +81,6 @@ class MemoryTier(SecondaryTier):
         events, self._events = self._events, []
         return events
 
-    def stats(self) -> dict[str, float]:
-        return {"chunks": len(self._rows), "bytes_used": len(self._rows) * self.ctx.row_bytes}
+    def usage(self) -> TierUsage:
+        row_bytes = self.ctx.row_bytes
+        return TierUsage(len(self._rows) * row_bytes, len(self._rows), (self._max_rows or 0) * row_bytes)

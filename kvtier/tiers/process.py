@@ -31,7 +31,7 @@ from typing import Any
 
 from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
+from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierUsage
 
 MAX_BACKOFF_S = 30.0
 STARTUP_TIMEOUT_S = 60.0
@@ -97,8 +97,13 @@ class TierProcess:
         self._asking: set[ChunkKey] = set()
         self._next_req = 0
         self.last_stats: dict[str, float] = {}
+        """The tier's own counters (`SecondaryTier.stats`), as of the last report."""
+        self.last_usage: TierUsage | None = None
+        """How full the tier is (`SecondaryTier.usage`), as of the last report; None: not reported."""
         self.stats_version = 0
         """Counts the stats reports received; `request_stats` makes the next one come at once."""
+        self.endpoints: dict[str, str] = {}
+        """Where other processes reach the tier (`SecondaryTier.endpoints`), once it is up."""
         self.restarts = 0
         self._closed = False
         self._stores_prove_hits = True
@@ -136,8 +141,6 @@ class TierProcess:
                 if msg is not None and len(msg) == 5:
                     _, _, key, value, allowed = msg
                     raise ConfigError(f"{self.spec.config_key}.{key}", value, allowed)
-                if msg is not None:
-                    raise TierStartError(f"tier {self.name!r} failed to start: {detail}")
                 raise TierStartError(f"tier {self.name!r} failed to start: {detail}")
             self._handle(gen_id, msg)
 
@@ -295,6 +298,7 @@ class TierProcess:
         if op == "ready":
             self._gen.ready = True
             self._stores_prove_hits = bool(msg[1])
+            self.endpoints = dict(msg[2])
         elif op == "done":
             for job_id, success, keys, nbytes, seconds in msg[1]:
                 entry = self._jobs.pop(job_id, None)
@@ -323,6 +327,7 @@ class TierProcess:
             self._events.extend(TierEvent(TierEventKind(k), tuple(keys)) for k, keys in msg[1])
         elif op == "stats":
             self.last_stats = msg[1]
+            self.last_usage = None if msg[2] is None else TierUsage(*msg[2])
             self.stats_version += 1
         elif op == "error":
             self._mark_down(msg[1])

@@ -9,10 +9,11 @@ or dies, or on a shutdown request.
 Wire messages (tuples of plain values; this socket connects two processes of the same instance):
   in:  ("lookup", req_id, [key, ...]) | ("store"|"load", job_id, [key, ...], [slot, ...])
        | ("stats",) | ("shutdown",)
-  out: ("ready", loads_own_stores) | ("error", message[, key, value, allowed])
+  out: ("ready", loads_own_stores, {role: address}) | ("error", message[, key, value, allowed])
        | ("lookup", req_id, [int, ...])
        | ("done", [(job_id, success, [key, ...], bytes, seconds), ...])
-       | ("events", [(kind, [key, ...]), ...]) | ("stats", {name: value})
+       | ("events", [(kind, [key, ...]), ...])
+       | ("stats", {name: value}, (bytes_used, chunks, capacity_bytes) | None)
 """
 
 from __future__ import annotations
@@ -66,6 +67,12 @@ def _flush(conn: Connection, tier: SecondaryTier) -> None:
         conn.send(("events", [(e.kind.value, list(e.keys)) for e in events]))
 
 
+def _report(conn: Connection, tier: SecondaryTier) -> None:
+    usage = tier.usage()
+    fill = None if usage is None else (usage.bytes_used, usage.chunks, usage.capacity_bytes)
+    conn.send(("stats", tier.stats(), fill))
+
+
 def _serve(conn: Connection, tier: SecondaryTier, wake: _Wakeup) -> None:
     last_stats = 0.0
     parent = os.getppid()
@@ -83,13 +90,13 @@ def _serve(conn: Connection, tier: SecondaryTier, wake: _Wakeup) -> None:
                 (tier.submit_store if op == "store" else tier.submit_load)(job)
             elif op == "stats":
                 _flush(conn, tier)
-                conn.send(("stats", tier.stats()))
+                _report(conn, tier)
             elif op == "shutdown":
                 return
         _flush(conn, tier)
         now = time.monotonic()
         if now - last_stats >= STATS_INTERVAL_S:
-            conn.send(("stats", tier.stats()))
+            _report(conn, tier)
             last_stats = now
             if os.getppid() != parent:
                 return
@@ -129,7 +136,7 @@ def main() -> None:
     except Exception as e:
         conn.send(("error", f"{type(e).__name__}: {e}"))
         sys.exit(1)
-    conn.send(("ready", cls.loads_own_stores))
+    conn.send(("ready", cls.loads_own_stores, tier.endpoints()))
     try:
         _serve(conn, tier, wake)
     except (EOFError, OSError):

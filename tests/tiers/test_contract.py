@@ -13,7 +13,7 @@ import pytest
 
 from kvtier.chunks import TierEventKind
 from kvtier.host.region import HostRegion
-from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
+from kvtier.tiers.base import Job, JobKind, LookupResult, SecondaryTier, TierContext, TierUsage
 from kvtier.tiers.process import TierProcess, TierSpec
 from kvtier.tiers.registry import BUILTIN_TIERS, resolve_tier
 from tests.conftest import (
@@ -60,6 +60,19 @@ def tier(request, ctx: TierContext, region: HostRegion, tmp_path: Path) -> Itera
     proc.start()
     yield proc
     proc.shutdown()
+
+
+def usage_of(tier: SecondaryTier | TierProcess) -> TierUsage | None:
+    """The tier's usage now (a tier process: a report requested now)."""
+    if isinstance(tier, SecondaryTier):
+        return tier.usage()
+    seen = tier.stats_version
+    tier.request_stats()
+    deadline = time.monotonic() + 5
+    while tier.stats_version == seen and time.monotonic() < deadline:
+        tier.poll()
+        time.sleep(0.002)
+    return tier.last_usage
 
 
 def test_every_builtin_tier_is_covered() -> None:
@@ -132,3 +145,17 @@ def test_storing_a_key_again_keeps_it_readable(tier, ctx: TierContext) -> None:
     tier.submit_load(Job(3, JobKind.LOAD, (key,), (9,)))
     assert wait_jobs(tier, 1)[0].success
     assert bytes(ctx.slot_view(9)) == data
+
+
+def test_usage_counts_the_chunks_stored(tier, ctx: TierContext) -> None:
+    before = usage_of(tier)
+    assert before is not None and (before.chunks, before.bytes_used) == (0, 0)
+    keys = tuple(random_key() for _ in range(3))
+    for s in range(3):
+        fill_slot(ctx, s)
+    tier.submit_store(Job(1, JobKind.STORE, keys, (0, 1, 2)))
+    assert wait_jobs(tier, 1)[0].success
+    after = usage_of(tier)
+    assert after is not None and after.chunks == 3
+    assert 3 * ROW_BYTES <= after.bytes_used <= 3 * (ROW_BYTES + 4096)
+    assert after.capacity_bytes == before.capacity_bytes

@@ -79,8 +79,8 @@ def test_round_trip_is_byte_identical_and_files_follow_the_layout(root: Path, di
         assert loaded.success and loaded.successful_keys == tuple(keys[::-1])
         for slot, key in enumerate(keys[::-1]):
             assert bytes(tier.ctx.slot_view(slot)) == payload(key, ROW)
-        stats = tier.stats()
-        assert (stats["files"], stats["bytes_used"]) == (6, 6 * FILE)
+        stats, usage = tier.stats(), tier.usage()
+        assert (usage.chunks, usage.bytes_used) == (6, 6 * FILE)
         assert (stats["stored"], stats["loaded"], stats["bad_chunks"]) == (6, 6, 0)
         [event] = tier.take_events()
         assert event.kind is TierEventKind.STORED and set(event.keys) == set(keys)
@@ -193,7 +193,7 @@ def test_root_dir_that_cannot_be_created_or_written_is_a_config_error(tmp_path: 
 def test_float_max_bytes_is_accepted(root: Path) -> None:
     tier = new_tier(root, max_bytes=1e9)
     try:
-        assert tier.stats()["max_bytes"] == 1e9
+        assert tier.usage().capacity_bytes == 1e9
     finally:
         tier.shutdown()
 
@@ -333,7 +333,7 @@ def test_eviction_follows_last_use_and_bounds_bytes(root: Path) -> None:
             (TierEventKind.REMOVED, (b,)), (TierEventKind.STORED, (d,))
         ]
         stats = tier.stats()
-        assert stats["bytes_used"] == 3 * FILE and stats["evictions"] == 1
+        assert tier.usage().bytes_used == 3 * FILE and stats["evictions"] == 1
         assert sum(p.stat().st_size for p in all_files(root)) <= 3 * FILE
         del c
     finally:
@@ -362,8 +362,8 @@ def test_restart_rebuilds_accounting_from_mtimes_and_respects_max_bytes(root: Pa
 
     again = new_tier(root)
     try:
-        stats = again.stats()
-        assert (stats["files"], stats["bytes_used"]) == (5, 5 * FILE)
+        stats, usage = again.stats(), again.usage()
+        assert (usage.chunks, usage.bytes_used) == (5, 5 * FILE)
         assert stats["bad_wrong_length"] == 1
         assert not stale.exists() and fresh.exists() and not wrong_size.exists()
         assert again.take_events() == []
@@ -376,7 +376,7 @@ def test_restart_rebuilds_accounting_from_mtimes_and_respects_max_bytes(root: Pa
         # Least recently used first: keys[1], keys[2] go; keys[0] was refreshed by the load.
         assert bounded.lookup(keys) == [LookupResult.HIT, LookupResult.MISS, LookupResult.MISS,
                                         LookupResult.HIT, LookupResult.HIT]
-        assert bounded.stats()["bytes_used"] == 3 * FILE
+        assert bounded.usage().bytes_used == 3 * FILE
         assert load_keys(bounded, bounded.ctx, [keys[0], keys[3], keys[4]]).success
     finally:
         bounded.shutdown()
@@ -396,9 +396,9 @@ def test_instances_sharing_a_directory_see_each_others_files(root: Path) -> None
         assert result.successful_keys == (a,)
         assert one.stats()["load_misses"] == 1
         deadline = time.monotonic() + 5
-        while two.stats()["files"] != 1 and time.monotonic() < deadline:
+        while two.usage().chunks != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
-        assert two.stats()["files"] == 1  # the rescan found a (stored by one) and lost b
+        assert two.usage().chunks == 1  # the rescan found a (stored by one) and lost b
         kinds = {(e.kind, k) for e in two.take_events() for k in e.keys}
         assert (TierEventKind.STORED, a) in kinds
     finally:
@@ -491,7 +491,7 @@ def test_root_dir_removed_while_running(root: Path, caplog) -> None:
         result = store_keys(tier, tier.ctx, keys, job_id=4)
         assert result.success
         assert load_keys(tier, tier.ctx, keys, job_id=5).success
-        assert tier.stats()["files"] == 10
+        assert tier.usage().chunks == 10
     finally:
         tier.shutdown()
 

@@ -13,13 +13,14 @@ import socket
 import threading
 import time
 from collections.abc import Callable, Iterator
+from urllib.parse import urlsplit
 
 import pytest
 import zmq
 
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
-from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import P2PTier, protocol
@@ -48,7 +49,13 @@ def stats(proc: TierProcess, timeout_s: float = 5.0) -> dict[str, float]:
 
 
 def address(proc: TierProcess) -> str:
-    return f"tcp://127.0.0.1:{int(stats(proc)['control_port'])}"
+    return f"tcp://127.0.0.1:{urlsplit(proc.endpoints['control']).port}"
+
+
+def data_address(proc: TierProcess) -> tuple[str, int]:
+    port = urlsplit(proc.endpoints["data"]).port
+    assert port is not None
+    return "127.0.0.1", port
 
 
 @pytest.fixture
@@ -99,6 +106,17 @@ def test_b_finds_and_loads_what_a_stored(make_peer) -> None:
     assert result.success and result.successful_keys == tuple(keys)
     assert [bytes(b_ctx.slot_view(s)) for s in (9, 8, 7, 6)] == rows
     assert stats(a)["chunks_served"] == 4 and stats(b)["loaded"] == 4
+
+
+def test_usage_is_the_rows_a_peer_offers(make_peer) -> None:
+    a, a_region = make_peer()
+    stats(a)
+    assert a.last_usage == TierUsage(0, 0, SLOTS * ROW_BYTES)
+    for s in range(2):
+        fill_slot(ctx_of(a_region), s)
+    store(a, [random_key(), random_key()], [0, 1])
+    stats(a)
+    assert a.last_usage == TierUsage(2 * ROW_BYTES, 2, SLOTS * ROW_BYTES)
 
 
 def test_own_stores_are_not_hits_for_the_instance_that_stored_them(make_peer) -> None:
@@ -222,7 +240,7 @@ def test_peer_with_the_wrong_secret_is_refused_and_logged_once(make_peer, capfd)
     fetcher = Fetcher(Secret(b"not-the-shared-secret-at-all"), FP, ROW_BYTES, book,
                       FailureLog(book.ctx.log, "t"), connect_timeout_s=2, transfer_timeout_s=2,
                       reconnect_interval_s=0.01)
-    data = ("127.0.0.1", int(stats(a)["data_port"]))
+    data = data_address(a)
     try:
         assert fetcher.fetch(data, [(keys[0], memoryview(bytearray(ROW_BYTES)))]) == [False]
     finally:
@@ -254,7 +272,7 @@ def test_malformed_messages_are_rejected_and_the_server_keeps_serving(make_peer)
     finally:
         dealer.close()
         zctx.term()
-    data = ("127.0.0.1", int(stats(a)["data_port"]))
+    data = data_address(a)
     with socket.create_connection(data, timeout=5) as conn:
         protocol.client_handshake(conn, secret, FP, ROW_BYTES)
         conn.sendall(protocol.GET_MAGIC + (10**6).to_bytes(4, "little"))

@@ -16,13 +16,13 @@ counters. Tier names default to the tier type (`"fs"`, `"obj"`, ...) unless conf
 from __future__ import annotations
 
 from collections import Counter, OrderedDict
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.chunks import DEVICE, HOST, RECOMPUTED
 from kvtier.host.tier import HostTier
 from kvtier.manager import TieringManager
+from kvtier.tiers.base import TierUsage
 
 FINISHED_KEPT = 4096
 
@@ -105,20 +105,17 @@ class Accounting:
         """Once per engine step: occupancy of every tier (the manager counts its own transfers)."""
         self._occupancy_host(self.manager.host)
         for name, tier in self.manager.tiers.items():
-            self._occupancy(name, getattr(tier, "last_stats", {}))
+            self._occupancy(name, getattr(tier, "last_usage", None))
 
     def _occupancy_host(self, host: HostTier) -> None:
         stats = host.stats()
         self._set_occupancy(HOST, stats.ready * stats.row_bytes, stats.ready, stats.capacity_bytes)
 
-    def _occupancy(self, name: str, stats: Mapping[str, float]) -> None:
-        if "bytes_used" not in stats:
-            return
-        used = stats["bytes_used"]
-        chunks = next((stats[k] for k in ("chunks", "files", "objects", "keys") if k in stats), None)
-        if chunks is None:
-            chunks = used // self.manager.host.row_bytes
-        self._set_occupancy(name, used, chunks, stats.get("max_bytes", 0.0))
+    def _occupancy(self, name: str, usage: TierUsage | None) -> None:
+        """A secondary tier's fill as of its last report (none before its first, or when the tier
+        does not report usage)."""
+        if usage is not None:
+            self._set_occupancy(name, usage.bytes_used, usage.chunks, usage.capacity_bytes)
 
     def _set_occupancy(self, tier: str, used: float, chunks: float, capacity: float) -> None:
         m = self.metrics

@@ -2,8 +2,9 @@
 
 `TieringManager.take_events()` yields (tier name or "host", TierEvent) batches; `KVEventTranslator`
 turns each into one vLLM `BlockStored` or `BlockRemoved` event: `block_hashes` are the 32-byte chunk
-keys, `medium` is "CPU" or "STORAGE" (vLLM's own medium names) by tier type, `locality` "LOCAL" or
-"REMOTE", and `ownership` the kvtier tier name ("host" or the configured secondary tier's name), so
+keys, `medium` ("CPU" or "STORAGE", vLLM's own medium names) and `locality` ("LOCAL" or "REMOTE") are
+what the tier's class declares (`SecondaryTier.medium`, `.locality`; the host tier is CPU and LOCAL),
+and `ownership` the kvtier tier name ("host" or the configured secondary tier's name), so
 a router tells a copy on this host's disk from one in a shared object store. A `BlockStored` also
 carries the chunk's parent key, token ids and `block_size` (tokens per chunk) when the translator
 still remembers the key (`remember`, bounded), else empty token ids as vLLM's own offloading does
@@ -21,17 +22,23 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.chunks import HOST, ChunkKey, TierEvent, TierEventKind
+from kvtier.errors import ConfigError
+from kvtier.tiers.base import Locality, Medium, SecondaryTier
+from kvtier.tiers.registry import resolve_tier
 
-# tier type → (medium, locality); a plugin tier of unknown type is STORAGE, locality unknown.
-PLACEMENT: dict[str, tuple[str, str | None]] = {
-    HOST: ("CPU", "LOCAL"),
-    "memory": ("CPU", "LOCAL"),
-    "fs": ("STORAGE", "LOCAL"),
-    "obj": ("STORAGE", "REMOTE"),
-    "redis": ("CPU", "REMOTE"),
-    "p2p": ("CPU", "REMOTE"),
-}
+Placement = tuple[Medium, Locality | None]
+HOST_PLACEMENT: Placement = ("CPU", "LOCAL")
 REMEMBERED_KEYS = 16384
+
+
+def tier_placement(name: str, type_name: str, module_path: str | None = None) -> Placement:
+    """(medium, locality) a tier's class declares; a tier whose class cannot be resolved here (a
+    plugin named without its module) gets the contract's defaults."""
+    try:
+        cls = resolve_tier(name, type_name, module_path)
+    except ConfigError:
+        cls = SecondaryTier
+    return cls.medium, cls.locality
 
 
 @dataclass(frozen=True)
@@ -43,12 +50,20 @@ class _Chunk:
 class KVEventTranslator:
     """Turns kvtier tier events into vLLM KV events.
 
-    `tier_types` maps each secondary tier's name to its type; `chunk_tokens` is the tokens per
-    chunk (`blocks_per_chunk * block_size`); `lora_name` is not known per event and left None.
+    `tier_types` maps each secondary tier's name to its type, `module_paths` a plugin tier's name to
+    its module; `chunk_tokens` is the tokens per chunk (`blocks_per_chunk * block_size`);
+    `lora_name` is not known per event and left None.
     """
 
-    def __init__(self, tier_types: Mapping[str, str], chunk_tokens: int) -> None:
-        self.tier_types = {HOST: HOST, **tier_types}
+    def __init__(
+        self, tier_types: Mapping[str, str], chunk_tokens: int,
+        module_paths: Mapping[str, str | None] | None = None,
+    ) -> None:
+        paths = module_paths or {}
+        self._placements = {HOST: HOST_PLACEMENT} | {
+            name: tier_placement(name, type_name, paths.get(name))
+            for name, type_name in tier_types.items()
+        }
         self.chunk_tokens = chunk_tokens
         self._chunks: OrderedDict[ChunkKey, _Chunk] = OrderedDict()
 
@@ -67,9 +82,9 @@ class KVEventTranslator:
         while len(chunks) > REMEMBERED_KEYS:
             chunks.popitem(last=False)
 
-    def placement(self, tier: str) -> tuple[str, str | None]:
-        """(medium, locality) of a tier by name."""
-        return PLACEMENT.get(self.tier_types.get(tier, ""), ("STORAGE", None))
+    def placement(self, tier: str) -> Placement:
+        """(medium, locality) of a tier by name; an unknown name gets the contract's defaults."""
+        return self._placements.get(tier, (SecondaryTier.medium, SecondaryTier.locality))
 
     def translate(self, tier: str, event: TierEvent) -> list[Any]:
         """vLLM events for one kvtier event batch: one BlockRemoved, or one BlockStored per run of

@@ -32,7 +32,15 @@ from collections.abc import Sequence
 
 from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.base import (
+    Job,
+    JobKind,
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TierUsage,
+)
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, KeyWork, TierBook
 from kvtier.tiers.common.iopool import IoPool
@@ -57,6 +65,9 @@ MTIME_REFRESH_S = 1.0
 
 class FsTier(SecondaryTier):
     """Chunks as files under `root_dir/<layout fingerprint>/`, shared by every instance using it."""
+
+    medium = "STORAGE"
+    locality = "LOCAL"
 
     def __init__(
         self,
@@ -174,10 +185,11 @@ class FsTier(SecondaryTier):
     def take_events(self) -> list[TierEvent]:
         return self._book.take_events()
 
+    def usage(self) -> TierUsage:
+        return TierUsage(self._index.bytes_used, len(self._index), self._index.max_bytes or 0)
+
     def stats(self) -> dict[str, float]:
         out: dict[str, float] = {
-            "bytes_used": float(self._index.bytes_used),
-            "files": float(len(self._index)),
             "direct_io": float(self.direct_io),
             "native_io": float(self._native is not None),
         }
@@ -185,8 +197,6 @@ class FsTier(SecondaryTier):
             "bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
             "evictions", "rescans",
         ))
-        if self._index.max_bytes is not None:
-            out["max_bytes"] = float(self._index.max_bytes)
         return out
 
     def shutdown(self) -> None:

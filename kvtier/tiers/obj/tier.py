@@ -42,7 +42,15 @@ from collections.abc import Sequence
 
 from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.base import (
+    Job,
+    JobKind,
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TierUsage,
+)
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import KeyWork, TierBook
 from kvtier.tiers.common.iopool import IoPool
@@ -61,6 +69,9 @@ from kvtier.tiers.obj.index import ObjIndex
 
 class ObjTier(SecondaryTier):
     """Chunks as objects under `<prefix>/<layout fingerprint>/` in one S3 bucket."""
+
+    medium = "STORAGE"
+    locality = "REMOTE"
 
     def __init__(
         self,
@@ -160,15 +171,14 @@ class ObjTier(SecondaryTier):
     def take_events(self) -> list[TierEvent]:
         return self._book.take_events()
 
+    def usage(self) -> TierUsage:
+        return TierUsage(self._index.bytes_used, self._index.present, self._index.max_bytes or 0)
+
     def stats(self) -> dict[str, float]:
-        out = {"bytes_used": float(self._index.bytes_used), "objects": float(self._index.present)}
-        out.update(self._book.counters(
+        return self._book.counters(
             "bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
             "evictions", "heads", "lookup_failures", "listings",
-        ))
-        if self._index.max_bytes is not None:
-            out["max_bytes"] = float(self._index.max_bytes)
-        return out
+        )
 
     def shutdown(self) -> None:
         """Wait for the requests in progress, fail the queued keys. Idempotent."""

@@ -14,7 +14,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.common.iopool import IoPool, JobTracker
@@ -82,6 +82,8 @@ class P2PTier(SecondaryTier):
     `handshake_timeout_s` and `idle_timeout_s` (the serving side's connection limits).
     """
 
+    medium = "CPU"
+    locality = "REMOTE"
     loads_own_stores = False
 
     def __init__(
@@ -219,14 +221,26 @@ class P2PTier(SecondaryTier):
     def get_finished_jobs(self) -> list[JobResult]:
         return self._book.take_finished()
 
+    def usage(self) -> TierUsage:
+        """The host-tier rows this instance offers to peers (claims, not copies), out of the host
+        region's rows (the index holds at most one claim per slot)."""
+        chunks, row_bytes = len(self._index), self.ctx.row_bytes
+        return TierUsage(chunks * row_bytes, chunks, self.ctx.num_slots * row_bytes)
+
     def stats(self) -> dict[str, float]:
         out = self._book.counters("loaded", "load_failures", "chunks_served", "auth_refused",
                                  "malformed")
-        out.update(entries=float(len(self._index)), stale_dropped=float(self._index.stale_dropped),
-                   control_port=float(urlsplit(self.address).port or 0),
-                   data_port=float(self._server.data_port), peers=float(len(self._lookup.peers())),
+        out.update(stale_dropped=float(self._index.stale_dropped),
+                   peers=float(len(self._lookup.peers())),
                    serving_connections=float(self._server.connections()))
         return out
+
+    def endpoints(self) -> dict[str, str]:
+        """"control": the ZMQ address peers send lookups to; "data": tcp://HOST:PORT of the data
+        listener (peers learn its port from lookup answers)."""
+        host = urlsplit(self.address).hostname or "127.0.0.1"
+        host = f"[{host}]" if ":" in host else host
+        return {"control": self.address, "data": f"tcp://{host}:{self._server.data_port}"}
 
     def shutdown(self) -> None:
         """Fail in-flight loads, stop the I/O threads, then every component in reverse. Idempotent."""

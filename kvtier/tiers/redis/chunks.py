@@ -9,12 +9,16 @@ and checksum before reporting the key loaded. A value that vanished is a miss; o
 verification is counted and removed, unless another instance replaced it meanwhile.
 
 Threads: the I/O threads, each with its own connection; outcomes go to the tier's book and, through
-`remember`, to its lookup answers.
+`remember`, to its lookup answers. `held` (any thread) counts the chunks this instance stored or
+loaded and has not seen vanish since (nor outlive their TTL): what the tier reports as its usage.
 """
 
 from __future__ import annotations
 
 import hashlib
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -63,6 +67,30 @@ class ChunkStore:
         self._px = px
         self._remember = remember
         self.value_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
+        self._ttl_s = None if px is None else int(px) / 1000
+        self._held: OrderedDict[bytes, float] = OrderedDict()
+        """Chunk keys known stored, by last use (monotonic seconds), least recent first."""
+        self._held_lock = threading.Lock()
+
+    def held(self) -> int:
+        """How many chunks this instance stored or loaded and has not seen vanish or expire since."""
+        now = time.monotonic()
+        with self._held_lock:
+            while self._held and self._ttl_s is not None:
+                key, last_use = next(iter(self._held.items()))
+                if now - last_use < self._ttl_s:
+                    break
+                del self._held[key]
+            return len(self._held)
+
+    def _hold(self, keys: Sequence[bytes], lost: Sequence[bytes] = ()) -> None:
+        now = time.monotonic()
+        with self._held_lock:
+            for key in keys:
+                self._held[key] = now
+                self._held.move_to_end(key)
+            for key in lost:
+                self._held.pop(key, None)
 
     def rkey(self, key: bytes) -> bytes:
         """The Redis key of a chunk key."""
@@ -83,6 +111,7 @@ class ChunkStore:
                 self._link.faillog.failed(f"store:{str(reply).split(' ', 1)[0]}", reply)
         stored = [tracker.job.keys[i] for (tracker, i), ok in zip(batch, outcomes, strict=True) if ok]
         self._remember(stored, LookupResult.HIT)
+        self._hold(stored)
         self._book.count("stored", len(stored))
         self._book.count("store_failures", len(batch) - len(stored))
         self._book.events(TierEventKind.STORED, stored)
@@ -123,6 +152,7 @@ class ChunkStore:
         lost = gone + [k for k, _ in bad]
         self._remember(loaded, LookupResult.HIT)
         self._remember(lost, LookupResult.MISS)
+        self._hold(loaded, lost)
         self._book.events(TierEventKind.REMOVED, lost)
         return outcomes
 

@@ -35,7 +35,15 @@ from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.chunks import ChunkKey, TierEvent
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, SecondaryTier, TierContext
+from kvtier.tiers.base import (
+    Job,
+    JobKind,
+    JobResult,
+    LookupResult,
+    SecondaryTier,
+    TierContext,
+    TierUsage,
+)
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import TierBook
 from kvtier.tiers.common.iopool import JobTracker
@@ -57,6 +65,9 @@ class RedisTier(SecondaryTier):
     stays marked down after a connection error), `lookup_ttl_s` (how long an answer is reused) and
     `lookup_wait_s` (how long `lookup` waits for answers before saying RETRY).
     """
+
+    medium = "CPU"
+    locality = "REMOTE"
 
     def __init__(
         self,
@@ -172,6 +183,12 @@ class RedisTier(SecondaryTier):
 
     def take_events(self) -> list[TierEvent]:
         return self._book.take_events()
+
+    def usage(self) -> TierUsage:
+        """The chunks this instance stored or loaded and still knows of (others' are not seen; the
+        server's own bound, if any, is not known here)."""
+        held = self._chunks.held()
+        return TierUsage(held * self.value_bytes, held)
 
     def stats(self) -> dict[str, float]:
         out = {"hiredis": float(HIREDIS_AVAILABLE), "down": float(self._link.is_down())}
