@@ -23,7 +23,6 @@ import subprocess
 import sys
 import threading
 import time
-from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
@@ -32,6 +31,7 @@ from typing import Any
 from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierUsage
+from kvtier.tiers.common.answers import AnswerCache
 
 MAX_BACKOFF_S = 30.0
 STARTUP_TIMEOUT_S = 60.0
@@ -92,9 +92,8 @@ class TierProcess:
         self._jobs: dict[int, tuple[Job, float]] = {}
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
-        self._answers: OrderedDict[ChunkKey, tuple[LookupResult, float]] = OrderedDict()
+        self._answers = AnswerCache(lookup_ttl_s)
         self._asked: dict[int, tuple[tuple[ChunkKey, ...], float]] = {}
-        self._asking: set[ChunkKey] = set()
         self._next_req = 0
         self.last_stats: dict[str, float] = {}
         """The tier's own counters (`SecondaryTier.stats`), as of the last report."""
@@ -217,18 +216,7 @@ class TierProcess:
         if not self.is_up:
             return [LookupResult.MISS] * len(keys)
         now = time.monotonic()
-        self._expire_answers(now)
-        out: list[LookupResult] = []
-        ask: list[ChunkKey] = []
-        for key in keys:
-            answer = self._answers.get(key)
-            if answer is not None:
-                out.append(answer[0])
-                continue
-            out.append(LookupResult.RETRY)
-            if key not in self._asking:
-                self._asking.add(key)
-                ask.append(key)
+        out, ask = self._answers.lookup(keys, now)
         if ask:
             self._next_req += 1
             self._asked[self._next_req] = (tuple(ask), now)
@@ -309,20 +297,20 @@ class TierProcess:
                 now = time.monotonic()
                 if entry[0].kind is JobKind.LOAD or self._stores_prove_hits:
                     for key in keys:
-                        self._remember(key, LookupResult.HIT, now)
+                        self._answers.put(key, LookupResult.HIT, now)
                 if entry[0].kind is JobKind.LOAD:
                     for key in set(entry[0].keys).difference(keys):
-                        self._remember(key, LookupResult.MISS, now)
+                        self._answers.put(key, LookupResult.MISS, now)
                 self._finished.append(JobResult(job_id, success, tuple(keys), nbytes, seconds))
         elif op == "lookup":
             asked = self._asked.pop(msg[1], None)
             if asked is not None:
                 now = time.monotonic()
                 for key, result in zip(asked[0], msg[2], strict=True):
-                    self._asking.discard(key)
+                    self._answers.unask(key)
                     # RETRY is not an answer: the next lookup asks the tier again.
                     if result != LookupResult.RETRY:
-                        self._remember(key, LookupResult(result), now)
+                        self._answers.put(key, LookupResult(result), now)
         elif op == "events":
             self._events.extend(TierEvent(TierEventKind(k), tuple(keys)) for k, keys in msg[1])
         elif op == "stats":
@@ -331,17 +319,6 @@ class TierProcess:
             self.stats_version += 1
         elif op == "error":
             self._mark_down(msg[1])
-
-    def _remember(self, key: ChunkKey, result: LookupResult, now: float) -> None:
-        self._answers[key] = (result, now)
-        self._answers.move_to_end(key)
-
-    def _expire_answers(self, now: float) -> None:
-        while self._answers:
-            key, (_, t) = next(iter(self._answers.items()))
-            if now - t < self.lookup_ttl_s:
-                break
-            del self._answers[key]
 
     def _mark_down(self, why: str) -> None:
         gen, self._gen = self._gen, None
@@ -365,5 +342,4 @@ class TierProcess:
             self._finished.append(JobResult(job_id, success=False))
         self._jobs.clear()
         self._asked.clear()
-        self._asking.clear()
-        self._answers.clear()
+        self._answers.reset()

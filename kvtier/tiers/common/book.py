@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterable
 
 from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.tiers.base import Job, JobKind, JobResult, TierContext
+from kvtier.tiers.common.chunkfmt import ChunkError
 from kvtier.tiers.common.iopool import IoPool, JobTracker
 
 LOG_INTERVAL_S = 600.0
@@ -69,6 +70,12 @@ class TierBook:
         with self._lock:
             self._counters[name] += n
 
+    def bad(self, reason: ChunkError, n: int = 1) -> None:
+        """Count `n` bad chunks, in all ("bad_chunks") and by reason ("bad_<reason>")."""
+        with self._lock:
+            self._counters["bad_chunks"] += n
+            self._counters[f"bad_{reason.value}"] += n
+
     def counters(self, *always: str) -> dict[str, float]:
         """A snapshot of every counter; the names in `always` appear even while zero, first."""
         with self._lock:
@@ -113,6 +120,19 @@ class TierBook:
             self._finished.append(result)
         self.ctx.wakeup()
 
+    def track(self, job: Job) -> JobTracker | None:
+        """A tracker for `job`'s keys; None for a job without keys, which is reported done now."""
+        tracker = JobTracker(job)
+        if job.keys:
+            return tracker
+        self.finish(tracker)
+        return None
+
+    def finish_key(self, tracker: JobTracker, i: int, ok: bool) -> None:
+        """Record key `i`'s outcome; the call that completes the job reports it."""
+        if tracker.finish_key(i, ok):
+            self.finish(tracker)
+
     def take_finished(self) -> list[JobResult]:
         with self._lock:
             out, self._finished = self._finished, []
@@ -124,9 +144,8 @@ class TierBook:
         """Run `work` for every key of `job` on `pool`, one task per key; the thread that finishes
         the last key reports the job. A key whose work raises fails (`on_error` records why); once
         the pool is shut down, every key of a new job fails at once."""
-        tracker = JobTracker(job)
-        if not job.keys:
-            self.finish(tracker)
+        tracker = self.track(job)
+        if tracker is None:
             return
         failures = "store_failures" if job.kind is JobKind.STORE else "load_failures"
 
@@ -138,8 +157,7 @@ class TierBook:
                 on_error(job.kind, e)
             if not ok:
                 self.count(failures)
-            if tracker.finish_key(i, ok):
-                self.finish(tracker)
+            self.finish_key(tracker, i, ok)
 
         if not pool.submit(job.kind is JobKind.LOAD, [functools.partial(run, i, True)
                                                        for i in range(len(job.keys))]):

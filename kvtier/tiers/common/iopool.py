@@ -64,8 +64,9 @@ class IoPool:
             self._cv.notify(len(queue) - before)
             return True
 
-    def shutdown(self) -> list[Task]:
-        """Stop taking tasks, wait for the running ones; returns the tasks never started."""
+    def shutdown(self) -> None:
+        """Stop taking tasks, wait for the running ones, then run the ones never started on this
+        thread (each records its own outcome, so every job submitted is reported). Idempotent."""
         with self._cv:
             self._stopping = True
             abandoned = [*self._loads, *self._stores]
@@ -74,7 +75,8 @@ class IoPool:
             self._cv.notify_all()
         for t in self._threads:
             t.join()
-        return abandoned
+        for task in abandoned:
+            task()
 
     def _work(self, prefers_loads: bool) -> None:
         first, second = (self._loads, self._stores) if prefers_loads else (self._stores, self._loads)

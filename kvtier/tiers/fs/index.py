@@ -264,8 +264,3 @@ class FsIndex:
                     self.bytes_used -= entry.size
                     vanished.append(key)
         return appeared, vanished
-
-    def keys_by_use(self) -> list[bytes]:
-        """Known keys, least recently used first."""
-        with self._lock:
-            return [k for k, _ in sorted(self._entries.items(), key=lambda kv: kv[1].last_use)]

@@ -30,19 +30,12 @@ import threading
 import time
 from collections.abc import Sequence
 
-from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.chunks import ChunkKey, TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import (
-    Job,
-    JobKind,
-    JobResult,
-    LookupResult,
-    SecondaryTier,
-    TierContext,
-    TierUsage,
-)
+from kvtier.tiers.base import LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
-from kvtier.tiers.common.book import FailureLog, KeyWork, TierBook
+from kvtier.tiers.common.book import FailureLog
+from kvtier.tiers.common.booked import PerKeyTier
 from kvtier.tiers.common.iopool import IoPool
 from kvtier.tiers.fs import native as fs_native
 from kvtier.tiers.fs.index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
@@ -63,11 +56,14 @@ MTIME_REFRESH_S = 1.0
 
 
 
-class FsTier(SecondaryTier):
+class FsTier(PerKeyTier):
     """Chunks as files under `root_dir/<layout fingerprint>/`, shared by every instance using it."""
 
     medium = "STORAGE"
     locality = "LOCAL"
+    COUNTERS = ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
+                "evictions", "rescans")
+    _index: FsIndex
 
     def __init__(
         self,
@@ -84,10 +80,6 @@ class FsTier(SecondaryTier):
         super().__init__(ctx)
         if not isinstance(root_dir, str) or not root_dir:
             raise ConfigError("root_dir", root_dir, "must be a directory path")
-        try:
-            self._fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
-        except ValueError as e:
-            raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
         self.file_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
         if max_bytes is not None:
             number_option("max_bytes", max_bytes, f"must be None or at least one chunk file "
@@ -111,7 +103,6 @@ class FsTier(SecondaryTier):
         self.direct_io = self._choose_direct_io(direct_io)
         self._native = fs_native.load()
         self._index = FsIndex(None if max_bytes is None else int(max_bytes))
-        self._book = TierBook(ctx)
         self._faillog = FailureLog(ctx.log, f"fs tier {ctx.tier_name}")
         self._local = threading.local()
         self._stop = threading.Event()
@@ -125,7 +116,6 @@ class FsTier(SecondaryTier):
                 name=f"kvtier-fs-{ctx.tier_name}-scan", daemon=True,
             )
             self._maintenance.start()
-        self._closed = False
 
     # ---- setup -------------------------------------------------------------------------------
 
@@ -173,50 +163,21 @@ class FsTier(SecondaryTier):
             )
         return out
 
-    def submit_store(self, job: Job) -> None:
-        self._submit(job, self._store_key)
-
-    def submit_load(self, job: Job) -> None:
-        self._submit(job, self._load_key)
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        return self._book.take_finished()
-
-    def take_events(self) -> list[TierEvent]:
-        return self._book.take_events()
-
     def usage(self) -> TierUsage:
         return TierUsage(self._index.bytes_used, len(self._index), self._index.max_bytes or 0)
 
     def stats(self) -> dict[str, float]:
-        out: dict[str, float] = {
-            "direct_io": float(self.direct_io),
-            "native_io": float(self._native is not None),
-        }
-        out.update(self._book.counters(
-            "bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
-            "evictions", "rescans",
-        ))
-        return out
+        return {"direct_io": float(self.direct_io), "native_io": float(self._native is not None),
+                **super().stats()}
 
-    def shutdown(self) -> None:
-        """Wait for the keys in progress, fail the queued ones, stop the scanner. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
+    def _close(self) -> None:
+        """Stop the scanner (the I/O threads are gone)."""
         self._stop.set()
-        for task in self._pool.shutdown():
-            task()
         if self._maintenance is not None:
             self._maintenance.join()
 
-    # ---- jobs --------------------------------------------------------------------------------
-
-    def _submit(self, job: Job, work: KeyWork) -> None:
-        self._book.submit_per_key(self._pool, job, work, self._key_raised)
-
-    def _key_raised(self, kind: JobKind, e: Exception) -> None:
-        self._faillog.failed(f"{kind.value}:{type(e).__name__}", e)
+    def _key_failed(self, cause: str, exc: BaseException) -> None:
+        self._faillog.failed(cause, exc)
 
     # ---- per-key I/O (I/O threads) -----------------------------------------------------------
 
@@ -232,10 +193,7 @@ class FsTier(SecondaryTier):
         return buf
 
     def _store_key(self, key: ChunkKey, slot: int) -> bool:
-        name = key_name(key)
-        if name is None:
-            self._faillog.failed("store:invalid_key", ValueError("chunk key must be 32 bytes"))
-            return False
+        name = key.hex()
         path = self._path(name)
         row = self.ctx.slot_view(slot)
         with contextlib.suppress(FileNotFoundError):
@@ -281,11 +239,7 @@ class FsTier(SecondaryTier):
             self._book.count("evictions")
 
     def _load_key(self, key: ChunkKey, slot: int) -> bool:
-        name = key_name(key)
-        if name is None:
-            self._faillog.failed("load:invalid_key", ValueError("chunk key must be 32 bytes"))
-            return False
-        path = self._path(name)
+        path = self._path(key.hex())
         row = self.ctx.slot_view(slot)
         self._index.pin(key)
         try:
@@ -320,18 +274,12 @@ class FsTier(SecondaryTier):
 
     def _drop_bad(self, path: str, fd: int, key: bytes, reason: chunkfmt.ChunkError) -> None:
         """Remove a bad chunk file, unless another instance has replaced it meanwhile."""
-        self._book.count("bad_chunks")
-        self._book.count(f"bad_{reason.value}")
-        self._faillog.failed(f"bad:{reason.value}", ValueError(f"removed bad chunk file {path}"))
+        self._bad(reason, f"removed bad chunk file {path}")
         with contextlib.suppress(OSError):
             mine, now = os.fstat(fd), os.stat(path)
             if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
                 os.unlink(path)
         self._forget(key)
-
-    def _forget(self, key: bytes) -> None:
-        if self._index.remove(key):
-            self._book.event(TierEventKind.REMOVED, key)
 
     # ---- bookkeeping -------------------------------------------------------------------------
 
@@ -343,8 +291,7 @@ class FsTier(SecondaryTier):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if found.wrong_size:
-            self._book.count("bad_chunks", len(found.wrong_size))
-            self._book.count(f"bad_{chunkfmt.ChunkError.LENGTH.value}", len(found.wrong_size))
+            self._book.bad(chunkfmt.ChunkError.LENGTH, len(found.wrong_size))
         appeared, vanished = self._index.merge_scan(marker, found.files)
         self._book.count("rescans")
         if not initial:

@@ -40,19 +40,11 @@ import functools
 import time
 from collections.abc import Sequence
 
-from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.chunks import ChunkKey, TierEventKind
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import (
-    Job,
-    JobKind,
-    JobResult,
-    LookupResult,
-    SecondaryTier,
-    TierContext,
-    TierUsage,
-)
+from kvtier.tiers.base import LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
-from kvtier.tiers.common.book import KeyWork, TierBook
+from kvtier.tiers.common.booked import PerKeyTier
 from kvtier.tiers.common.iopool import IoPool
 from kvtier.tiers.obj.client import (
     NOT_FOUND,
@@ -67,11 +59,14 @@ from kvtier.tiers.obj.health import ServerHealth
 from kvtier.tiers.obj.index import ObjIndex
 
 
-class ObjTier(SecondaryTier):
+class ObjTier(PerKeyTier):
     """Chunks as objects under `<prefix>/<layout fingerprint>/` in one S3 bucket."""
 
     medium = "STORAGE"
     locality = "REMOTE"
+    COUNTERS = ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
+                "evictions", "heads", "lookup_failures", "listings")
+    _index: ObjIndex
 
     def __init__(
         self,
@@ -112,10 +107,6 @@ class ObjTier(SecondaryTier):
         for name, flag in (("path_style", path_style), ("create_bucket", create_bucket)):
             if flag is not None and not isinstance(flag, bool):
                 raise ConfigError(name, flag, "must be true or false")
-        try:
-            self._fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
-        except ValueError as e:
-            raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
         object_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
         positive_option("max_bytes", max_bytes, integer=False, allow_none=True)
         if max_bytes is not None and max_bytes < object_bytes:
@@ -143,13 +134,11 @@ class ObjTier(SecondaryTier):
         self._io = ChunkIO(client, bucket, self._fp, ctx.row_bytes)
         self._index = ObjIndex(object_bytes, None if max_bytes is None else int(max_bytes),
                                self.negative_ttl_s)
-        self._book = TierBook(ctx)
         self._health = ServerHealth(ctx.log, f"obj tier {ctx.tier_name}", bucket)
         n_read = max(1, io_threads // 2)
         self._pool = IoPool(n_read, io_threads - n_read, f"kvtier-obj-{ctx.tier_name}")
         if max_bytes is not None:
             self._pool.submit(False, [self._scan])
-        self._closed = False
 
     # ---- contract ----------------------------------------------------------------------------
 
@@ -159,54 +148,27 @@ class ObjTier(SecondaryTier):
             self._pool.submit(True, [functools.partial(self._head, key) for key in ask])
         return answers
 
-    def submit_store(self, job: Job) -> None:
-        self._submit(job, self._store_key)
-
-    def submit_load(self, job: Job) -> None:
-        self._submit(job, self._load_key)
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        return self._book.take_finished()
-
-    def take_events(self) -> list[TierEvent]:
-        return self._book.take_events()
-
     def usage(self) -> TierUsage:
         return TierUsage(self._index.bytes_used, self._index.present, self._index.max_bytes or 0)
 
-    def stats(self) -> dict[str, float]:
-        return self._book.counters(
-            "bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
-            "evictions", "heads", "lookup_failures", "listings",
-        )
-
-    def shutdown(self) -> None:
-        """Wait for the requests in progress, fail the queued keys. Idempotent."""
-        if self._closed:
-            return
-        self._closed = True
-        for task in self._pool.shutdown():
-            task()
+    def _close(self) -> None:
         self._io.client.close()
 
-    # ---- jobs --------------------------------------------------------------------------------
+    # ---- per-key I/O (I/O threads) -----------------------------------------------------------
 
-    def _submit(self, job: Job, work: KeyWork) -> None:
-        def unless_down(key: ChunkKey, slot: int) -> bool:
-            return not self._health.down() and work(key, slot)
+    def _io_ready(self) -> bool:
+        return not self._health.down()
 
-        self._book.submit_per_key(self._pool, job, unless_down, self._key_raised)
+    def _key_failed(self, cause: str, exc: BaseException) -> None:
+        self._health.failed(cause, exc)
 
-    def _key_raised(self, kind: JobKind, e: Exception) -> None:
-        self._health.failed(f"{kind.value}:{error_code(e)}", e)
+    def _error_name(self, exc: BaseException) -> str:
+        return error_code(exc)
 
     def _name(self, key: bytes) -> str:
         return self.layout_prefix + key.hex()
 
     def _store_key(self, key: ChunkKey, slot: int) -> bool:
-        if len(key) != 32:
-            self._health.failed("store:invalid_key", ValueError("chunk key must be 32 bytes"))
-            return False
         row = self.ctx.slot_view(slot)
         if self._index.touch(key):
             return True  # present (content-named: the same key is the same bytes)
@@ -228,9 +190,6 @@ class ObjTier(SecondaryTier):
     def _load_key(self, key: ChunkKey, slot: int) -> bool:
         from botocore.exceptions import ClientError
 
-        if len(key) != 32:
-            self._health.failed("load:invalid_key", ValueError("chunk key must be 32 bytes"))
-            return False
         name = self._name(key)
         self._index.pin(key)
         try:
@@ -267,9 +226,7 @@ class ObjTier(SecondaryTier):
         self._index.answer(key, present)
 
     def _drop_bad(self, name: str, key: bytes, reason: chunkfmt.ChunkError) -> None:
-        self._book.count("bad_chunks")
-        self._book.count(f"bad_{reason.value}")
-        self._health.failed(f"bad:{reason.value}", ValueError(f"deleted bad object {name}"))
+        self._bad(reason, f"deleted bad object {name}")
         try:
             self._io.delete(name)
         except Exception as e:
@@ -284,10 +241,6 @@ class ObjTier(SecondaryTier):
                 self._health.failed(f"evict:{error_code(e)}", e)
             self._book.event(TierEventKind.REMOVED, key)
             self._book.count("evictions")
-
-    def _forget(self, key: bytes) -> None:
-        if self._index.remove(key):
-            self._book.event(TierEventKind.REMOVED, key)
 
     def _scan(self) -> None:
         """Learn the objects already under the layout prefix (for `max_bytes`); a pool task."""

@@ -19,13 +19,14 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from urllib.parse import urlsplit
 
 import zmq
 
 from kvtier.tiers.base import LookupResult
+from kvtier.tiers.common.answers import AnswerCache
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.auth import Secret
@@ -48,14 +49,13 @@ class PeerLookup:
         self._book = book
         self._failures = failures
         self._timeout_s = lookup_timeout_s
-        self._ttl_s = lookup_ttl_s
         self._own = own_address
         self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._answered = threading.Condition(self._lock)
         self._queue: deque[bytes] = deque()
-        self._asking: set[bytes] = set()
-        self._answers: OrderedDict[bytes, tuple[LookupResult, float, str | None]] = OrderedDict()
+        self._answers = AnswerCache(lookup_ttl_s)
+        """Answers, each with the peer holding the key (None for a MISS). Lock held."""
         self._wanted_peers: list[str] | None = None
         self._data_ports: dict[str, int] = {}
         self._peers: dict[str, zmq.Socket[bytes]] = {}
@@ -77,19 +77,10 @@ class PeerLookup:
             return list(self._data_ports)
 
     def lookup(self, keys: Sequence[bytes]) -> list[LookupResult]:
-        now = time.monotonic()
-        out: list[LookupResult] = []
+        """Cached answers; RETRY for the others, queued for the lookup thread."""
         with self._cv:
-            self._expire(now)
-            for key in keys:
-                answer = self._answers.get(key)
-                if answer is not None:
-                    out.append(answer[0])
-                    continue
-                out.append(LookupResult.RETRY)
-                if key not in self._asking:
-                    self._asking.add(key)
-                    self._queue.append(key)
+            out, ask = self._answers.lookup(keys, time.monotonic())
+            self._queue.extend(ask)
             if self._queue:
                 self._cv.notify()
         return out
@@ -105,13 +96,16 @@ class PeerLookup:
                 if left <= 0 or self._stopping:
                     return None
                 self._answered.wait(left)
-            return answer[2]
+            return answer[1]
 
     def remember(self, key: bytes, holder: str | None) -> None:
+        """What a load proved: `holder` had the key, or (None) nobody gave it."""
         with self._lock:
-            result = LookupResult.MISS if holder is None else LookupResult.HIT
-            self._answers[key] = (result, time.monotonic(), holder)
-            self._answers.move_to_end(key)
+            self._put(key, holder, time.monotonic())
+
+    def _put(self, key: bytes, holder: str | None, now: float) -> None:
+        """Remember who holds `key` (None: nobody). Lock held."""
+        self._answers.put(key, LookupResult.MISS if holder is None else LookupResult.HIT, now, holder)
 
     def data_address(self, peer: str) -> tuple[str, int] | None:
         with self._lock:
@@ -125,13 +119,6 @@ class PeerLookup:
             self._cv.notify()
             self._answered.notify_all()
         self._thread.join()
-
-    def _expire(self, now: float) -> None:
-        while self._answers:
-            first, (_, t, _) = next(iter(self._answers.items()))
-            if now - t < self._ttl_s:
-                break
-            del self._answers[first]
 
     # ---- the lookup thread -------------------------------------------------------------------
 
@@ -210,10 +197,8 @@ class PeerLookup:
         now = time.monotonic()
         with self._lock:
             for key, holder in zip(keys, holders, strict=True):
-                self._asking.discard(key)
-                result = LookupResult.MISS if holder is None else LookupResult.HIT
-                self._answers[key] = (result, now, holder)
-                self._answers.move_to_end(key)
+                self._answers.unask(key)
+                self._put(key, holder, now)
             self._answered.notify_all()
 
     def _read_answer(self, sock: zmq.Socket[bytes], addr: str, req: int, n: int) -> bytes | None:

@@ -14,9 +14,9 @@ from urllib.parse import urlsplit
 import zmq
 
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext, TierUsage
-from kvtier.tiers.common import chunkfmt
-from kvtier.tiers.common.book import FailureLog, TierBook
+from kvtier.tiers.base import Job, LookupResult, TierContext, TierUsage
+from kvtier.tiers.common.book import FailureLog
+from kvtier.tiers.common.booked import BookedTier
 from kvtier.tiers.common.iopool import IoPool, JobTracker
 from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import load_secret
@@ -66,7 +66,7 @@ def _address(name: str, value: object) -> str:
     return value
 
 
-class P2PTier(SecondaryTier):
+class P2PTier(BookedTier):
     """Serves this instance's host tier to peers, and loads chunks that peers' host tiers hold.
 
     Options: `secret` or `secret_file` (shared by every peer; required, at least 16 bytes),
@@ -85,6 +85,7 @@ class P2PTier(SecondaryTier):
     medium = "CPU"
     locality = "REMOTE"
     loads_own_stores = False
+    COUNTERS = ("loaded", "load_failures", "chunks_served", "auth_refused", "malformed")
 
     def __init__(
         self,
@@ -126,11 +127,6 @@ class P2PTier(SecondaryTier):
             ("lookup_ttl_s", lookup_ttl_s), ("connect_timeout_s", connect_timeout_s),
             ("transfer_timeout_s", transfer_timeout_s), ("reconnect_interval_s", reconnect_interval_s),
             ("handshake_timeout_s", handshake_timeout_s), ("idle_timeout_s", idle_timeout_s))}
-        try:
-            self._fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
-        except ValueError as e:
-            raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
-        self._book = TierBook(ctx)
         self._failures = FailureLog(ctx.log, f"p2p tier {ctx.tier_name}")
         self._index = ChunkIndex(ctx.num_slots)
         self._spans = rowhash.piece_spans(ctx.row_bytes)
@@ -196,30 +192,24 @@ class P2PTier(SecondaryTier):
         return self._lookup.lookup(keys)
 
     def submit_store(self, job: Job) -> None:
-        tracker = JobTracker(job)
-        if not job.keys:
-            self._book.finish(tracker)
-        elif not self._store_pool.submit(False, [partial(self._store_key, tracker, i)
-                                           for i in range(len(job.keys))]):
+        tracker = self._book.track(job)
+        if tracker is not None and not self._store_pool.submit(
+                False, [partial(self._store_key, tracker, i) for i in range(len(job.keys))]):
             for i in range(len(job.keys)):
-                self._finish(tracker, i, False)
+                self._book.finish_key(tracker, i, False)
 
     def submit_load(self, job: Job) -> None:
         """Queue the job's keys for the load threads (which batch them per holder), and ask peers
         now about keys whose holder is not known yet, so the answers are there when a thread
         takes the keys."""
-        tracker = JobTracker(job)
-        if not job.keys:
-            self._book.finish(tracker)
+        tracker = self._book.track(job)
+        if tracker is None:
             return
         self._lookup.lookup(job.keys)
         with self._pending_lock:
             self._pending.extend((tracker, i) for i in range(len(job.keys)))
         if not self._load_pool.submit(True, [self._drain_loads] * min(len(job.keys), self._threads)):
             self._drain_loads()
-
-    def get_finished_jobs(self) -> list[JobResult]:
-        return self._book.take_finished()
 
     def usage(self) -> TierUsage:
         """The host-tier rows this instance offers to peers (claims, not copies), out of the host
@@ -228,12 +218,9 @@ class P2PTier(SecondaryTier):
         return TierUsage(chunks * row_bytes, chunks, self.ctx.num_slots * row_bytes)
 
     def stats(self) -> dict[str, float]:
-        out = self._book.counters("loaded", "load_failures", "chunks_served", "auth_refused",
-                                 "malformed")
-        out.update(stale_dropped=float(self._index.stale_dropped),
-                   peers=float(len(self._lookup.peers())),
-                   serving_connections=float(self._server.connections()))
-        return out
+        return {**super().stats(), "stale_dropped": float(self._index.stale_dropped),
+                "peers": float(len(self._lookup.peers())),
+                "serving_connections": float(self._server.connections())}
 
     def endpoints(self) -> dict[str, str]:
         """"control": the ZMQ address peers send lookups to; "data": tcp://HOST:PORT of the data
@@ -250,8 +237,7 @@ class P2PTier(SecondaryTier):
         for name in ("_load_pool", "_store_pool"):
             pool = getattr(self, name, None)
             if pool is not None:
-                for task in pool.shutdown():
-                    task()
+                pool.shutdown()
                 delattr(self, name)
         for part in reversed(self._built):
             part.close()
@@ -265,7 +251,7 @@ class P2PTier(SecondaryTier):
         slot = tracker.job.slots[i]
         digest, pieces = rowhash.row_digests(self.ctx.slot_view(slot), self._spans)
         self._index.remember(tracker.job.keys[i], Claim(slot, digest, pieces))
-        self._finish(tracker, i, True)
+        self._book.finish_key(tracker, i, True)
 
     def _drain_loads(self) -> None:
         """Load pending keys until none is left, a batch at a time: this thread's share of the
@@ -302,8 +288,4 @@ class P2PTier(SecondaryTier):
         for (tracker, i), ok in zip(sent.entries, oks, strict=True):
             self._lookup.remember(tracker.job.keys[i], sent.holder if ok else None)
             self._book.count("loaded" if ok else "load_failures")
-            self._finish(tracker, i, ok)
-
-    def _finish(self, tracker: JobTracker, i: int, ok: bool) -> None:
-        if tracker.finish_key(i, ok):
-            self._book.finish(tracker)
+            self._book.finish_key(tracker, i, ok)

@@ -135,8 +135,7 @@ class ChunkStore:
         for key, reply in zip(keys, replies, strict=True):
             if isinstance(reply, _Bad):
                 bad.append((key, reply.sha1))
-                self._book.count("bad_chunks")
-                self._book.count(f"bad_{reply.reason.value}")
+                self._book.bad(reply.reason)
                 self._link.faillog.failed(f"bad:{reply.reason.value}",
                                           ValueError(f"removing bad value {self.rkey(key).decode()}"))
             elif isinstance(reply, ResponseError):

@@ -26,27 +26,18 @@ from __future__ import annotations
 
 import threading
 import time
-from collections import OrderedDict, deque
+from collections import deque
 from collections.abc import Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
 from redis.utils import HIREDIS_AVAILABLE
 
-from kvtier.chunks import ChunkKey, TierEvent
+from kvtier.chunks import ChunkKey
 from kvtier.errors import ConfigError
-from kvtier.tiers.base import (
-    Job,
-    JobKind,
-    JobResult,
-    LookupResult,
-    SecondaryTier,
-    TierContext,
-    TierUsage,
-)
-from kvtier.tiers.common import chunkfmt
-from kvtier.tiers.common.book import TierBook
-from kvtier.tiers.common.iopool import JobTracker
+from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
+from kvtier.tiers.common.answers import AnswerCache
+from kvtier.tiers.common.booked import BookedTier
 from kvtier.tiers.redis.chunks import ChunkStore, Item
 from kvtier.tiers.redis.link import RedisLink
 from kvtier.tiers.redis.wire import redact_url
@@ -55,7 +46,7 @@ from kvtier.tiers.registry import number_option
 SCHEMES = ("redis", "rediss", "unix")
 
 
-class RedisTier(SecondaryTier):
+class RedisTier(BookedTier):
     """Chunks as Redis strings under `<key_prefix>:<layout fingerprint>:`, shared by every instance.
 
     Options: `url` (redis://, rediss:// or unix://; its query arguments such as `ssl_ca_certs` are
@@ -68,6 +59,8 @@ class RedisTier(SecondaryTier):
 
     medium = "CPU"
     locality = "REMOTE"
+    COUNTERS = ("stored", "loaded", "store_failures", "load_failures", "load_misses", "bad_chunks",
+                "lookups")
 
     def __init__(
         self,
@@ -89,33 +82,26 @@ class RedisTier(SecondaryTier):
         self._check_options(url, key_prefix, ttl_s, io_threads, pipeline_depth, batch_bytes,
                             socket_timeout_s, connect_timeout_s, reconnect_interval_s,
                             lookup_ttl_s, lookup_wait_s)
-        try:
-            fp = chunkfmt.fingerprint_bytes(ctx.layout_fingerprint)
-        except ValueError as e:
-            raise ConfigError("layout_fingerprint", ctx.layout_fingerprint, str(e)) from None
         px = None if ttl_s is None else str(max(1, round(ttl_s * 1000))).encode()
         self.pipeline_depth = pipeline_depth
         self.batch_bytes = int(batch_bytes)
-        self.lookup_ttl_s = float(lookup_ttl_s)
         self.lookup_wait_s = float(lookup_wait_s)
-        self._book = TierBook(ctx)
+        self._lock = threading.Lock()
+        self._answers = AnswerCache(float(lookup_ttl_s))
+        """Lookup answers and the keys being asked. Lock held."""
         self._link = RedisLink(url, connections=io_threads + 2, socket_timeout_s=socket_timeout_s,
                                connect_timeout_s=connect_timeout_s,
                                reconnect_interval_s=reconnect_interval_s, book=self._book,
                                on_down=self._forget_answers)
         self.url = self._link.url
-        self._chunks = ChunkStore(ctx, self._link, self._book, fp, key_prefix, px, self._remember)
+        self._chunks = ChunkStore(ctx, self._link, self._book, self._fp, key_prefix, px, self._remember)
         self.value_bytes = self._chunks.value_bytes
-
-        self._lock = threading.Lock()
         self._cv = threading.Condition(self._lock)
         self._answered = threading.Condition(self._lock)
         self._asked = threading.Condition(self._lock)
         self._loads: deque[Item] = deque()
         self._stores: deque[Item] = deque()
         self._lookups: deque[bytes] = deque()
-        self._asking: set[bytes] = set()
-        self._answers: OrderedDict[bytes, tuple[LookupResult, float]] = OrderedDict()
         self._stopping = False
         self._closed = False
         name = f"kvtier-redis-{ctx.tier_name}"
@@ -178,12 +164,6 @@ class RedisTier(SecondaryTier):
     def submit_load(self, job: Job) -> None:
         self._submit(job)
 
-    def get_finished_jobs(self) -> list[JobResult]:
-        return self._book.take_finished()
-
-    def take_events(self) -> list[TierEvent]:
-        return self._book.take_events()
-
     def usage(self) -> TierUsage:
         """The chunks this instance stored or loaded and still knows of (others' are not seen; the
         server's own bound, if any, is not known here)."""
@@ -191,12 +171,8 @@ class RedisTier(SecondaryTier):
         return TierUsage(held * self.value_bytes, held)
 
     def stats(self) -> dict[str, float]:
-        out = {"hiredis": float(HIREDIS_AVAILABLE), "down": float(self._link.is_down())}
-        out.update(self._book.counters(
-            "stored", "loaded", "store_failures", "load_failures", "load_misses", "bad_chunks",
-            "lookups",
-        ))
-        return out
+        return {"hiredis": float(HIREDIS_AVAILABLE), "down": float(self._link.is_down()),
+                **super().stats()}
 
     def shutdown(self) -> None:
         """Fail the queued keys, let the batches in flight finish, close connections. Idempotent."""
@@ -211,7 +187,7 @@ class RedisTier(SecondaryTier):
             self._asked.notify_all()
             self._answered.notify_all()
         for tracker, i in abandoned:
-            self._finish_key(tracker, i, False)
+            self._book.finish_key(tracker, i, False)
         for t in self._threads:
             t.join()
         self._link.close()
@@ -219,9 +195,8 @@ class RedisTier(SecondaryTier):
     # ---- jobs and lookups (dispatch thread) --------------------------------------------------
 
     def _submit(self, job: Job) -> None:
-        tracker = JobTracker(job)
-        if not job.keys:
-            self._book.finish(tracker)
+        tracker = self._book.track(job)
+        if tracker is None:
             return
         items = [(tracker, i) for i in range(len(job.keys))]
         with self._lock:
@@ -230,52 +205,32 @@ class RedisTier(SecondaryTier):
                 self._cv.notify(len(items))
                 return
         for tracker, i in items:
-            self._finish_key(tracker, i, False)
+            self._book.finish_key(tracker, i, False)
 
     def _known(self, keys: Sequence[ChunkKey], ask: bool) -> list[LookupResult]:
         """Answers from the cache, RETRY for the others (queued for asking when `ask`); MISS for all
         while the server is marked down. Lock held."""
         if self._link.is_down():
             return [LookupResult.MISS] * len(keys)
-        now = time.monotonic()
-        self._expire(now)
-        out: list[LookupResult] = []
-        queued = len(self._lookups)
-        for key in keys:
-            answer = self._answers.get(key)
-            if answer is not None:
-                out.append(answer[0])
-                continue
-            out.append(LookupResult.RETRY)
-            if ask and key not in self._asking:
-                self._asking.add(key)
-                self._lookups.append(key)
-        if len(self._lookups) > queued:
+        out, new = self._answers.lookup(keys, time.monotonic(), ask=ask)
+        if new:
+            self._lookups.extend(new)
             self._asked.notify()
         return out
 
-    def _expire(self, now: float) -> None:
-        """Drop the cached answers older than `lookup_ttl_s`. Lock held."""
-        while self._answers:
-            first, (_, t) = next(iter(self._answers.items()))
-            if now - t < self.lookup_ttl_s:
-                break
-            del self._answers[first]
-
     def _remember(self, keys: Sequence[bytes], result: LookupResult) -> None:
+        """Answers from the lookup thread, or what a batch proved (I/O threads)."""
         now = time.monotonic()
         with self._lock:
-            self._expire(now)
             for key in keys:
-                self._answers[key] = (result, now)
-                self._answers.move_to_end(key)
-                self._asking.discard(key)
+                self._answers.put(key, result, now)
+                self._answers.unask(key)
             self._answered.notify_all()
 
     def _forget_answers(self) -> None:
         """The server was marked down: what it held before may be gone (a restart)."""
         with self._lock:
-            self._answers.clear()
+            self._answers.forget()
 
     # ---- worker threads ----------------------------------------------------------------------
 
@@ -327,12 +282,6 @@ class RedisTier(SecondaryTier):
                     self._link.faillog.failed(f"{kind.value}:{type(e).__name__}", e)
                     outcomes = [False] * len(batch)
                 for (tracker, i), ok in zip(batch, outcomes, strict=True):
-                    self._finish_key(tracker, i, ok)
+                    self._book.finish_key(tracker, i, ok)
         finally:
             conn.disconnect()
-
-    # ---- bookkeeping -------------------------------------------------------------------------
-
-    def _finish_key(self, tracker: JobTracker, i: int, ok: bool) -> None:
-        if tracker.finish_key(i, ok):
-            self._book.finish(tracker)
