@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from kvtier.chunks import ChunkKey, TierEvent
+from kvtier.tiers.common.options import Option
 
 Medium = Literal["CPU", "STORAGE"]
 """What holds a tier's chunks, in vLLM's KV-event words: memory ("CPU") or storage ("STORAGE")."""
@@ -117,6 +118,11 @@ class SecondaryTier(ABC):
     Construction validates the options and raises `kvtier.errors.ConfigError` (naming the option)
     for bad ones; it happens once at startup, before any job.
     """
+
+    OPTIONS: ClassVar[tuple[Option, ...]] = ()
+    """The keyword options the constructor takes, checked with `common.options.check_options` by
+    the config parser and by the constructor. A tier class that defines `__init__` without its own
+    `OPTIONS` (a plugin) is checked against its constructor's signature instead."""
 
     medium: ClassVar[Medium] = "STORAGE"
     """What holds the chunks (vLLM's KV-event `medium`); each tier class sets its own."""

@@ -10,10 +10,11 @@ from __future__ import annotations
 import time
 from collections import OrderedDict
 from collections.abc import Sequence
+from typing import Any
 
 from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
-from kvtier.errors import ConfigError
 from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext, TierUsage
+from kvtier.tiers.common.options import at_least, check_options, max_bytes_option
 
 
 class MemoryTier(SecondaryTier):
@@ -21,11 +22,13 @@ class MemoryTier(SecondaryTier):
 
     medium = "CPU"
     locality = "LOCAL"
+    OPTIONS = (max_bytes_option(),)
+    """`max_bytes`: the bound (null: unbounded), at least one row."""
 
-    def __init__(self, ctx: TierContext, *, max_bytes: int | float | None = None) -> None:
+    def __init__(self, ctx: TierContext, **options: Any) -> None:
         super().__init__(ctx)
-        if max_bytes is not None and (isinstance(max_bytes, bool) or not max_bytes >= ctx.row_bytes):
-            raise ConfigError("max_bytes", max_bytes, f"must hold at least one row ({ctx.row_bytes})")
+        max_bytes = check_options(self.OPTIONS, options)["max_bytes"]
+        at_least("max_bytes", max_bytes, ctx.row_bytes, "one row")
         self._max_rows = None if max_bytes is None else int(max_bytes) // ctx.row_bytes
         self._rows: OrderedDict[ChunkKey, bytes] = OrderedDict()
         self._finished: list[JobResult] = []

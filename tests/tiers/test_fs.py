@@ -50,7 +50,7 @@ def root(tmp_path: Path) -> Path:
 
 
 def new_tier(root: Path, slots: int = 16, fp: str = LAYOUT_FP, **options: object) -> FsTier:
-    return FsTier(make_ctx(ROW, slots, fp), root_dir=str(root), **options)  # type: ignore[arg-type]
+    return FsTier(make_ctx(ROW, slots, fp), root_dir=str(root), **options)
 
 
 def warnings(caplog: pytest.LogCaptureFixture) -> list[str]:
@@ -169,7 +169,7 @@ def test_unaligned_rows_use_buffered_io(root: Path) -> None:
 def test_bad_options_raise_config_error_naming_the_option(root: Path, option, value) -> None:
     options: dict[str, object] = {"root_dir": str(root), option: value}
     with pytest.raises(ConfigError) as e:
-        FsTier(make_ctx(ROW, 2), **options)  # type: ignore[arg-type]
+        FsTier(make_ctx(ROW, 2), **options)
     assert e.value.key == option
 
 

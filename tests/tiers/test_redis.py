@@ -361,7 +361,7 @@ def test_a_bad_or_unreachable_url_is_a_config_error_at_once(ctx, url: object) ->
         url = url.format(port=free_port())
     start = time.monotonic()
     with pytest.raises(ConfigError) as e:
-        RedisTier(ctx, url=url)  # type: ignore[arg-type]
+        RedisTier(ctx, url=url)
     assert e.value.key == "url"
     assert time.monotonic() - start < 3
 

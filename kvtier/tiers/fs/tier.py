@@ -29,6 +29,7 @@ import os
 import threading
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kvtier.chunks import ChunkKey, TierEventKind
 from kvtier.errors import ConfigError
@@ -37,6 +38,15 @@ from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog
 from kvtier.tiers.common.booked import PerKeyTier
 from kvtier.tiers.common.iopool import IoPool
+from kvtier.tiers.common.options import (
+    Kind,
+    Option,
+    at_least,
+    check_options,
+    count,
+    max_bytes_option,
+    seconds,
+)
 from kvtier.tiers.fs import native as fs_native
 from kvtier.tiers.fs.index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
 from kvtier.tiers.fs.io import (
@@ -49,12 +59,9 @@ from kvtier.tiers.fs.io import (
     read_chunk,
     write_chunk,
 )
-from kvtier.tiers.registry import number_option
 
 MTIME_REFRESH_S = 1.0
 """A load refreshes a file's mtime only when it is older than this (saves metadata writes)."""
-
-
 
 class FsTier(PerKeyTier):
     """Chunks as files under `root_dir/<layout fingerprint>/`, shared by every instance using it."""
@@ -64,55 +71,41 @@ class FsTier(PerKeyTier):
     COUNTERS = ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
                 "evictions", "rescans")
     _index: FsIndex
+    OPTIONS = (
+        Option("root_dir", Kind.TEXT, required=True, test=bool, allowed="must be a directory path"),
+        max_bytes_option(),
+        count("n_read_threads", 4, 256),
+        count("n_write_threads", 4, 256),
+        Option("direct_io", Kind.BOOL, allowed="must be true, false or null (auto-detect)"),
+        seconds("rescan_interval_s", 60.0, nullable=True),
+        seconds("temp_grace_s", 600.0, low=0),
+    )
+    """`root_dir`; `max_bytes` (null: unbounded; at least one chunk file); `n_read_threads` and
+    `n_write_threads` (the I/O pool); `direct_io` (null: when the filesystem supports it);
+    `rescan_interval_s` (null: never rescan) and `temp_grace_s` (a temp file older is stale)."""
 
-    def __init__(
-        self,
-        ctx: TierContext,
-        *,
-        root_dir: str,
-        max_bytes: int | float | None = None,
-        n_read_threads: int = 4,
-        n_write_threads: int = 4,
-        direct_io: bool | None = None,
-        rescan_interval_s: float | None = 60.0,
-        temp_grace_s: float = 600.0,
-    ) -> None:
+    def __init__(self, ctx: TierContext, **options: Any) -> None:
         super().__init__(ctx)
-        if not isinstance(root_dir, str) or not root_dir:
-            raise ConfigError("root_dir", root_dir, "must be a directory path")
+        o = check_options(self.OPTIONS, options)
         self.file_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
-        if max_bytes is not None:
-            number_option("max_bytes", max_bytes, f"must be None or at least one chunk file "
-                    f"({self.file_bytes} bytes)", low=self.file_bytes)
-        threads = "must be an integer from 1 to 256"
-        pools = (("n_read_threads", n_read_threads), ("n_write_threads", n_write_threads))
-        for name, value in pools:
-            if number_option(name, value, threads, low=1, integer=True) > 256:
-                raise ConfigError(name, value, threads)
-        if direct_io is not None and not isinstance(direct_io, bool):
-            raise ConfigError("direct_io", direct_io, "must be true, false or null (auto-detect)")
-        if rescan_interval_s is not None:
-            number_option("rescan_interval_s", rescan_interval_s, "must be None or a positive number",
-                    low=1e-3)
-        number_option("temp_grace_s", temp_grace_s, "must be a non-negative number", low=0)
-
-        self.root_dir = os.path.abspath(root_dir)
+        at_least("max_bytes", o["max_bytes"], self.file_bytes, "one chunk file")
+        self.root_dir = os.path.abspath(o["root_dir"])
         self.layout_dir = os.path.join(self.root_dir, ctx.layout_fingerprint)
-        self.temp_grace_s = float(temp_grace_s)
+        self.temp_grace_s = float(o["temp_grace_s"])
         self._check_writable()
-        self.direct_io = self._choose_direct_io(direct_io)
+        self.direct_io = self._choose_direct_io(o["direct_io"])
         self._native = fs_native.load()
-        self._index = FsIndex(None if max_bytes is None else int(max_bytes))
+        self._index = FsIndex(None if o["max_bytes"] is None else int(o["max_bytes"]))
         self._faillog = FailureLog(ctx.log, f"fs tier {ctx.tier_name}")
         self._local = threading.local()
         self._stop = threading.Event()
         self._rescan(initial=True)
 
-        self._pool = IoPool(n_read_threads, n_write_threads, f"kvtier-fs-{ctx.tier_name}")
+        self._pool = IoPool(o["n_read_threads"], o["n_write_threads"], f"kvtier-fs-{ctx.tier_name}")
         self._maintenance: threading.Thread | None = None
-        if rescan_interval_s is not None:
+        if o["rescan_interval_s"] is not None:
             self._maintenance = threading.Thread(
-                target=self._maintain, args=(float(rescan_interval_s),),
+                target=self._maintain, args=(float(o["rescan_interval_s"]),),
                 name=f"kvtier-fs-{ctx.tier_name}-scan", daemon=True,
             )
             self._maintenance.start()

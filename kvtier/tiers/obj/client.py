@@ -1,5 +1,4 @@
-"""S3 I/O for the obj tier: option checks, the shared boto3 client, the start-up probe, and one
-chunk's requests.
+"""S3 I/O for the obj tier: the shared boto3 client, the start-up probe, and one chunk's requests.
 
 Client: one boto3 client per tier, shared by all I/O threads (boto3 clients are thread-safe), with
 a connection pool of at least `io_threads` connections. Payload signing and boto3's own request and
@@ -17,38 +16,20 @@ without reaching into urllib3's internals).
 
 from __future__ import annotations
 
+import functools
 import secrets
-import sys
 import threading
+from collections.abc import Mapping
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.common import chunkfmt
-from kvtier.tiers.registry import number_option
+from kvtier.tiers.common.options import HIDDEN
 
-HIDDEN = "<hidden>"
-"""What a ConfigError shows instead of a credential."""
 NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
 _BAD_KEY_ID = frozenset({"InvalidAccessKeyId", "InvalidClientTokenId", "UnrecognizedClientException"})
 _BAD_SECRET = frozenset({"SignatureDoesNotMatch", "InvalidSignature"})
 _DENIED = frozenset({"AccessDenied", "403", "Forbidden", "ExpiredToken", "InvalidToken"})
-
-
-def positive_option(key: str, value: object, *, integer: bool, allow_none: bool = False) -> None:
-    """Raise ConfigError naming `key` unless `value` is a positive finite number (or allowed None)."""
-    if value is None and allow_none:
-        return
-    kind = "a positive integer" if integer else "a positive number"
-    allowed = f"must be {kind}" + (" or null" if allow_none else "")
-    number_option(key, value, allowed, low=1 if integer else sys.float_info.min, integer=integer)
-
-
-def text_option(key: str, value: object, *, allow_none: bool) -> None:
-    """Raise ConfigError naming `key` unless `value` is a string (never showing a secret)."""
-    if value is None and allow_none:
-        return
-    if not isinstance(value, str) or (not value and not allow_none):
-        raise ConfigError(key, "<hidden>" if "secret" in key else value, "must be a string")
 
 
 def error_code(exc: BaseException) -> str:
@@ -101,6 +82,25 @@ def make_client(
         aws_session_token=session_token, region_name=region,
     )
     return session.client("s3", endpoint_url=endpoint, config=config)
+
+
+def connect(o: Mapping[str, Any], layout_prefix: str) -> Any:
+    """The client for the I/O threads, given the tier's checked options `o`, once a probe with a
+    short-timeout client passed (`probe`: ConfigError naming the option at fault)."""
+    path_style = o["endpoint"] is not None if o["path_style"] is None else o["path_style"]
+    new_client = functools.partial(
+        make_client, endpoint=o["endpoint"], region=o["region"], access_key_id=o["access_key_id"],
+        secret_access_key=o["secret_access_key"], session_token=o["session_token"],
+        connect_timeout_s=o["connect_timeout_s"], path_style=path_style,
+    )
+    probe_client = new_client(read_timeout_s=o["connect_timeout_s"], pool_connections=1, attempts=1)
+    try:
+        probe(probe_client, endpoint=o["endpoint"], bucket=o["bucket"], layout_prefix=layout_prefix,
+              create_bucket=o["create_bucket"])
+    finally:
+        probe_client.close()
+    return new_client(read_timeout_s=o["read_timeout_s"], pool_connections=o["io_threads"] + 1,
+                      attempts=2)
 
 
 def probe(client: Any, *, endpoint: str | None, bucket: str, layout_prefix: str,

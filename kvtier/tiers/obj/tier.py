@@ -39,6 +39,7 @@ import contextlib
 import functools
 import time
 from collections.abc import Sequence
+from typing import Any
 
 from kvtier.chunks import ChunkKey, TierEventKind
 from kvtier.errors import ConfigError
@@ -46,15 +47,17 @@ from kvtier.tiers.base import LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.booked import PerKeyTier
 from kvtier.tiers.common.iopool import IoPool
-from kvtier.tiers.obj.client import (
-    NOT_FOUND,
-    ChunkIO,
-    error_code,
-    make_client,
-    positive_option,
-    probe,
-    text_option,
+from kvtier.tiers.common.options import (
+    Kind,
+    Option,
+    at_least,
+    check_options,
+    count,
+    hidden,
+    max_bytes_option,
+    seconds,
 )
+from kvtier.tiers.obj.client import NOT_FOUND, ChunkIO, connect, error_code
 from kvtier.tiers.obj.health import ServerHealth
 from kvtier.tiers.obj.index import ObjIndex
 
@@ -67,76 +70,48 @@ class ObjTier(PerKeyTier):
     COUNTERS = ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
                 "evictions", "heads", "lookup_failures", "listings")
     _index: ObjIndex
+    OPTIONS = (
+        Option("bucket", Kind.TEXT, required=True, test=bool, allowed="must be a non-empty string"),
+        Option("endpoint", Kind.TEXT),
+        Option("prefix", Kind.TEXT, "kvtier", nullable=True),
+        Option("region", Kind.TEXT),
+        Option("access_key_id", Kind.TEXT),
+        Option("secret_access_key", Kind.TEXT, show=hidden),
+        Option("session_token", Kind.TEXT, show=hidden),
+        count("io_threads", 8, 256),
+        max_bytes_option(),
+        seconds("negative_ttl_s", 1.5),
+        seconds("connect_timeout_s", 2.0),
+        seconds("read_timeout_s", 20.0),
+        Option("path_style", Kind.BOOL),
+        Option("create_bucket", Kind.BOOL, False),
+    )
+    """`bucket`, `endpoint` (null: AWS), `prefix` of the object names, `region`; credentials
+    (`access_key_id` with `secret_access_key`, `session_token`; null: the AWS chain); `io_threads`;
+    `max_bytes` (null: unbounded; at least one object); `negative_ttl_s` (how long a miss is
+    believed); the client's timeouts; `path_style` (null: with a custom endpoint) and
+    `create_bucket`."""
 
-    def __init__(
-        self,
-        ctx: TierContext,
-        *,
-        bucket: str,
-        endpoint: str | None = None,
-        prefix: str = "kvtier",
-        region: str | None = None,
-        access_key_id: str | None = None,
-        secret_access_key: str | None = None,
-        session_token: str | None = None,
-        io_threads: int = 8,
-        max_bytes: int | float | None = None,
-        negative_ttl_s: float = 1.5,
-        connect_timeout_s: float = 2.0,
-        read_timeout_s: float = 20.0,
-        path_style: bool | None = None,
-        create_bucket: bool = False,
-    ) -> None:
+    def __init__(self, ctx: TierContext, **options: Any) -> None:
         super().__init__(ctx)
-        text_option("bucket", bucket, allow_none=False)
-        text_option("endpoint", endpoint, allow_none=True)
-        text_option("prefix", prefix, allow_none=True)
-        text_option("region", region, allow_none=True)
-        text_option("access_key_id", access_key_id, allow_none=True)
-        text_option("secret_access_key", secret_access_key, allow_none=True)
-        text_option("session_token", session_token, allow_none=True)
-        if (access_key_id is None) != (secret_access_key is None):
-            missing = "secret_access_key" if secret_access_key is None else "access_key_id"
+        o = check_options(self.OPTIONS, options)
+        if (o["access_key_id"] is None) != (o["secret_access_key"] is None):
+            missing = "secret_access_key" if o["secret_access_key"] is None else "access_key_id"
             raise ConfigError(missing, None, "access_key_id and secret_access_key go together")
-        positive_option("io_threads", io_threads, integer=True)
-        if io_threads > 256:
-            raise ConfigError("io_threads", io_threads, "must be an integer from 1 to 256")
-        for name, value in (("negative_ttl_s", negative_ttl_s), ("connect_timeout_s",
-                            connect_timeout_s), ("read_timeout_s", read_timeout_s)):
-            positive_option(name, value, integer=False)
-        for name, flag in (("path_style", path_style), ("create_bucket", create_bucket)):
-            if flag is not None and not isinstance(flag, bool):
-                raise ConfigError(name, flag, "must be true or false")
         object_bytes = chunkfmt.HEADER_BYTES + ctx.row_bytes
-        positive_option("max_bytes", max_bytes, integer=False, allow_none=True)
-        if max_bytes is not None and max_bytes < object_bytes:
-            raise ConfigError("max_bytes", max_bytes, f"must hold at least one object "
-                              f"({object_bytes} bytes)")
-
-        clean = (prefix or "").strip("/")
-        self.bucket = bucket
+        max_bytes = o["max_bytes"]
+        at_least("max_bytes", max_bytes, object_bytes, "one object")
+        clean = (o["prefix"] or "").strip("/")
+        self.bucket = o["bucket"]
         self.layout_prefix = f"{clean}/{ctx.layout_fingerprint}/" if clean else \
             f"{ctx.layout_fingerprint}/"
-        self.negative_ttl_s = float(negative_ttl_s)
-        new_client = functools.partial(
-            make_client, endpoint=endpoint, region=region, access_key_id=access_key_id,
-            secret_access_key=secret_access_key, session_token=session_token,
-            path_style=endpoint is not None if path_style is None else path_style,
-        )
-        probe_client = new_client(connect_timeout_s=connect_timeout_s,
-                                   read_timeout_s=connect_timeout_s, pool_connections=1, attempts=1)
-        probe(probe_client, endpoint=endpoint, bucket=bucket, layout_prefix=self.layout_prefix,
-              create_bucket=create_bucket)
-        probe_client.close()
-        client = new_client(connect_timeout_s=connect_timeout_s,
-                             read_timeout_s=read_timeout_s, pool_connections=io_threads + 1,
-                             attempts=2)
-        self._io = ChunkIO(client, bucket, self._fp, ctx.row_bytes)
+        self.negative_ttl_s = float(o["negative_ttl_s"])
+        self._io = ChunkIO(connect(o, self.layout_prefix), self.bucket, self._fp, ctx.row_bytes)
         self._index = ObjIndex(object_bytes, None if max_bytes is None else int(max_bytes),
                                self.negative_ttl_s)
-        self._health = ServerHealth(ctx.log, f"obj tier {ctx.tier_name}", bucket)
-        n_read = max(1, io_threads // 2)
-        self._pool = IoPool(n_read, io_threads - n_read, f"kvtier-obj-{ctx.tier_name}")
+        self._health = ServerHealth(ctx.log, f"obj tier {ctx.tier_name}", self.bucket)
+        n_read = max(1, o["io_threads"] // 2)
+        self._pool = IoPool(n_read, o["io_threads"] - n_read, f"kvtier-obj-{ctx.tier_name}")
         if max_bytes is not None:
             self._pool.submit(False, [self._scan])
 

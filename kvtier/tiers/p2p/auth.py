@@ -52,28 +52,24 @@ def new_nonce() -> bytes:
     return os.urandom(NONCE_BYTES)
 
 
-def load_secret(secret: object, secret_file: object) -> Secret:
-    """The secret from exactly one of the `secret` (a string) or `secret_file` (a path) options.
+def load_secret(secret: str | None, secret_file: str | None) -> Secret:
+    """The secret from exactly one of the `secret` (a string) or `secret_file` (a path) options,
+    whose kinds the tier's option spec has checked.
 
     Raises ConfigError naming the option; the value shown in the error is always `***`.
     """
-    if (secret is None) == (secret_file is None):
-        raise ConfigError("secret", "***" if secret is not None else None,
-                          "give exactly one of `secret` or `secret_file` (peers must authenticate)")
-    if secret is not None:
-        if not isinstance(secret, str):
-            raise ConfigError("secret", "***", "must be a string")
-        raw = secret.encode()
-        key = "secret"
-    else:
-        if not isinstance(secret_file, str) or not secret_file:
-            raise ConfigError("secret_file", secret_file, "must be a path to a file")
+    if secret is not None and secret_file is None:
+        raw, key = secret.encode(), "secret"
+    elif secret_file is not None and secret is None:
         try:
             with open(secret_file, "rb") as f:
                 raw = f.read().strip()
         except OSError as e:
             raise ConfigError("secret_file", secret_file, f"cannot be read: {e.strerror}") from None
         key = "secret_file"
+    else:
+        raise ConfigError("secret", "***" if secret is not None else None,
+                          "give exactly one of `secret` or `secret_file` (peers must authenticate)")
     if len(raw) < MIN_SECRET_BYTES:
         raise ConfigError(key, "***", f"the secret must be at least {MIN_SECRET_BYTES} bytes")
     return Secret(raw)

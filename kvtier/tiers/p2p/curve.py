@@ -81,23 +81,20 @@ class CurveGate:
         self._auth.stop()
 
 
-def load_curve(secret_key: object, secret_key_file: object) -> Curve | None:
-    """The fleet key from `curve_secret_key` or `curve_secret_key_file` (at most one); None when
-    neither is set. Raises ConfigError naming the option; the value shown is always `***`."""
-    if secret_key is None and secret_key_file is None:
-        return None
+def load_curve(secret_key: str | None, secret_key_file: str | None) -> Curve | None:
+    """The fleet key from `curve_secret_key` or `curve_secret_key_file` (at most one; their kinds
+    checked by the tier's option spec); None when neither is set. Raises ConfigError naming the
+    option; the value shown is always `***`."""
     if secret_key is not None and secret_key_file is not None:
         raise ConfigError("curve_secret_key", "***",
                           "give at most one of `curve_secret_key` or `curve_secret_key_file`")
     if secret_key is not None:
         name = "curve_secret_key"
-        if not isinstance(secret_key, str):
-            raise ConfigError(name, "***", "must be a string (Z85 text of a CURVE secret key)")
         raw = secret_key.strip().encode()
+    elif secret_key_file is None:
+        return None
     else:
         name = "curve_secret_key_file"
-        if not isinstance(secret_key_file, str) or not secret_key_file:
-            raise ConfigError(name, secret_key_file, "must be a path to a file")
         try:
             with open(secret_key_file, "rb") as f:
                 raw = f.read().strip()

@@ -28,8 +28,6 @@ class Discovery:
             import redis
         except ImportError:
             raise ConfigError("discovery_url", url, "needs the redis package (kvtier[redis])") from None
-        if not isinstance(prefix, str) or not prefix or any(c.isspace() for c in prefix):
-            raise ConfigError("discovery_prefix", prefix, "must be a non-empty string without spaces")
         try:
             self._redis: Any = redis.Redis.from_url(url, socket_timeout=2.0, socket_connect_timeout=2.0)
         except ValueError as e:

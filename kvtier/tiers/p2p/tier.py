@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections import deque
 from collections.abc import Sequence
 from functools import partial
-from typing import NamedTuple, Protocol
+from typing import Any, NamedTuple, Protocol
 from urllib.parse import urlsplit
 
 import zmq
@@ -18,9 +17,10 @@ from kvtier.tiers.base import Job, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common.book import FailureLog
 from kvtier.tiers.common.booked import BookedTier
 from kvtier.tiers.common.iopool import IoPool, JobTracker
+from kvtier.tiers.common.options import Kind, Option, check_options, count, hidden, seconds, word
 from kvtier.tiers.p2p import protocol, rowhash
-from kvtier.tiers.p2p.auth import load_secret
-from kvtier.tiers.p2p.curve import CurveGate, load_curve
+from kvtier.tiers.p2p.auth import Secret, load_secret
+from kvtier.tiers.p2p.curve import Curve, CurveGate, load_curve
 from kvtier.tiers.p2p.discovery import Discovery
 from kvtier.tiers.p2p.fetch import Fetcher, Request
 from kvtier.tiers.p2p.index import ChunkIndex, Claim
@@ -47,144 +47,123 @@ class _Closable(Protocol):
     def close(self) -> None: ...
 
 
-def _seconds(name: str, value: object) -> float:
-    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value) \
-            or value <= 0:
-        raise ConfigError(name, value, "must be a positive number of seconds")
-    return float(value)
+def _is_tcp(address: str) -> bool:
+    return urlsplit(address).scheme == "tcp" and ":" in address[6:]
 
 
-def _count(name: str, value: object, high: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= high:
-        raise ConfigError(name, value, f"must be an integer from 1 to {high}")
-    return value
-
-
-def _address(name: str, value: object) -> str:
-    if not isinstance(value, str) or urlsplit(value).scheme != "tcp" or ":" not in value[6:]:
-        raise ConfigError(name, value, "must be a ZMQ TCP address like tcp://HOST:PORT")
-    return value
+TCP_ADDRESS = "must be a ZMQ TCP address like tcp://HOST:PORT"
 
 
 class P2PTier(BookedTier):
-    """Serves this instance's host tier to peers, and loads chunks that peers' host tiers hold.
-
-    Options: `secret` or `secret_file` (shared by every peer; required, at least 16 bytes),
-    `curve_secret_key` or `curve_secret_key_file` (optional: the fleet's ZMQ CURVE secret key, Z85;
-    see `curve`),
-    `listen` (ZMQ address to bind; port 0 picks a free one), `peers` (static list of peers'
-    `listen` addresses; our own is ignored), `discovery_url` (a redis URL: peers register there and
-    read each other; with `discovery_prefix`, `discovery_ttl_s`, and `advertise`, the address peers
-    should use when `listen` binds a wildcard), `io_threads` (concurrent loads), `lookup_timeout_s`
-    (a silent peer's answer counts as a miss after this), `lookup_ttl_s` (how long answers are
-    reused), `connect_timeout_s`, `transfer_timeout_s` (a stalled holder fails its keys after
-    this), `reconnect_interval_s` (a failing holder is skipped this long), `max_connections`,
-    `handshake_timeout_s` and `idle_timeout_s` (the serving side's connection limits).
-    """
+    """Serves this instance's host tier to peers, and loads chunks that peers' host tiers hold."""
 
     medium = "CPU"
     locality = "REMOTE"
     loads_own_stores = False
     COUNTERS = ("loaded", "load_failures", "chunks_served", "auth_refused", "malformed")
+    OPTIONS = (
+        Option("secret", Kind.TEXT, show=hidden),
+        Option("secret_file", Kind.TEXT),
+        Option("curve_secret_key", Kind.TEXT, show=hidden),
+        Option("curve_secret_key_file", Kind.TEXT),
+        Option("listen", Kind.TEXT, "tcp://127.0.0.1:0", test=_is_tcp, allowed=TCP_ADDRESS),
+        Option("peers", Kind.TEXTS, (), test=_is_tcp,
+               allowed="must be a list of tcp://HOST:PORT addresses"),
+        Option("discovery_url", Kind.TEXT, show=hidden),
+        Option("discovery_prefix", Kind.TEXT, "kvtier-p2p", test=word,
+               allowed="must be a non-empty string without spaces"),
+        seconds("discovery_ttl_s", 10.0),
+        Option("advertise", Kind.TEXT, test=_is_tcp, allowed=TCP_ADDRESS),
+        count("io_threads", 4, 256),
+        seconds("lookup_timeout_s", 0.5),
+        seconds("lookup_ttl_s", 1.0),
+        seconds("connect_timeout_s", 2.0),
+        seconds("transfer_timeout_s", 5.0),
+        seconds("reconnect_interval_s", 1.0),
+        count("max_connections", 64, 4096),
+        seconds("handshake_timeout_s", 5.0),
+        seconds("idle_timeout_s", 300.0),
+    )
+    """`secret` or `secret_file` (shared by every peer; required, at least 16 bytes),
+    `curve_secret_key` or `curve_secret_key_file` (optional: the fleet's ZMQ CURVE secret key, Z85;
+    see `curve`), `listen` (ZMQ address to bind; port 0 picks a free one), `peers` (static list of
+    peers' `listen` addresses; our own is ignored), `discovery_url` (a redis URL: peers register
+    there and read each other; with `discovery_prefix`, `discovery_ttl_s`, and `advertise`, the
+    address peers should use when `listen` binds a wildcard), `io_threads` (concurrent loads),
+    `lookup_timeout_s` (a silent peer's answer counts as a miss after this), `lookup_ttl_s` (how
+    long answers are reused), `connect_timeout_s`, `transfer_timeout_s` (a stalled holder fails its
+    keys after this), `reconnect_interval_s` (a failing holder is skipped this long),
+    `max_connections`, `handshake_timeout_s` and `idle_timeout_s` (the serving side's limits)."""
 
-    def __init__(
-        self,
-        ctx: TierContext,
-        *,
-        secret: str | None = None,
-        secret_file: str | None = None,
-        curve_secret_key: str | None = None,
-        curve_secret_key_file: str | None = None,
-        listen: str = "tcp://127.0.0.1:0",
-        peers: Sequence[str] = (),
-        discovery_url: str | None = None,
-        discovery_prefix: str = "kvtier-p2p",
-        discovery_ttl_s: float = 10.0,
-        advertise: str | None = None,
-        io_threads: int = 4,
-        lookup_timeout_s: float = 0.5,
-        lookup_ttl_s: float = 1.0,
-        connect_timeout_s: float = 2.0,
-        transfer_timeout_s: float = 5.0,
-        reconnect_interval_s: float = 1.0,
-        max_connections: int = 64,
-        handshake_timeout_s: float = 5.0,
-        idle_timeout_s: float = 300.0,
-    ) -> None:
+    def __init__(self, ctx: TierContext, **options: Any) -> None:
         super().__init__(ctx)
-        key = load_secret(secret, secret_file)
-        curve = load_curve(curve_secret_key, curve_secret_key_file)
-        _address("listen", listen)
-        if isinstance(peers, str) or not isinstance(peers, Sequence):
-            raise ConfigError("peers", peers, "must be a list of tcp://HOST:PORT addresses")
-        peer_list = [_address("peers", p) for p in peers]
-        if advertise is not None:
-            _address("advertise", advertise)
-        threads = _count("io_threads", io_threads, 256)
-        conns = _count("max_connections", max_connections, 4096)
-        times = {n: _seconds(n, v) for n, v in (
-            ("discovery_ttl_s", discovery_ttl_s), ("lookup_timeout_s", lookup_timeout_s),
-            ("lookup_ttl_s", lookup_ttl_s), ("connect_timeout_s", connect_timeout_s),
-            ("transfer_timeout_s", transfer_timeout_s), ("reconnect_interval_s", reconnect_interval_s),
-            ("handshake_timeout_s", handshake_timeout_s), ("idle_timeout_s", idle_timeout_s))}
+        o = check_options(self.OPTIONS, options)
+        key = load_secret(o["secret"], o["secret_file"])
+        curve = load_curve(o["curve_secret_key"], o["curve_secret_key_file"])
         self._failures = FailureLog(ctx.log, f"p2p tier {ctx.tier_name}")
         self._index = ChunkIndex(ctx.num_slots)
         self._spans = rowhash.piece_spans(ctx.row_bytes)
         self._batch_keys = max(1, min(protocol.MAX_FETCH_KEYS, BATCH_BYTES // ctx.row_bytes))
+        self._threads = o["io_threads"]
+        self._pending: deque[tuple[JobTracker, int]] = deque()
+        self._pending_lock = threading.Lock()
         self._closing = False
         self._instance_id = os.urandom(16)
         self._zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._built: list[_Closable] = []
-        if curve is not None:
-            self._built.append(CurveGate(self._zctx, curve, self._book, self._failures))
         try:
-            self._server = P2PServer(
-                self._zctx, listen, key, self._index, ctx.region, ctx.row_bytes, self._fp,
-                self._instance_id, self._book, self._failures, max_connections=conns,
-                handshake_timeout_s=times["handshake_timeout_s"],
-                idle_timeout_s=times["idle_timeout_s"], transfer_timeout_s=times["transfer_timeout_s"],
-                curve=curve,
-            )
-        except (zmq.ZMQError, OSError) as e:
-            self.shutdown()
-            raise ConfigError("listen", listen, f"cannot listen there: {e}") from None
-        self.address = self._server.address
-        self._built.append(self._server)
-        try:
-            self._lookup = PeerLookup(
-                self._zctx, key, self._instance_id, self._fp, ctx.row_bytes, self._book, self._failures,
-                lookup_timeout_s=times["lookup_timeout_s"], lookup_ttl_s=times["lookup_ttl_s"],
-                own_address=advertise or self.address, curve=curve,
-            )
-            self._built.append(self._lookup)
-            self._fetcher = Fetcher(
-                key, self._fp, ctx.row_bytes, self._book, self._failures,
-                connect_timeout_s=times["connect_timeout_s"],
-                transfer_timeout_s=times["transfer_timeout_s"],
-                reconnect_interval_s=times["reconnect_interval_s"],
-            )
-            self._built.append(self._fetcher)
-            self._discovery: Discovery | None = None
-            if discovery_url is not None:
-                self._discovery = Discovery(
-                    discovery_url, discovery_prefix, ctx.layout_fingerprint, advertise or self.address,
-                    times["discovery_ttl_s"], peer_list, self._lookup.set_peers,
-                    self._book, self._failures,
-                )
-                self._built.append(self._discovery)
-            self._lookup.set_peers(peer_list)
-            self._threads = threads
-            self._pending: deque[tuple[JobTracker, int]] = deque()
-            self._pending_lock = threading.Lock()
-            self._load_pool = IoPool(threads, 0, f"kvtier-p2p-{ctx.tier_name}-load")
+            self._serve(o, key, curve)
+            self._ask_peers(o, key, curve)
+            self._load_pool = IoPool(self._threads, 0, f"kvtier-p2p-{ctx.tier_name}-load")
             self._store_pool = IoPool(0, 1, f"kvtier-p2p-{ctx.tier_name}-store")
         except BaseException:
             self.shutdown()
             raise
-        self._closed = False
         ctx.log.info("p2p tier %s listening on %s (data port %d), %d static peers%s",
-                     ctx.tier_name, self.address, self._server.data_port, len(peer_list),
-                     ", redis discovery" if discovery_url else "")
+                     ctx.tier_name, self.address, self._server.data_port, len(o["peers"]),
+                     ", redis discovery" if o["discovery_url"] else "")
+
+    def _serve(self, o: dict[str, Any], key: Secret, curve: Curve | None) -> None:
+        """Start the serving half (and the CURVE gate); ConfigError naming `listen` when it
+        cannot bind. Constructor only."""
+        if curve is not None:
+            self._built.append(CurveGate(self._zctx, curve, self._book, self._failures))
+        try:
+            self._server = P2PServer(
+                self._zctx, o["listen"], key, self._index, self.ctx.region, self.ctx.row_bytes,
+                self._fp, self._instance_id, self._book, self._failures,
+                max_connections=o["max_connections"], handshake_timeout_s=o["handshake_timeout_s"],
+                idle_timeout_s=o["idle_timeout_s"], transfer_timeout_s=o["transfer_timeout_s"],
+                curve=curve,
+            )
+        except (zmq.ZMQError, OSError) as e:
+            raise ConfigError("listen", o["listen"], f"cannot listen there: {e}") from None
+        self.address = self._server.address
+        self._built.append(self._server)
+
+    def _ask_peers(self, o: dict[str, Any], key: Secret, curve: Curve | None) -> None:
+        """Start the asking half: lookups, fetches, and discovery when configured. Constructor
+        only, after `_serve`."""
+        own = o["advertise"] or self.address
+        self._lookup = PeerLookup(
+            self._zctx, key, self._instance_id, self._fp, self.ctx.row_bytes, self._book,
+            self._failures, lookup_timeout_s=o["lookup_timeout_s"], lookup_ttl_s=o["lookup_ttl_s"],
+            own_address=own, curve=curve,
+        )
+        self._built.append(self._lookup)
+        self._fetcher = Fetcher(
+            key, self._fp, self.ctx.row_bytes, self._book, self._failures,
+            connect_timeout_s=o["connect_timeout_s"], transfer_timeout_s=o["transfer_timeout_s"],
+            reconnect_interval_s=o["reconnect_interval_s"],
+        )
+        self._built.append(self._fetcher)
+        peers = list(o["peers"])
+        if o["discovery_url"] is not None:
+            self._built.append(Discovery(
+                o["discovery_url"], o["discovery_prefix"], self.ctx.layout_fingerprint, own,
+                o["discovery_ttl_s"], peers, self._lookup.set_peers, self._book, self._failures,
+            ))
+        self._lookup.set_peers(peers)
 
     # ---- the contract (dispatch thread) ------------------------------------------------------
 

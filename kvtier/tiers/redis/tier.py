@@ -34,67 +34,68 @@ from urllib.parse import urlsplit
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.chunks import ChunkKey
-from kvtier.errors import ConfigError
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common.answers import AnswerCache
 from kvtier.tiers.common.booked import BookedTier
+from kvtier.tiers.common.options import Kind, Option, check_options, count, seconds, word
 from kvtier.tiers.redis.chunks import ChunkStore, Item
 from kvtier.tiers.redis.link import RedisLink
 from kvtier.tiers.redis.wire import redact_url
-from kvtier.tiers.registry import number_option
 
 SCHEMES = ("redis", "rediss", "unix")
 
 
-class RedisTier(BookedTier):
-    """Chunks as Redis strings under `<key_prefix>:<layout fingerprint>:`, shared by every instance.
+def _shown_url(url: object) -> object:
+    return redact_url(url) if isinstance(url, str) else url
 
-    Options: `url` (redis://, rediss:// or unix://; its query arguments such as `ssl_ca_certs` are
-    redis-py's), `key_prefix`, `ttl_s` (None: no expiry), `io_threads`, `pipeline_depth` and
-    `batch_bytes` (a batch's bound in keys and bytes), `socket_timeout_s` and `connect_timeout_s`
-    (how long a dead or hung server can hold a batch), `reconnect_interval_s` (how long the server
-    stays marked down after a connection error), `lookup_ttl_s` (how long an answer is reused) and
-    `lookup_wait_s` (how long `lookup` waits for answers before saying RETRY).
-    """
+
+class RedisTier(BookedTier):
+    """Chunks as Redis strings under `<key_prefix>:<layout fingerprint>:`, shared by every instance."""
 
     medium = "CPU"
     locality = "REMOTE"
     COUNTERS = ("stored", "loaded", "store_failures", "load_failures", "load_misses", "bad_chunks",
                 "lookups")
+    OPTIONS = (
+        Option("url", Kind.TEXT, required=True, test=lambda url: urlsplit(url).scheme in SCHEMES,
+               allowed="must be a redis://, rediss:// or unix:// URL", show=_shown_url),
+        Option("key_prefix", Kind.TEXT, "kvtier", test=word,
+               allowed="must be a non-empty string without spaces"),
+        seconds("ttl_s", None),
+        count("io_threads", 4, 256),
+        count("pipeline_depth", 16, 4096),
+        Option("batch_bytes", Kind.NUMBER, 8 << 20, low=1, unit="bytes"),
+        seconds("socket_timeout_s", 5.0),
+        seconds("connect_timeout_s", 2.0),
+        seconds("reconnect_interval_s", 0.5, low=0),
+        seconds("lookup_ttl_s", 1.0),
+        seconds("lookup_wait_s", 0.005, low=0),
+    )
+    """`url` (redis://, rediss:// or unix://; its query arguments such as `ssl_ca_certs` are
+    redis-py's), `key_prefix`, `ttl_s` (null: no expiry), `io_threads`, `pipeline_depth` and
+    `batch_bytes` (a batch's bound in keys and bytes), `socket_timeout_s` and `connect_timeout_s`
+    (how long a dead or hung server can hold a batch), `reconnect_interval_s` (how long the server
+    stays marked down after a connection error), `lookup_ttl_s` (how long an answer is reused) and
+    `lookup_wait_s` (how long `lookup` waits for answers before saying RETRY)."""
 
-    def __init__(
-        self,
-        ctx: TierContext,
-        *,
-        url: str,
-        key_prefix: str = "kvtier",
-        ttl_s: float | None = None,
-        io_threads: int = 4,
-        pipeline_depth: int = 16,
-        batch_bytes: int = 8 << 20,
-        socket_timeout_s: float = 5.0,
-        connect_timeout_s: float = 2.0,
-        reconnect_interval_s: float = 0.5,
-        lookup_ttl_s: float = 1.0,
-        lookup_wait_s: float = 0.005,
-    ) -> None:
+    def __init__(self, ctx: TierContext, **options: Any) -> None:
         super().__init__(ctx)
-        self._check_options(url, key_prefix, ttl_s, io_threads, pipeline_depth, batch_bytes,
-                            socket_timeout_s, connect_timeout_s, reconnect_interval_s,
-                            lookup_ttl_s, lookup_wait_s)
-        px = None if ttl_s is None else str(max(1, round(ttl_s * 1000))).encode()
-        self.pipeline_depth = pipeline_depth
-        self.batch_bytes = int(batch_bytes)
-        self.lookup_wait_s = float(lookup_wait_s)
+        o = check_options(self.OPTIONS, options)
+        px = None if o["ttl_s"] is None else str(max(1, round(o["ttl_s"] * 1000))).encode()
+        self.pipeline_depth = o["pipeline_depth"]
+        self.batch_bytes = int(o["batch_bytes"])
+        self.lookup_wait_s = float(o["lookup_wait_s"])
         self._lock = threading.Lock()
-        self._answers = AnswerCache(float(lookup_ttl_s))
+        self._answers = AnswerCache(float(o["lookup_ttl_s"]))
         """Lookup answers and the keys being asked. Lock held."""
-        self._link = RedisLink(url, connections=io_threads + 2, socket_timeout_s=socket_timeout_s,
-                               connect_timeout_s=connect_timeout_s,
-                               reconnect_interval_s=reconnect_interval_s, book=self._book,
+        self._link = RedisLink(o["url"], connections=o["io_threads"] + 2,
+                               socket_timeout_s=o["socket_timeout_s"],
+                               connect_timeout_s=o["connect_timeout_s"],
+                               reconnect_interval_s=o["reconnect_interval_s"], book=self._book,
                                on_down=self._forget_answers)
         self.url = self._link.url
-        self._chunks = ChunkStore(ctx, self._link, self._book, self._fp, key_prefix, px, self._remember)
+        self._chunks = ChunkStore(ctx, self._link, self._book, self._fp, o["key_prefix"], px,
+                                  self._remember)
         self.value_bytes = self._chunks.value_bytes
         self._cv = threading.Condition(self._lock)
         self._answered = threading.Condition(self._lock)
@@ -108,40 +109,13 @@ class RedisTier(BookedTier):
         self._threads = [threading.Thread(target=self._lookup_loop, name=f"{name}-lookup", daemon=True)]
         self._threads += [
             threading.Thread(target=self._io_loop, args=(i % 2 == 0,), name=f"{name}-{i}", daemon=True)
-            for i in range(io_threads)
+            for i in range(o["io_threads"])
         ]
         for t in self._threads:
             t.start()
 
     def __repr__(self) -> str:
         return f"RedisTier({self.ctx.tier_name!r}, url={self.url!r})"
-
-    # ---- setup -------------------------------------------------------------------------------
-
-    @staticmethod
-    def _check_options(
-        url: object, key_prefix: object, ttl_s: object, io_threads: object, pipeline_depth: object,
-        batch_bytes: object, socket_timeout_s: object, connect_timeout_s: object,
-        reconnect_interval_s: object, lookup_ttl_s: object, lookup_wait_s: object,
-    ) -> None:
-        if not isinstance(url, str) or urlsplit(url).scheme not in SCHEMES:
-            shown = redact_url(url) if isinstance(url, str) else url
-            raise ConfigError("url", shown, "must be a redis://, rediss:// or unix:// URL")
-        if not isinstance(key_prefix, str) or not key_prefix or any(c.isspace() for c in key_prefix):
-            raise ConfigError("key_prefix", key_prefix, "must be a non-empty string without spaces")
-        if ttl_s is not None:
-            number_option("ttl_s", ttl_s, "must be None or a positive number of seconds", low=1e-3)
-        for name, value, high in (("io_threads", io_threads, 256),
-                                  ("pipeline_depth", pipeline_depth, 4096)):
-            if number_option(name, value, f"must be an integer from 1 to {high}", low=1, integer=True) > high:
-                raise ConfigError(name, value, f"must be an integer from 1 to {high}")
-        number_option("batch_bytes", batch_bytes, "must be a positive number of bytes", low=1)
-        for name, value in (("socket_timeout_s", socket_timeout_s), ("lookup_ttl_s", lookup_ttl_s),
-                            ("connect_timeout_s", connect_timeout_s)):
-            number_option(name, value, "must be a positive number of seconds", low=1e-3)
-        for name, value in (("reconnect_interval_s", reconnect_interval_s),
-                            ("lookup_wait_s", lookup_wait_s)):
-            number_option(name, value, "must be a non-negative number of seconds", low=0)
 
     # ---- contract ----------------------------------------------------------------------------
 
