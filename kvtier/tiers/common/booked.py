@@ -5,13 +5,16 @@
 `take_events`, `stats`). It also holds the layout fingerprint every stored chunk's header carries.
 
 `PerKeyTier` (fs, obj): jobs run one task per key on an `IoPool`; the subclass moves one key
-(`_store_key`, `_load_key`, on I/O threads) and says how a failure is logged (`_key_failed`).
+(`_store_key`, `_load_key`, on I/O threads) and says how a failure is logged (`_key_failed`). What
+it knows it holds is a `KeyIndex`.
 """
 
 from __future__ import annotations
 
-from abc import abstractmethod
-from typing import ClassVar, Protocol
+import threading
+from abc import ABC, abstractmethod
+from collections import Counter
+from typing import ClassVar
 
 from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError
@@ -48,9 +51,26 @@ class BookedTier(SecondaryTier):
         return self._book.counters(*self.COUNTERS)
 
 
-class KeyIndex(Protocol):
-    """What a per-key tier knows it holds."""
+class KeyIndex(ABC):
+    """What a per-key tier knows it holds, behind one lock (`_lock`, for the subclass's state too).
+    Keys pinned by loads in flight (pins nest) are never chosen for eviction. Any thread."""
 
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._pins: Counter[bytes] = Counter()
+
+    def pin(self, key: bytes) -> None:
+        """Protect `key` from eviction while this instance reads it."""
+        with self._lock:
+            self._pins[key] += 1
+
+    def unpin(self, key: bytes) -> None:
+        with self._lock:
+            self._pins[key] -= 1
+            if self._pins[key] <= 0:
+                del self._pins[key]
+
+    @abstractmethod
     def remove(self, key: bytes) -> bool:
         """Forget `key`; True when it was known."""
 

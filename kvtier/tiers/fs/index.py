@@ -21,10 +21,10 @@ import heapq
 import os
 import re
 import secrets
-import threading
-from collections import Counter
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+
+from kvtier.tiers.common.booked import KeyIndex
 
 KEY_BYTES = 32
 LAYOUT_DIR_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -111,16 +111,15 @@ class _Entry:
     seq: int
 
 
-class FsIndex:
+class FsIndex(KeyIndex):
     """Known chunk files, evicted by least recent use, bounded by `max_bytes` (None: unbounded)."""
 
     def __init__(self, max_bytes: int | None) -> None:
+        super().__init__()
         self.max_bytes = max_bytes
-        self._lock = threading.Lock()
         self._entries: dict[bytes, _Entry] = {}
         self._heap: list[tuple[float, int, bytes]] = []
         self._seq = 0
-        self._pinned: Counter[bytes] = Counter()
         self.bytes_used = 0
         self.reserved = 0
 
@@ -173,17 +172,6 @@ class FsIndex:
             self.bytes_used -= entry.size
             return True
 
-    def pin(self, key: bytes) -> None:
-        """Protect a key from eviction while this instance reads it (pins nest)."""
-        with self._lock:
-            self._pinned[key] += 1
-
-    def unpin(self, key: bytes) -> None:
-        with self._lock:
-            self._pinned[key] -= 1
-            if self._pinned[key] <= 0:
-                del self._pinned[key]
-
     def reserve(self, size: int) -> tuple[bool, list[bytes]]:
         """Make room for a new file of `size` bytes.
 
@@ -205,7 +193,7 @@ class FsIndex:
                 entry = self._entries.get(key)
                 if entry is None or entry.seq != seq:
                     continue
-                if key in self._pinned:
+                if key in self._pins:
                     skipped.append(item)
                     continue
                 victims.append(key)

@@ -15,19 +15,20 @@ are forgotten, not deleted: a later lookup asks the server again).
 from __future__ import annotations
 
 import math
-import threading
-from collections import Counter, OrderedDict
+from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
 from kvtier.chunks import ChunkKey
 from kvtier.tiers.base import LookupResult
+from kvtier.tiers.common.booked import KeyIndex
 
 MAX_REMEMBERED = 1 << 20
 """Present keys remembered without `max_bytes` (about 150 MB of index at most)."""
 
 
-class ObjIndex:
+class ObjIndex(KeyIndex):
     def __init__(self, object_bytes: int, max_bytes: int | None, absent_s: float) -> None:
+        super().__init__()
         self.object_bytes = object_bytes
         self.absent_s = absent_s
         self.max_bytes = max_bytes
@@ -35,11 +36,9 @@ class ObjIndex:
         self._absent: dict[bytes, float] = {}
         """Key -> when its absence expires (infinity until `lookup` first reports it)."""
         self._pending: set[bytes] = set()
-        self._pins: Counter[bytes] = Counter()
         self._reserved = 0
         self._dropped: set[bytes] | None = None
         """Keys removed since `start_scan` (None: no scan running): a listing must not revive them."""
-        self._lock = threading.Lock()
 
     @property
     def present(self) -> int:
@@ -121,16 +120,6 @@ class ObjIndex:
             if self._dropped is not None:
                 self._dropped.add(key)
             return True
-
-    def pin(self, key: bytes) -> None:
-        with self._lock:
-            self._pins[key] += 1
-
-    def unpin(self, key: bytes) -> None:
-        with self._lock:
-            self._pins[key] -= 1
-            if self._pins[key] <= 0:
-                del self._pins[key]
 
     def reserve(self, n: int = 1) -> tuple[bool, list[bytes]]:
         """Make room for `n` new objects: (granted, victims), victims already removed from the

@@ -12,9 +12,9 @@ bytes per round trip); even-numbered threads take loads first and odd ones store
 takes the other kind when its own is empty. One lookup thread answers lookups with pipelined EXISTS
 so they never wait behind bulk transfers. Each thread owns one connection.
 
-The parts: `redis_link` (connection pool, pipelined round trips, the server's up/down state),
-`redis_chunks` (the stored form, batches of SET/GET, verification), `redis_wire` (RESP framing
-without copies); this file holds the tier contract, the job and lookup queues, and the threads.
+The parts: `link` (connection pool, pipelined round trips, the server's up/down state), `chunks`
+(the stored form, batches of SET/GET, verification), `wire` (RESP framing without copies); this
+file holds the tier contract, the job queue (a `DualQueue`), the lookup queue, and the threads.
 
 Failures are values: a key that could not be moved fails its job. A connection error or timeout marks
 the server down for `reconnect_interval_s`: meanwhile batches fail at once and lookups answer MISS;
@@ -37,6 +37,7 @@ from kvtier.chunks import ChunkKey
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common.answers import AnswerCache
 from kvtier.tiers.common.booked import BookedTier
+from kvtier.tiers.common.iopool import DualQueue
 from kvtier.tiers.common.options import Kind, Option, check_options, count, seconds, word
 from kvtier.tiers.redis.chunks import ChunkStore, Item
 from kvtier.tiers.redis.link import RedisLink
@@ -97,11 +98,9 @@ class RedisTier(BookedTier):
         self._chunks = ChunkStore(ctx, self._link, self._book, self._fp, o["key_prefix"], px,
                                   self._remember)
         self.value_bytes = self._chunks.value_bytes
-        self._cv = threading.Condition(self._lock)
         self._answered = threading.Condition(self._lock)
         self._asked = threading.Condition(self._lock)
-        self._loads: deque[Item] = deque()
-        self._stores: deque[Item] = deque()
+        self._work: DualQueue[Item] = DualQueue()
         self._lookups: deque[bytes] = deque()
         self._stopping = False
         self._closed = False
@@ -154,10 +153,7 @@ class RedisTier(BookedTier):
             if self._closed:
                 return
             self._closed = self._stopping = True
-            abandoned = [*self._loads, *self._stores]
-            self._loads.clear()
-            self._stores.clear()
-            self._cv.notify_all()
+            abandoned = self._work.stop()
             self._asked.notify_all()
             self._answered.notify_all()
         for tracker, i in abandoned:
@@ -172,14 +168,9 @@ class RedisTier(BookedTier):
         tracker = self._book.track(job)
         if tracker is None:
             return
-        items = [(tracker, i) for i in range(len(job.keys))]
-        with self._lock:
-            if not self._stopping:
-                (self._loads if job.kind is JobKind.LOAD else self._stores).extend(items)
-                self._cv.notify(len(items))
-                return
-        for tracker, i in items:
-            self._book.finish_key(tracker, i, False)
+        if not self._work.put(job.kind is JobKind.LOAD, [(tracker, i) for i in range(len(job.keys))]):
+            for i in range(len(job.keys)):
+                self._book.finish_key(tracker, i, False)
 
     def _known(self, keys: Sequence[ChunkKey], ask: bool) -> list[LookupResult]:
         """Answers from the cache, RETRY for the others (queued for asking when `ask`); MISS for all
@@ -233,20 +224,12 @@ class RedisTier(BookedTier):
 
     def _io_loop(self, prefers_loads: bool) -> None:
         conn: Any = self._link.connection()
-        first, second = (self._loads, self._stores) if prefers_loads else (self._stores, self._loads)
+
+        def more(n: int) -> bool:
+            return n < self.pipeline_depth and n * self.value_bytes < self.batch_bytes
+
         try:
-            while True:
-                with self._lock:
-                    while not (self._stopping or first or second):
-                        self._cv.wait()
-                    if self._stopping:
-                        return
-                    source = first if first else second
-                    batch = [source.popleft()]
-                    size = self.value_bytes
-                    while source and len(batch) < self.pipeline_depth and size < self.batch_bytes:
-                        batch.append(source.popleft())
-                        size += self.value_bytes
+            while batch := self._work.take(prefers_loads, more):
                 kind = batch[0][0].job.kind
                 try:
                     run = self._chunks.run_loads if kind is JobKind.LOAD else self._chunks.run_stores
