@@ -63,6 +63,7 @@ from kvtier.tiers.fs.io import (
 MTIME_REFRESH_S = 1.0
 """A load refreshes a file's mtime only when it is older than this (saves metadata writes)."""
 
+
 class FsTier(PerKeyTier):
     """Chunks as files under `root_dir/<layout fingerprint>/`, shared by every instance using it."""
 
