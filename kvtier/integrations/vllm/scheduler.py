@@ -114,7 +114,10 @@ class KVTierScheduler:
         self.manager = TieringManager.from_config(config, layout.row_bytes, layout.fingerprint)
         self.accounting = Accounting(self.manager, geometry.chunk_tokens)
         self.tier_types = {t.name: t.type for t in config.secondary_tiers}
-        self.events = KVEventTranslator(self.tier_types, geometry.chunk_tokens) if events else None
+        paths = {t.name: t.module_path for t in config.secondary_tiers}
+        self.events = (
+            KVEventTranslator(self.tier_types, geometry.chunk_tokens, paths) if events else None
+        )
         self.hasher = ChunkHasher(config.hash_algorithm, geometry.fingerprint, layout.chunk_tokens)
         self.shm_dir = config.shm_dir
         self.world_size = world_size
