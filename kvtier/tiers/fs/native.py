@@ -22,7 +22,7 @@ import tempfile
 from pathlib import Path
 
 SOURCE = Path(__file__).with_name("native") / "fs_write.c"
-log = logging.getLogger("kvtier.tiers.fs.tier")
+log = logging.getLogger("kvtier.tier.fs")
 
 
 def _address(buf: memoryview) -> int:
