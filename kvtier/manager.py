@@ -138,20 +138,23 @@ class TieringManager:
     # -- lookups and promotions ----------------------------------------------------------------
 
     def lookup_prefix(
-        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None
+        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True
     ) -> PrefixLookup:
         """How many leading `keys` are ready in the host tier; promote what follows if found.
 
-        `tiers` restricts which secondary tiers may serve (None: all of them).
+        `tiers` restricts which secondary tiers may serve (None: all of them). With `promote`
+        False the answer is what the host tier holds now (and the promotions in flight): a caller
+        whose promotion already ran takes what it brought rather than evicting to promote again.
         """
         ready = self.host.lookup(keys)
         rest = keys[ready:]
         if rest and self.host.is_pending(rest[0]):
             return PrefixLookup(ready, pending=True)
-        sources, pending = self._find(rest, tiers) if rest else ([], False)
+        sources, pending = self._find(rest, tiers) if rest and promote else ([], False)
         promoting: tuple[str, ...] = ()
-        if sources and self._promote(rest[: len(sources)], sources):
-            pending, promoting = True, tuple(sources)
+        if sources:
+            promoting = self._promote(keys[:ready], rest[: len(sources)], sources)
+            pending = pending or bool(promoting)
         if not pending:
             # Counted once per request, not on every "ask again" while a promotion runs.
             for key in keys:
@@ -176,20 +179,28 @@ class TieringManager:
             sources.append(found)
         return sources, False
 
-    def _promote(self, keys: Sequence[ChunkKey], sources: Sequence[str]) -> bool:
-        """Allocate host slots for `keys` and load each from its source tier."""
-        slots = self.host.prepare_store(keys)
-        if slots is None:
-            self.metrics.inc("promotions_refused", 1)
-            return False
+    def _promote(
+        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str]
+    ) -> tuple[str, ...]:
+        """Allocate host slots for the leading `keys` that fit and load each from its source tier;
+        returns the source of each chunk promoted (empty: none fitted).
+
+        The `ready` chunks before them are named too, so making room never evicts the prefix the
+        promotion extends. A chunk is useful only after every chunk before it: when the host tier
+        cannot take them all, the first ones are promoted and the rest are recomputed.
+        """
+        slots, fitted = self.host.prepare_store_prefix([*ready, *keys])
+        fitted -= len(ready)
+        if fitted < len(keys):
+            self.metrics.inc("promotion_refused_chunks", len(keys) - fitted)
         by_tier: dict[str, list[ChunkKey]] = {}
-        for key, source in zip(keys, sources, strict=True):
+        for key, source in zip(keys[:fitted], sources, strict=False):
             if key in slots:
                 by_tier.setdefault(source, []).append(key)
         for name, tier_keys in by_tier.items():
             job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys])
             self.tiers[name].submit_load(job)
-        return True
+        return tuple(sources[:fitted]) if by_tier else ()
 
     # -- cascades ------------------------------------------------------------------------------
 
@@ -199,13 +210,11 @@ class TieringManager:
             if name == skip:
                 continue
             admitted = [k for k in keys if self.admission.admit(k, name, priority)]
-            if not admitted:
-                continue
-            slots = self.host.prepare_load(admitted)
-            if slots is None:
-                self.metrics.inc("cascade_skipped_chunks", len(admitted), name)
-                continue
-            tier.submit_store(self._job(name, JobKind.STORE, admitted, slots))
+            resident = [k for k in admitted if self.host.contains(k)]
+            self.metrics.inc("cascade_skipped_chunks", len(admitted) - len(resident), name)
+            slots = self.host.prepare_load(resident) if resident else None
+            if slots is not None:
+                tier.submit_store(self._job(name, JobKind.STORE, resident, slots))
 
     # -- completions ---------------------------------------------------------------------------
 

@@ -57,8 +57,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("lookup_chunks", "counter", "Chunks looked up past the device prefix-cache hit"),
     MetricSpec("hit_chunks", "counter", "Looked-up chunks served by the tier (host: already there)", _T),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens by where their KV came from", _S),
-    MetricSpec("promotions_refused", "counter",
-               "Promotions not started because the host tier had no room (their chunks are recomputed)"),
+    MetricSpec("promotion_refused_chunks", "counter",
+               "Chunks not promoted because the host tier had no room for them (they are recomputed)"),
     MetricSpec("cascade_skipped_chunks", "counter",
                "Chunks not copied to the tier because their host rows could not be pinned", _T),
 )

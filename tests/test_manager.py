@@ -58,11 +58,13 @@ def drain(m: TieringManager, timeout_s: float = 10) -> None:
         time.sleep(0.002)
 
 
-def settle(m: TieringManager, keys: list[bytes], tiers=None, timeout_s: float = 10) -> PrefixLookup:
+def settle(
+    m: TieringManager, keys: list[bytes], tiers=None, timeout_s: float = 10, promote: bool = True
+) -> PrefixLookup:
     deadline = time.monotonic() + timeout_s
     while True:
         m.poll()
-        found = m.lookup_prefix(keys, tiers)
+        found = m.lookup_prefix(keys, tiers, promote)
         if not found.pending:
             return found
         if time.monotonic() > deadline:
@@ -162,9 +164,76 @@ def test_no_host_space_means_no_promotion(manager: TieringManager) -> None:
     pinned = [random_key() for _ in range(HOST_SLOTS)]
     assert manager.host.prepare_store(pinned) is not None
     assert settle(manager, keys) == PrefixLookup(0, pending=False)
-    assert manager.metrics.value("kvtier_promotions_refused_total") >= 1
+    assert manager.metrics.value("kvtier_promotion_refused_chunks_total") >= 1
     manager.host.complete_store(pinned, success=False)
     manager.host.check()
+
+
+def test_a_prefix_longer_than_the_host_tier_promotes_its_leading_chunks(
+    manager: TieringManager,
+) -> None:
+    keys = [random_key() for _ in range(HOST_SLOTS + 4)]
+    rows: dict[bytes, bytes] = {}
+    for i in range(0, len(keys), 4):
+        rows |= store_in_host(manager, keys[i : i + 4])
+        drain(manager)
+    evict_all(manager)
+    pinned = [random_key() for _ in range(2)]
+    assert manager.host.prepare_store(pinned) is not None
+    first = manager.lookup_prefix(keys, tiers=["fs"])
+    assert first.pending and first.promoting == ("fs",) * (HOST_SLOTS - 2)
+    found = settle(manager, keys, tiers=["fs"], promote=False)
+    assert found.ready == HOST_SLOTS - 2
+    for key, slot in zip(keys, manager.host.prepare_load(keys[: found.ready]) or [], strict=False):
+        assert bytes(manager.host.slot_view(slot)) == rows[key]
+    manager.host.complete_load(keys[: found.ready])
+    assert manager.metrics.value("kvtier_promotion_refused_chunks_total") == len(keys) - found.ready
+    manager.host.complete_store(pinned, success=False)
+    manager.host.check()
+
+
+def test_a_promotion_never_evicts_the_prefix_it_extends(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(HOST_SLOTS)]
+    store_in_host(manager, keys[:4])
+    drain(manager)
+    store_in_host(manager, keys[4:])
+    drain(manager)
+    others = [random_key() for _ in range(HOST_SLOTS)]
+    store_in_host(manager, others)
+    drain(manager)
+    store_in_host(manager, keys[:2])
+    drain(manager)
+    resident = [k for k in others if manager.host.contains(k)]
+    assert manager.host.prepare_load(resident) is not None  # an access: the prefix is now LRU
+    manager.host.complete_load(resident)
+    found = settle(manager, keys, tiers=["fs"])
+    assert found.ready == HOST_SLOTS
+    assert manager.host.lookup(keys) == HOST_SLOTS
+    manager.host.check()
+
+
+def test_without_promote_a_lookup_takes_what_the_host_tier_holds(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(4)]
+    store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    store_in_host(manager, keys[:1])
+    drain(manager)
+    assert manager.lookup_prefix(keys, promote=False) == PrefixLookup(1, pending=False)
+    assert manager.in_flight == 0
+
+
+def test_a_cascade_stores_the_chunks_still_resident(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(3)]
+    slots = manager.host.prepare_store(keys)
+    assert slots is not None
+    manager.host.complete_store(keys, success=True)
+    gone = random_key()
+    manager.cascade([*keys, gone])
+    drain(manager)
+    assert chunks(manager, "fs", "store") == 3
+    skipped = manager.metrics.value("kvtier_cascade_skipped_chunks_total", tier="fs")
+    assert skipped == 1
 
 
 def test_killed_tier_turns_hits_into_misses_and_comes_back(manager: TieringManager) -> None:

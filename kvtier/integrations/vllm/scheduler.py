@@ -163,7 +163,10 @@ class KVTierScheduler:
         keys = state.keys[start : (request.num_tokens - 1) // ct]
         if not keys:
             return 0, False
-        found = self.manager.lookup_prefix(keys, state.options.load_tiers)
+        # One promotion per request: once it ran, the request takes what it brought.
+        found = self.manager.lookup_prefix(
+            keys, state.options.load_tiers, promote=not state.promoted_from
+        )
         for i, tier in enumerate(found.promoting, start + found.ready):
             state.promoted_from.setdefault(i, tier)
         if found.pending:
