@@ -7,6 +7,12 @@ the engine's cache sizes.
 - `cpu`: the same shape scaled for SmolLM2-135M on 2 CPU cores: the device cache holds about
   `DEVICE_CONVERSATIONS` conversations, the host tier about twice that, the fs tier everything,
   and the points cover all three regimes; the whole sweep takes at most ~30 minutes.
+- `gpu`: the paper's conversations (12,000 + 4,000 per turn, 8 turns, 100 output tokens) on one
+  accelerator, caches and concurrency scaled by 1/4 so that a single machine holds them: the
+  device cache holds `GPU_DEVICE_CONVERSATIONS` conversations at their last turn (the paper's
+  HBM held about 64), the host tier twice that, at most that many requests in flight, and the
+  points cover the three regimes (device, host, fs). `scripts/gpu_bench.sh` runs it; with a
+  32 KiB/token model (Llama-3.2-1B, bf16) a conversation is about 1.25 GiB at its last turn.
 - `smoke`: a few seconds of work per configuration (tests).
 - `mini`: issue 3's mini multi-turn (16 conversations x 4 turns, 800 + 200 tokens, 16 output
   tokens, 64 device blocks of 128 tokens, at most 4 in flight): prefix caching alone, kvtier's
@@ -27,6 +33,7 @@ from pathlib import Path
 from kvtier.bench.multiturn.conversation import WorkloadSpec
 
 DEVICE_CONVERSATIONS = 4
+GPU_DEVICE_CONVERSATIONS = 16
 
 
 @dataclass(frozen=True)
@@ -94,6 +101,11 @@ PRESETS: dict[str, Preset] = {
         sweep=(2, 4, 8, 16), configs=("no-offload", "host", "host+fs", "all-fits"),
         block_size=64, device_conversations=DEVICE_CONVERSATIONS,
         host_conversations=2 * DEVICE_CONVERSATIONS),
+    "gpu": Preset(
+        "gpu", WorkloadSpec(12000, 4000, 8, 256, GPU_DEVICE_CONVERSATIONS, 100),
+        sweep=(8, 16, 32, 48, 64), configs=("no-offload", "host", "host+fs"),
+        block_size=16, dtype="bfloat16", device_conversations=GPU_DEVICE_CONVERSATIONS,
+        host_conversations=2 * GPU_DEVICE_CONVERSATIONS),
     "smoke": Preset(
         "smoke", WorkloadSpec(160, 64, 3, 4, 2, 4),
         sweep=(4,), configs=("no-offload", "host"), block_size=32, device_blocks=14,
