@@ -8,7 +8,8 @@ Run from the repository root with the project's venv: `.venv/bin/python scripts/
 2. a store queued while the compute stream is busy returns at once, runs after the busy work
    (it waits for the "forward pass"), and is reported by `poll` only once done;
 3. device -> host -> device round trips through kvtier's transfer are byte-identical, for vLLM's
-   CUDA layouts (FlashAttention-style `[B, H, N, 2D]` in HND and NHD memory order, stacked K/V);
+   CUDA layouts (FlashAttention-style `[B, H, N, 2D]` in HND and NHD memory order, stacked K/V),
+   each recognised from its shape and copied by `make_transfer`, as the connector's worker does;
 4. bandwidth: kvtier's stores (D2H) and loads (H2D) in GiB/s against a plain `tensor.copy_` of the
    same bytes between the device and a pinned host buffer (`pin_memory()`), and against a plain
    copy into the registered region itself.
@@ -28,8 +29,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torch
 
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.layouts import engine_layout
+from kvtier.integrations.vllm.layouts import engine_layout, engine_layout_name
 from kvtier.layout import CanonicalLayout, CopyPlan, TPShard, host_rows
+from kvtier.transfer import make_transfer
 from kvtier.transfer.cuda import cuda_transfer
 from kvtier.transfer.stream import StreamTransfer
 
@@ -109,9 +111,13 @@ def main() -> int:
     tensors = {kind: layer_tensors(kind, a, seed) for seed, kind in enumerate(kinds)}
     transfers: dict[str, StreamTransfer] = {}
     for kind, kv in tensors.items():
-        name = "stacked_kv" if kind == "stacked" else "vllm_flash_attn"
+        name = engine_layout_name(kv[0].device.type, kv[0].shape)  # as the connector's worker does
         plan = CopyPlan(layout, engine_layout(name), TPShard(a.heads), a.block_size)
-        transfers[kind] = cuda_transfer(plan, kv)
+        transfer = make_transfer(plan, kv)
+        if not isinstance(transfer, StreamTransfer):
+            print(f"FAIL make_transfer gave {type(transfer).__name__} for CUDA tensors")
+            return 1
+        transfers[kind] = transfer
         start = time.perf_counter()
         transfers[kind].attach(region.name, a.shm_dir)
         if kind == "flash_hnd":
