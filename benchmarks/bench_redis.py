@@ -1,21 +1,30 @@
-"""redis tier throughput next to raw redis-py pipelined SET/GET, on one redis-server, in one run.
+"""redis tier throughput next to two raw clients (redis-py, and a bare RESP socket), in one run.
 
     python -m benchmarks.bench_redis --chunks 128 --chunk-bytes 2097152 --threads 4 --repeats 5
 
 Starts its own redis-server (loopback TCP, persistence off) unless `--url` names one. Each repeat
-runs both contenders, in alternating order, against an emptied server (FLUSHALL before each):
+runs every contender, in rotating order, against an emptied server (FLUSHALL before each). Every
+raw contender uses `threads` threads, each with its own connection, and SETs then GETs the same
+number of values of the same size as the tier stores (chunk + 4 KiB header), `depth` values per
+round trip (the tier's batch at this size: values while they stay under `batch_bytes`); the
+`-deep` variants send each thread's whole share in one round trip.
 
-- raw: `threads` threads, each with its own `redis.Redis` client, SET then GET the same number of
-  values of the same size as the tier stores (chunk + 4 KiB header), through
-  `pipeline(transaction=False)`, `depth` values per round trip (the tier's batch at this size:
-  `batch_bytes` / value size). The values are ready-made `bytes`; GET results are only received.
-- raw-deep: the same with each thread's whole share in one pipeline.
+- redis-py: `redis.Redis` (hiredis parser and packer), `pipeline(transaction=False)`, ready-made
+  `bytes` values; GET results are only received.
+- resp: the strongest client we can write in Python: a plain socket speaking RESP. A batch of SETs
+  is one `sendmsg` (each command's header and its value as separate buffers, never joined), the
+  `+OK` replies one `recv_into`; a batch of GETs is one send, and its replies one `recvmsg_into`
+  with MSG_WAITALL straight into pre-touched rows (each reply's length line, its value, its CRLF).
+  Values go out from, and come back into, distinct pre-touched rows of one buffer as large as the
+  tier's host region (same memory traffic). Its reads rely on every value having the known size,
+  and check each length line.
 - tier: `kvtier tier-bench --tier redis --url URL --chunk-bytes N --chunks K --threads T --json`
   (a real tier process over a real host region: rows go out from and come back into the region,
   with the header checksummed on store and verified on load).
 
 Throughput counts chunk payload bytes (the same for all). Prints a table and a JSON document with
-the medians and the ratios tier / best raw (the higher of raw and raw-deep, per phase).
+every sample, the medians, and the ratio tier / best raw client (the highest median of the four raw
+contenders, per phase).
 """
 
 from __future__ import annotations
@@ -23,13 +32,17 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import socket
 import statistics
 import subprocess
 import sys
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlsplit
 
+import numpy as np
 import redis
 
 from kvtier.tiers.common import chunkfmt
@@ -46,44 +59,133 @@ def raw_redis_py(url: str, value_bytes: int, chunks: int, threads: int, depth: i
     clients = [redis.Redis.from_url(url) for _ in range(threads)]
     for c in clients:
         c.ping()
-    errors: list[BaseException] = []
 
     def run(phase: str) -> float:
-        barrier = threading.Barrier(threads + 1)
-
         def worker(t: int) -> None:
-            try:
-                barrier.wait()
-                share = shares[t]
-                for j in range(0, len(share), depth):
-                    pipe = clients[t].pipeline(transaction=False)
-                    for i in share[j : j + depth]:
-                        if phase == "set":
-                            pipe.set(f"raw:{i}", values[i % len(values)])
-                        else:
-                            pipe.get(f"raw:{i}")
-                    replies = pipe.execute()
-                    if phase == "get" and any(len(r) != value_bytes for r in replies):
-                        raise RuntimeError("a GET returned a value of the wrong size")
-            except BaseException as e:
-                errors.append(e)
+            share = shares[t]
+            for j in range(0, len(share), depth):
+                pipe = clients[t].pipeline(transaction=False)
+                for i in share[j : j + depth]:
+                    if phase == "set":
+                        pipe.set(f"raw:{i}", values[i % len(values)])
+                    else:
+                        pipe.get(f"raw:{i}")
+                replies = pipe.execute()
+                if phase == "get" and any(len(r) != value_bytes for r in replies):
+                    raise RuntimeError("a GET returned a value of the wrong size")
 
-        pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-        for th in pool:
-            th.start()
-        barrier.wait()
-        start = time.perf_counter()
-        for th in pool:
-            th.join()
-        if errors:
-            raise errors[0]
-        return time.perf_counter() - start
+        return _timed_threads(threads, worker)
 
     try:
         return {"store_s": run("set"), "load_s": run("get")}
     finally:
         for c in clients:
             c.close()
+
+
+def _resp_connect(url: str) -> socket.socket:
+    """A RESP connection to the server of a redis:// URL (AUTH when it has a password)."""
+    parts = urlsplit(url)
+    sock = socket.create_connection((parts.hostname or "127.0.0.1", parts.port or 6379))
+    sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+    if parts.password:
+        user = parts.username or "default"
+        sock.sendall(b"*3\r\n$4\r\nAUTH\r\n$%d\r\n%b\r\n$%d\r\n%b\r\n" % (
+            len(user), user.encode(), len(parts.password), parts.password.encode()))
+        if sock.recv(64) != b"+OK\r\n":
+            raise RuntimeError("AUTH refused")
+    return sock
+
+
+def _recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Fill every buffer of `parts`, in order, from `sock`."""
+    while parts:
+        got = sock.recvmsg_into(parts, 0, socket.MSG_WAITALL)[0]
+        if got == 0:
+            raise ConnectionError("the server closed the connection")
+        while parts and got >= len(parts[0]):
+            got -= len(parts[0])
+            parts = parts[1:]
+        if parts and got:
+            parts = [parts[0][got:], *parts[1:]]
+
+
+def _send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
+    while parts:
+        sent = sock.sendmsg(parts)
+        while parts and sent >= len(parts[0]):
+            sent -= len(parts[0])
+            parts = parts[1:]
+        if parts and sent:
+            parts = [memoryview(parts[0])[sent:], *parts[1:]]
+
+
+def raw_resp(url: str, value_bytes: int, chunks: int, threads: int, depth: int) -> dict[str, float]:
+    """Seconds for a bare RESP socket per thread to SET then GET `chunks` values (see the module
+    docstring: gathered sends, scattered reads straight into pre-touched rows)."""
+    shares = [list(range(t, chunks, threads)) for t in range(threads)]
+    buf = np.full(chunks * value_bytes, 7, dtype=np.uint8).data  # written: pre-touched
+    rows = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(chunks)]
+    socks = [_resp_connect(url) for _ in range(threads)]
+    bulk = b"$%d\r\n" % value_bytes
+
+    def set_batch(sock: socket.socket, batch: list[int]) -> None:
+        parts: list[bytes | memoryview] = []
+        for i in batch:
+            key = b"resp:%d" % i
+            parts += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n%b" % (len(key), key, bulk), rows[i], b"\r\n"]
+        _send_parts(sock, parts)
+        replies = memoryview(bytearray(5 * len(batch)))
+        _recv_parts(sock, [replies])
+        if bytes(replies) != b"+OK\r\n" * len(batch):
+            raise RuntimeError(f"unexpected SET replies {bytes(replies[:40])!r}")
+
+    def get_batch(sock: socket.socket, batch: list[int]) -> None:
+        keys = [b"resp:%d" % i for i in batch]
+        sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(k), k) for k in keys))
+        heads = [memoryview(bytearray(len(bulk))) for _ in batch]
+        ends = [memoryview(bytearray(2)) for _ in batch]
+        _recv_parts(sock, [part for n, i in enumerate(batch) for part in (heads[n], rows[i], ends[n])])
+        if any(bytes(h) != bulk for h in heads):
+            raise RuntimeError("a GET reply is not a value of the expected size")
+
+    def run(op: Callable[[socket.socket, list[int]], None]) -> float:
+        def worker(t: int) -> None:
+            for j in range(0, len(shares[t]), depth):
+                op(socks[t], shares[t][j : j + depth])
+
+        return _timed_threads(threads, worker)
+
+    try:
+        return {"store_s": run(set_batch), "load_s": run(get_batch)}
+    finally:
+        for sock in socks:
+            sock.close()
+
+
+def _timed_threads(threads: int, work: Callable[[int], object]) -> float:
+    """Seconds from releasing `threads` threads running `work(t)` to the last one's end; re-raises
+    the first error."""
+    barrier = threading.Barrier(threads + 1)
+    errors: list[BaseException] = []
+
+    def worker(t: int) -> None:
+        barrier.wait()
+        try:
+            work(t)
+        except BaseException as e:
+            errors.append(e)
+
+    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
+    for th in pool:
+        th.start()
+    barrier.wait()
+    start = time.perf_counter()
+    for th in pool:
+        th.join()
+    if errors:
+        raise errors[0]
+    return time.perf_counter() - start
 
 
 def tier_bench(url: str, chunk_bytes: int, chunks: int, threads: int) -> dict[str, Any]:
@@ -109,26 +211,30 @@ def main(argv: list[str] | None = None) -> int:
     server = None if args.url else start_server(args.server)
     url = args.url or server.url  # type: ignore[union-attr]
     value_bytes = chunkfmt.HEADER_BYTES + args.chunk_bytes
-    depth = max(1, DEFAULT_BATCH_BYTES // value_bytes)
+    depth = -(-DEFAULT_BATCH_BYTES // value_bytes)  # the tier adds values while under batch_bytes
     gib = args.chunk_bytes * args.chunks / 2**30
     deep = -(-args.chunks // args.threads)
-    contenders = ["raw", "raw-deep", "tier"]
+    raws: dict[str, tuple[Callable[..., dict[str, float]], int]] = {
+        "redis-py": (raw_redis_py, depth), "redis-py-deep": (raw_redis_py, deep),
+        "resp": (raw_resp, depth), "resp-deep": (raw_resp, deep)}
+    contenders = [*raws, "tier"]
     rows: dict[str, dict[str, list[float]]] = {c: {"store": [], "load": []} for c in contenders}
     try:
         admin = redis.Redis.from_url(url)
         for rep in range(args.repeats):
-            order = contenders[rep % 3 :] + contenders[: rep % 3]
+            shift = rep % len(contenders)
+            order = contenders[shift:] + contenders[:shift]
             for who in order:
                 admin.flushall()
                 time.sleep(0.2)
                 if who == "tier":
                     r = tier_bench(url, args.chunk_bytes, args.chunks, args.threads)
                 else:
-                    d = depth if who == "raw" else deep
-                    r = raw_redis_py(url, value_bytes, args.chunks, args.threads, d)
+                    client, d = raws[who]
+                    r = client(url, value_bytes, args.chunks, args.threads, d)
                 rows[who]["store"].append(gib / r["store_s"])
                 rows[who]["load"].append(gib / r["load_s"])
-                print(f"repeat {rep} {who:8s}: store {gib / r['store_s']:.3f} GiB/s, "
+                print(f"repeat {rep} {who:13s}: store {gib / r['store_s']:.3f} GiB/s, "
                       f"load {gib / r['load_s']:.3f} GiB/s", file=sys.stderr, flush=True)
         admin.flushall()
         admin.close()
@@ -137,19 +243,22 @@ def main(argv: list[str] | None = None) -> int:
             stop_server(server)
 
     med = {who: {ph: statistics.median(v) for ph, v in by.items()} for who, by in rows.items()}
-    best = {ph: max(med["raw"][ph], med["raw-deep"][ph]) for ph in ("store", "load")}
+    best = {ph: max(raws, key=lambda who: med[who][ph]) for ph in ("store", "load")}
     doc = {
         "server": args.url or args.server, "chunks": args.chunks, "chunk_bytes": args.chunk_bytes,
         "value_bytes": value_bytes, "threads": args.threads, "raw_pipeline_depth": depth,
-        "raw_deep_pipeline_depth": deep,
+        "raw_deep_pipeline_depth": deep, "best_raw": best,
         "repeats": args.repeats, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
         "median_gib_s": med, "all_gib_s": rows,
-        "ratio": {ph: med["tier"][ph] / best[ph] for ph in ("store", "load")},
+        "ratio": {ph: med["tier"][ph] / med[best[ph]][ph] for ph in ("store", "load")},
+        "ratio_vs_redis_py": {ph: med["tier"][ph] / max(med["redis-py"][ph], med["redis-py-deep"][ph])
+                              for ph in ("store", "load")},
     }
-    print(f"{'':9s} {'store GiB/s':>12s} {'load GiB/s':>12s}")
+    print(f"{'':14s} {'store GiB/s':>12s} {'load GiB/s':>12s}  (medians of {args.repeats})")
     for who in contenders:
-        print(f"{who:9s} {med[who]['store']:12.3f} {med[who]['load']:12.3f}")
-    print(f"{'tier/raw':9s} {doc['ratio']['store']:12.2f} {doc['ratio']['load']:12.2f}")
+        print(f"{who:14s} {med[who]['store']:12.3f} {med[who]['load']:12.3f}")
+    print(f"{'best raw':14s} {best['store']:>12s} {best['load']:>12s}")
+    print(f"{'tier/best raw':14s} {doc['ratio']['store']:12.2f} {doc['ratio']['load']:12.2f}")
     print(json.dumps(doc))
     if args.json_out:
         with open(args.json_out, "w") as f:
