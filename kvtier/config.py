@@ -45,6 +45,7 @@ class KVTierConfig:
     secondary_tiers: tuple[TierConfig, ...] = ()
     tier_job_timeout_s: float = 60.0
     tier_restart_backoff_s: float = 1.0
+    tier_lookup_wait_s: float = 0.01
     shm_dir: str = "/dev/shm"
     eviction_class: type[EvictionPolicy[Any]] = field(default=LRUPolicy, compare=False, repr=False)
     """The class `eviction_policy` names, resolved once when the config is parsed."""
@@ -85,6 +86,7 @@ class KVTierConfig:
             secondary_tiers=_tiers(raw.get("secondary_tiers", [])),
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
+            tier_lookup_wait_s=_float(raw, "tier_lookup_wait_s", 0.01, minimum=0.0),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
             eviction_class=resolve_eviction(policy, policy_mp),
             admission_class=resolve_admission(admission, admission_mp),
@@ -101,10 +103,13 @@ def _int(raw: Mapping[str, Any], key: str, default: int | None, *, minimum: int)
     return value
 
 
-def _float(raw: Mapping[str, Any], key: str, default: float) -> float:
+def _float(raw: Mapping[str, Any], key: str, default: float, minimum: float | None = None) -> float:
+    """A finite number above 0, or at least `minimum` when given."""
     value = raw.get(key, default)
-    if isinstance(value, bool) or not isinstance(value, int | float) or not value > 0:
-        raise ConfigError(key, value, "must be a positive number")
+    number = not isinstance(value, bool) and isinstance(value, int | float)
+    if not number or not (value >= minimum if minimum is not None else value > 0):
+        allowed = f"a number >= {minimum}" if minimum is not None else "a positive number"
+        raise ConfigError(key, value, f"must be {allowed}")
     if not math.isfinite(value):
         raise ConfigError(key, value, "must be finite")
     return float(value)

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -42,6 +43,7 @@ class TierHandle(Protocol):
     def submit_load(self, job: Job) -> None: ...
     def get_finished_jobs(self) -> list[JobResult]: ...
     def take_events(self) -> list[TierEvent]: ...
+    def await_answers(self, timeout_s: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -75,6 +77,7 @@ class TieringManager:
         tiers: Sequence[TierHandle],
         admission: AdmissionPolicy | None = None,
         metrics: KVTierMetrics | None = None,
+        lookup_wait_s: float = 0.0,
     ) -> None:
         self.host = host
         self.tiers = {t.name: t for t in tiers}
@@ -84,6 +87,8 @@ class TieringManager:
         self._job_ids = itertools.count(1)
         self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
+        self.lookup_wait_s = lookup_wait_s
+        """How long a lookup may wait for tiers' answers before it answers "ask again"."""
         self.metrics = metrics or KVTierMetrics()
         """Where every transfer, failure and refusal of this manager is counted."""
         self.region: HostRegion | None = None
@@ -118,7 +123,9 @@ class TieringManager:
                 started.append(proc)
             for proc in started:
                 proc.wait_ready()
-            manager = cls(host, started, config.admission_class())
+            manager = cls(
+                host, started, config.admission_class(), lookup_wait_s=config.tier_lookup_wait_s
+            )
         except BaseException:
             for proc in reversed(started):
                 proc.shutdown()
@@ -168,6 +175,12 @@ class TieringManager:
         on a key whose presence is not known yet."""
         names = [n for n in self.tiers if tiers is None or n in tiers]
         answers = {n: self.tiers[n].lookup(keys) for n in names}
+        asking = [n for n in names if LookupResult.RETRY in answers[n]]
+        if asking and self.lookup_wait_s > 0:
+            deadline = time.monotonic() + self.lookup_wait_s
+            for n in asking:
+                self.tiers[n].await_answers(max(deadline - time.monotonic(), 0.0))
+                answers[n] = self.tiers[n].lookup(keys)
         sources: list[str] = []
         for i, key in enumerate(keys):
             if self.host.is_pending(key):

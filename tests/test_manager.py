@@ -236,6 +236,24 @@ def test_a_cascade_stores_the_chunks_still_resident(manager: TieringManager) -> 
     assert skipped == 1
 
 
+@pytest.mark.parametrize("wait_s", [0.0, 5.0])
+def test_a_new_prompt_is_answered_within_the_lookup_wait(tmp_path: Path, wait_s: float) -> None:
+    m = start("lru", [{"type": "fs", "root_dir": str(tmp_path / "fs")}], tier_lookup_wait_s=wait_s)
+    try:
+        stored = [random_key() for _ in range(2)]
+        store_in_host(m, stored)
+        drain(m)
+        evict_all(m)
+        fresh = [random_key() for _ in range(3)]
+        first = m.lookup_prefix(fresh)
+        # Without a wait the tier's answer is not there yet: "ask again"; with one, a miss now.
+        assert first == (PrefixLookup(0, pending=True) if wait_s == 0 else PrefixLookup(0, pending=False))
+        found = m.lookup_prefix(stored)
+        assert found.pending and (wait_s == 0 or found.promoting == ("fs", "fs"))
+    finally:
+        m.shutdown()
+
+
 def test_killed_tier_turns_hits_into_misses_and_comes_back(manager: TieringManager) -> None:
     keys = [random_key() for _ in range(3)]
     store_in_host(manager, keys)

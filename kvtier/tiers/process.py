@@ -223,6 +223,24 @@ class TierProcess:
             self._send(("lookup", self._next_req, ask))
         return out
 
+    def await_answers(self, timeout_s: float) -> None:
+        """Block up to `timeout_s` until every lookup asked so far is answered (or the tier is
+        down), handling the replies that arrive meanwhile; the next `lookup` then has the answers.
+
+        The one bounded wait on the scheduler thread: a new prompt's first lookup costs one round
+        trip to the tier process instead of a whole engine step of "ask again".
+        """
+        deadline = time.monotonic() + timeout_s
+        while self._asked and self.is_up:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                gen_id, msg = self._inbox.get(timeout=left)
+            except queue.Empty:
+                return
+            self._handle(gen_id, msg)
+
     def submit_store(self, job: Job) -> None:
         self._submit(job)
 
