@@ -141,11 +141,12 @@ On vLLM's CPU backend kvtier adds two vLLM flags unless you gave your own, and p
                              and refuses to start on a busy machine)
   --enforce-eager            no torch.compile; give --no-enforce-eager (or -O...) to compile
 
-Start-up cost: on CPU with eager mode, a small model serves after about 20-30 s (two
-processes import vLLM and torch, load the weights, pre-touch the host tier: about a second
-per few GiB of --cpu-gb). torch.compile adds about 2.5 minutes on CPU. The first start
-with no MODEL converts the embedded SmolLM2 model (about a minute, once). To start faster:
-keep eager mode, a smaller --cpu-gb, a local model directory.
+Start-up cost: on CPU with eager mode, SmolLM2 serves after about 30-60 s on an idle
+2-core machine, minutes when the cores are busy: mostly Python imports in vLLM's three
+processes, then the weights and the device KV cache (about 8 s for 4 GiB, measured under
+load). torch.compile adds about 2.5 minutes on CPU. The first start with no MODEL converts
+the embedded model (about a minute, once). To start faster: keep eager mode, give a smaller
+--kv-cache-memory-bytes and --cpu-gb, use a local model directory.
 """
 
 
