@@ -1,25 +1,41 @@
-"""The named configurations a sweep compares, each building the engine's device cache and kvtier's
-extra config (`kv_connector_extra_config`, None for vLLM alone).
+"""The named configurations a sweep compares, each building the engine's device cache and the
+connector's extra config (`kv_connector_extra_config`): kvtier's, vLLM's own OffloadingConnector's,
+or neither (vLLM alone).
 
 - `no-offload`: vLLM's own device prefix cache only.
 - `host`: kvtier with a host tier of `host_chunks` one-block chunks (LRU).
 - `host+fs`: the same plus an fs tier in a fresh directory.
+- `vllm-native`: vLLM's own tiering (OffloadingConnector, `TieringOffloadingSpec`) with a CPU tier of
+  the same bytes as `host` (LRU), run on the CPU backend by our shim
+  `benchmarks/baselines/vllm_native.py` (`NATIVE_SPEC`, imported by the engine from `native_root()`).
+- `vllm-native+fs`: the same plus vLLM's fs tier in a fresh directory (the sizes of `host+fs`).
 - `all-fits`: vLLM alone with a device cache that holds the whole workload (the upper bound).
 - `obj`, `redis`: host tier plus an obj (S3) / redis tier; need `--obj-endpoint` and
   `--obj-bucket` (credentials from the AWS environment) / `--redis-url`.
 - `admission`: host + fs with the admission policy named by `--admission-policy`.
+
+Every configuration offloads in chunks of one engine block, the same block size and the same host
+bytes, so the kvtier and native pairs differ only in the connector.
 
 `CONFIGS` maps each name to its builder; `resolve` raises ValueError listing the known names.
 """
 
 from __future__ import annotations
 
+import importlib.util
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 from kvtier.config import KVTierConfig
+
+NATIVE_CONNECTOR: dict[str, str] = {"kv_connector": "OffloadingConnector", "kv_role": "kv_both"}
+"""The keys of a kv-transfer-config that load vLLM's own OffloadingConnector, in both roles."""
+
+NATIVE_SPEC: dict[str, str] = {"spec_name": "HostTieringSpec",
+                               "spec_module_path": "benchmarks.baselines.vllm_native"}
+"""The extra-config keys that make vLLM's spec factory load our CPU-backend shim of its tiering."""
 
 
 @dataclass(frozen=True)
@@ -42,11 +58,37 @@ class BenchContext:
 
 @dataclass(frozen=True)
 class EngineConfig:
-    """One configuration, ready to start: device blocks and kvtier's config (or None)."""
+    """One configuration, ready to start: device blocks and kvtier's extra config or vLLM's
+    OffloadingConnector's (`native`); at most one of the two, neither for vLLM alone."""
 
     name: str
     device_blocks: int
     kvtier: dict[str, Any] | None
+    native: dict[str, Any] | None = None
+
+
+def native_connector_config(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """The kv-transfer-config (JSON object) loading vLLM's OffloadingConnector with `extra` (a copy)."""
+    return {**NATIVE_CONNECTOR, "kv_connector_extra_config": dict(extra)}
+
+
+def native_root() -> Path:
+    """The directory to put on the engine's `sys.path` (`PYTHONPATH` for a server) so that the shim
+    `NATIVE_SPEC["spec_module_path"]` imports: where it imports from now, else kvtier's source tree.
+    ValueError when neither has it (kvtier installed without its source tree)."""
+    module = NATIVE_SPEC["spec_module_path"]
+    try:
+        found = importlib.util.find_spec(module)
+    except ImportError:
+        found = None
+    if found is not None and found.origin:
+        return Path(found.origin).resolve().parents[module.count(".")]
+    tree = Path(__file__).resolve().parents[3]
+    if (tree / (module.replace(".", "/") + ".py")).is_file():
+        return tree
+    raise ValueError(f"the vllm-native configurations need the shim {module} (benchmarks/baselines/ "
+                     f"in kvtier's source tree): run from a checkout of kvtier's repository, or put "
+                     f"its root on PYTHONPATH")
 
 
 def _host(ctx: BenchContext) -> dict[str, Any]:
@@ -76,6 +118,16 @@ def _host_fs(ctx: BenchContext) -> EngineConfig:
     return EngineConfig("host+fs", ctx.device_blocks, {**_host(ctx), "secondary_tiers": tiers})
 
 
+def _native(ctx: BenchContext) -> EngineConfig:
+    return EngineConfig("vllm-native", ctx.device_blocks, None, {**NATIVE_SPEC, **_host(ctx)})
+
+
+def _native_fs(ctx: BenchContext) -> EngineConfig:
+    tiers = [{"type": "fs", "root_dir": str(_fs_dir(ctx, "vllm-native+fs"))}]
+    return EngineConfig("vllm-native+fs", ctx.device_blocks, None,
+                        {**NATIVE_SPEC, **_host(ctx), "secondary_tiers": tiers})
+
+
 def _obj(ctx: BenchContext) -> EngineConfig:
     tier = {"type": "obj", "endpoint": ctx.option("obj_endpoint", "obj"),
             "bucket": ctx.option("obj_bucket", "obj"), "prefix": f"kvtier-bench-{ctx.work_dir.name}"}
@@ -99,6 +151,8 @@ CONFIGS: dict[str, Callable[[BenchContext], EngineConfig]] = {
     "no-offload": _no_offload,
     "host": _host_only,
     "host+fs": _host_fs,
+    "vllm-native": _native,
+    "vllm-native+fs": _native_fs,
     "all-fits": _all_fits,
     "obj": _obj,
     "redis": _redis,
@@ -107,11 +161,14 @@ CONFIGS: dict[str, Callable[[BenchContext], EngineConfig]] = {
 
 
 def check_names(names: list[str]) -> None:
-    """ValueError naming an unknown configuration and listing the known ones."""
+    """ValueError naming an unknown configuration and listing the known ones, or saying that the
+    vllm-native shim cannot be found (`native_root`)."""
     for name in names:
         if name not in CONFIGS:
             raise ValueError(f"--configs: unknown configuration {name!r} "
                              f"(known: {', '.join(CONFIGS)})")
+    if any(CONFIGS[name] in (_native, _native_fs) for name in names):
+        native_root()
 
 
 def resolve(name: str, ctx: BenchContext) -> EngineConfig:

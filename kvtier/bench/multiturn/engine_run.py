@@ -4,17 +4,21 @@ Same scheduling as `endpoint_run` (one FIFO queue of conversations, up to `max_c
 requests in the engine at once), driven by `engine.step()`: a request's TTFT is from just before
 `add_request` to the step that returns its first token, its ITL the gaps between later steps
 that return tokens for it. Each request's prompt-token split is its own: kvtier's
-`kv_transfer_params["kvtier"]["tokens"]` with the connector, else vLLM's `num_cached_tokens` as
-device and the rest recomputed. A conversation replaying a script's replies
+`kv_transfer_params["kvtier"]["tokens"]` with kvtier's connector, vLLM's `num_cached_tokens` as
+device and the rest recomputed with no connector. vLLM's own OffloadingConnector reports no split
+per request: with it the engine keeps its Prometheus counters (`metrics_text`) and the caller
+splits a whole point from their change, as it does for a server. A conversation replaying a script's replies
 (`Conversation.recorded_reply`) asks for one output token per turn (its TTFT) and is answered with
 the recorded reply.
 
 The engine runs in this process: the caller enters `kvtier.integrations.vllm.launch.in_process_env`
-before vLLM is imported.
+before vLLM is imported. The vLLM-native shim's tree (`configs.native_root`) is added to `sys.path`
+when the configuration loads it.
 """
 
 from __future__ import annotations
 
+import sys
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -22,11 +26,11 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
+from kvtier.bench.multiturn.configs import native_root
 from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.bench.multiturn.server import ServerSettings
 from kvtier.bench.multiturn.stats import RequestRecord
 from kvtier.chunks import DEVICE, RECOMPUTED
-from kvtier.integrations.vllm.launch import transfer_config
 
 OnRequest = Callable[[RequestRecord], None]
 
@@ -49,6 +53,7 @@ class InProcessEngine:
 
     def __enter__(self) -> InProcessEngine:
         from vllm import LLM
+        from vllm.config import KVTransferConfig
 
         s = self.settings
         options: dict[str, Any] = {
@@ -57,8 +62,14 @@ class InProcessEngine:
             "kv_cache_memory_bytes": (s.device_blocks + 1) * s.block_bytes,
             "max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs, "seed": 0,
         }
-        if s.kvtier is not None:
-            options["kv_transfer_config"] = transfer_config(s.kvtier)
+        transfer = s.kv_transfer_config()
+        if transfer is not None:
+            options["kv_transfer_config"] = KVTransferConfig(**transfer)
+        if s.native is not None:
+            root = str(native_root())
+            if root not in sys.path:
+                sys.path.insert(0, root)
+            options["disable_log_stats"] = False
         self._llm = LLM(model=str(s.model), **options)
         return self
 
@@ -67,6 +78,13 @@ class InProcessEngine:
         if self._llm is not None:
             self._llm.llm_engine.engine_core.shutdown()
             self._llm = None
+
+    def metrics_text(self) -> str:
+        """vLLM's Prometheus counters in this process (text exposition); they count only when the
+        engine keeps stats (with vLLM's own OffloadingConnector)."""
+        from prometheus_client import REGISTRY, generate_latest
+
+        return generate_latest(REGISTRY).decode()
 
     @property
     def tokenizer(self) -> Any:
@@ -139,6 +157,8 @@ class InProcessEngine:
         record.output_tokens = job.tokens
         reply = job.conv.recorded_reply
         job.conv.answer(reply if reply is not None else (out.outputs[0].text if out.outputs else ""))
+        if self.settings.native is not None:
+            return
         if self.settings.kvtier is not None:
             split = ((out.kv_transfer_params or {}).get("kvtier") or {}).get("tokens")
             if split is None:

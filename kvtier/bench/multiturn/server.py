@@ -1,12 +1,13 @@
 """Start and stop one vLLM OpenAI-compatible server for one benchmark configuration.
 
 `VLLMServer` is a context manager: it picks a free loopback port, starts
-`python -m vllm.entrypoints.openai.api_server` (with kvtier's `--kv-transfer-config` when the
-configuration has one; `kvtier.integrations.vllm.serve.vllm_command`) in its own session and
-process group, isolated in a private temp dir (`kvtier.integrations.vllm.launch.isolated_env`)
-with its output in `log_path`, and waits for `/health`. On exit, on an error and on Ctrl-C it
-stops the whole process group (SIGTERM, then SIGKILL after `stop_timeout_s`), so nothing it started
-is left running.
+`python -m vllm.entrypoints.openai.api_server` (with the configuration's `--kv-transfer-config`,
+kvtier's or vLLM's own OffloadingConnector's, when it has one;
+`kvtier.integrations.vllm.serve.vllm_command`) in its own session and process group, isolated in a
+private temp dir (`kvtier.integrations.vllm.launch.isolated_env`), with our vLLM-native shim's tree
+on its `PYTHONPATH` when it loads the shim, with its output in `log_path`, and waits for `/health`.
+On exit, on an error and on Ctrl-C it stops the whole process group (SIGTERM, then SIGKILL after
+`stop_timeout_s`), so nothing it started is left running.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvtier.bench.multiturn.configs import native_connector_config, native_root
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.launch import connector_config, isolated_env
 from kvtier.integrations.vllm.serve import vllm_command
@@ -34,7 +36,8 @@ from kvtier.integrations.vllm.serve import vllm_command
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """The engine flags of one server (vLLM's names)."""
+    """The engine flags of one server (vLLM's names); the connector's extra config is kvtier's
+    (`kvtier`) or vLLM's own OffloadingConnector's (`native`), at most one of them."""
 
     model: Path
     served_name: str
@@ -46,6 +49,15 @@ class ServerSettings:
     dtype: str = "float32"
     kvtier: dict[str, Any] | None = None
     extra_args: tuple[str, ...] = field(default=())
+    native: dict[str, Any] | None = None
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        """The engine's whole kv-transfer-config (JSON object), None for vLLM alone."""
+        if self.kvtier is not None:
+            return connector_config(self.kvtier)
+        if self.native is not None:
+            return native_connector_config(self.native)
+        return None
 
     def vllm_args(self, port: int) -> list[str]:
         return ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", self.served_name,
@@ -56,10 +68,19 @@ class ServerSettings:
                 "--max-num-seqs", str(self.max_num_seqs), "--seed", "0", *self.extra_args]
 
     def argv(self, port: int) -> list[str]:
-        if self.kvtier is None:
+        transfer = self.kv_transfer_config()
+        if transfer is None:
             return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
                     "--model", str(self.model), *self.vllm_args(port)]
-        return vllm_command(str(self.model), connector_config(self.kvtier), self.vllm_args(port))
+        return vllm_command(str(self.model), transfer, self.vllm_args(port))
+
+    def env(self, tmp_dir: Path) -> dict[str, str]:
+        """The server's environment: ours, isolated under `tmp_dir`, with the shim's tree first on
+        `PYTHONPATH` when the configuration loads it."""
+        env = {**os.environ, **isolated_env(tmp_dir, in_process=False)}
+        if self.native is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(native_root()), env.get("PYTHONPATH")) if p)
+        return env
 
 
 def free_port() -> int:
@@ -105,7 +126,7 @@ class VLLMServer:
     def _start(self) -> None:
         self._tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-server-"))
         self.port = free_port()
-        env = {**os.environ, **isolated_env(self._tmp, in_process=False)}
+        env = self.settings.env(self._tmp)
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
         with self.log_path.open("ab") as log:
             log.write(f"$ {json.dumps(self.settings.argv(self.port))}\n".encode())
