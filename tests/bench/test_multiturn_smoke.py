@@ -1,7 +1,8 @@
-"""`kvtier bench multiturn --preset smoke` end to end (slow): two real vLLM servers (no offload, then
-kvtier's host tier) on a 16-block device cache, driven over HTTP with streaming. The host tier
-promotes tokens, vLLM alone has nothing but device hits and recompute, every point's split adds up
-to its prompt tokens, and no server is left running."""
+"""`kvtier bench multiturn --preset smoke --repeats 2` end to end (slow): real vLLM servers (no
+offload and kvtier's host tier, interleaved, each run twice on a fresh server) on a 16-block device
+cache, driven over HTTP with streaming. The host tier promotes tokens, vLLM alone has nothing but
+device hits and recompute, every point's split adds up to its prompt tokens, and no server is left
+running."""
 
 from __future__ import annotations
 
@@ -32,14 +33,16 @@ def _running_with(marker: str) -> list[int]:
 def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
     name = f"smoke-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, "-m", "kvtier.cli", "bench", "multiturn", "--preset", "smoke", "--json",
-            "--served-model-name", name, "--out", str(tmp_path / "out")]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+            "--served-model-name", name, "--out", str(tmp_path / "out"), "--repeats", "2"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     assert not _running_with(name), "a benchmark server was left running"
     result = json.loads(done.stdout)
     points = {p["config"]: p for p in result["points"]}
     assert set(points) == {"no-offload", "host"}
-    for p in points.values():
+    order = [(p["config"], p["repeat"]) for p in result["points"]]
+    assert order == [("no-offload", 0), ("host", 0), ("host", 1), ("no-offload", 1)]
+    for p in result["points"]:
         assert p["conversations"] == 4 and p["requests"] == 12 and p["failed_requests"] == 0
         assert p["tokens_sum_ok"], p["tokens"]
         assert sum(p["tokens"].values()) == p["prompt_tokens"]

@@ -1,9 +1,12 @@
 """`kvtier bench multiturn` (run a sweep) and `kvtier bench report RESULTS...` (redraw saved ones).
 
-``kvtier bench multiturn --preset cpu`` starts one vLLM server per configuration on the embedded
-SmolLM2 model, sweeps the preset's numbers of conversations, shows progress (rich) on stderr, and
-writes results.json, results.csv and results.png to `--out` (default
-`bench-results/multiturn-<preset>-<time>`); the table goes to stdout. Workload and cache sizes
+``kvtier bench multiturn --preset cpu`` sweeps the preset's numbers of conversations on the
+embedded SmolLM2 model, point by point: at each point every configuration runs `--repeats` times
+(default 3; rounds in rotated order), each run on a fresh vLLM server. It shows progress (rich) on
+stderr, and writes results.json, results.csv and results.png to `--out` (default
+`bench-results/multiturn-<preset>-<time>`); the table (median [min-max] over the runs) goes to
+stdout. The vllm-native configurations load our shim of vLLM's own tiering from
+benchmarks/baselines/ (run from kvtier's source tree). Workload and cache sizes
 come from the preset unless given; `--endpoint URL` drives a running server instead (one
 configuration, labelled `--label`); `--mode inprocess` uses an in-process engine. Arguments after
 `--` go to every vLLM server.
@@ -42,6 +45,13 @@ def _ints(text: str) -> tuple[int, ...]:
     return values
 
 
+def _ints_one(text: str) -> int:
+    values = _ints(text)
+    if len(values) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: one integer >= 1")
+    return values[0]
+
+
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     bench = sub.add_parser("bench", help="benchmarks: multi-turn tiering sweep, reports")
     bsub = bench.add_subparsers(dest="bench_command", required=True)
@@ -54,6 +64,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     for flag in ("initial-tokens", "tokens-per-turn", "turns", "max-concurrency", "output-tokens",
                  "seed", "block-size", "device-blocks", "host-chunks"):
         p.add_argument(f"--{flag}", type=int, default=None)
+    p.add_argument("--repeats", type=_ints_one, default=3,
+                   help="runs of each configuration at each point, interleaved (default 3)")
     p.add_argument("--mode", choices=("server", "inprocess"), default="server")
     p.add_argument("--endpoint", default=None, help="drive this running server (no engine started)")
     p.add_argument("--served-model-name", default=None, help="model name for the endpoint")
@@ -136,13 +148,14 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
                 args.served_model_name or (model.name if model is not None else "model"),
                 _load_tokenizer(tokenizer_name), preset.block_size, block_bytes, sizes.max_model_len,
                 context, dtype, args.endpoint, os.environ.get("OPENAI_API_KEY"),
-                tuple(args.passthrough), out)
+                tuple(args.passthrough), out, args.repeats)
     meta = {
         "label": args.label or f"{platform.node()} {args.preset}", "preset": args.preset,
         "title": f"kvtier bench multiturn, preset {args.preset}: {spec.initial_tokens} + "
                  f"{spec.tokens_per_turn}/turn x {spec.turns} turns, {spec.max_concurrency} in flight, "
                  f"{model.name if model else args.endpoint} ({dtype})",
-        "workload": spec.as_json(), "sweep": list(sweep), "configs": names, "mode": mode,
+        "workload": spec.as_json(), "sweep": list(sweep), "configs": names, "repeats": args.repeats,
+        "mode": mode,
         "model": str(model) if model else None, "dtype": dtype, "block_size": preset.block_size,
         "block_bytes": block_bytes, "sizing": sizes.__dict__ if args.endpoint is None else None,
         "command": shlex.join(["kvtier", *sys.argv[1:]]) if sys.argv else "",

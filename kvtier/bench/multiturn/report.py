@@ -1,11 +1,16 @@
 """Results on disk and on screen: JSON (the record), CSV, a terminal table and a PNG.
 
-A results file is one JSON object: `meta` (preset, workload, cache sizes, mode, model, command,
-machine, load average) and `points` (one `stats.point_summary` each). `load` reads several files
-and labels their points with the file's `meta.label` when they are compared, so runs from
-different machines can be drawn together (`kvtier bench report`).
+A results file is one JSON object: `meta` (preset, workload, cache sizes, repeats, mode, model,
+command, machine, load average), `points` (one `stats.point_summary` per run, with its `repeat`
+and `run`) and `summary` (`stats.repeat_summary`: median and min-max of each metric per
+configuration and point). `load` reads several files and labels their points with the file's
+`meta.label` when they are compared, so runs from different machines can be drawn together
+(`kvtier bench report`).
 
-The PNG has two panels against the number of conversations, one line per configuration: token
+The table has one row per configuration and point: each value is the median over its runs, with
+[min-max] when the runs differ. The CSV has one row per run. The PNG has two panels against the
+number of conversations, one line per configuration (the median, offset a little sideways per
+configuration so that they do not hide each other) with the min-max spread as error bars: token
 throughput (prompt + output tokens/s) and p99 time to first token.
 """
 
@@ -19,7 +24,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.multiturn.stats import PERCENTILES
+from kvtier.bench.multiturn.stats import PERCENTILES, repeat_summary
 from kvtier.chunks import DEVICE, RECOMPUTED
 
 Point = dict[str, Any]
@@ -29,7 +34,8 @@ def save(path: Path, meta: dict[str, Any], points: Sequence[Point]) -> None:
     """Write the results JSON atomically (temp file + rename)."""
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.name}.tmp")
-    tmp.write_text(json.dumps({"meta": meta, "points": list(points)}, indent=1) + "\n")
+    body = {"meta": meta, "points": list(points), "summary": repeat_summary(points)}
+    tmp.write_text(json.dumps(body, indent=1) + "\n")
     os.replace(tmp, path)
 
 
@@ -65,27 +71,36 @@ def sources(points: Sequence[Point]) -> list[str]:
     return [DEVICE, *middle, RECOMPUTED]
 
 
-def _fmt(value: float, scale: float = 1.0, digits: int = 0) -> str:
+def _fmt(value: float | None, scale: float = 1.0, digits: int = 0) -> str:
     return "-" if value is None or math.isnan(value) else f"{value * scale:,.{digits}f}"
 
 
+def _cell(metric: dict[str, float | None], scale: float = 1.0, digits: int = 0) -> str:
+    """The median, then [min-max] when the runs differ at the shown precision."""
+    median = _fmt(metric["median"], scale, digits)
+    low, high = _fmt(metric["min"], scale, digits), _fmt(metric["max"], scale, digits)
+    return median if low == high else f"{median} [{low}-{high}]"
+
+
 def table(points: Sequence[Point]) -> str:
-    """A Markdown table, one row per point, in the order given."""
+    """A Markdown table, one row per configuration and point (the order of their first runs);
+    values are medians over the runs, with [min-max] (`repeat_summary`)."""
     srcs = sources(points)
     head = ["config", "conv", "prompt tok/s", "output tok/s", "req/s", "TTFT p50 / p95 / p99 (s)",
-            "ITL p50 / p99 (ms)", f"tokens {' / '.join(srcs)}", "reloaded", "preempt", "client lag p99 (ms)"]
+            "ITL p50 / p99 (ms)", f"tokens {' / '.join(srcs)}", "reloaded", "preempt",
+            "client lag p99 (ms)", "runs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
-    for p in points:
-        ttft, itl = p["ttft_s"], p["itl_s"]
-        lag = (p.get("client") or {}).get("loop_lag_ms", {}).get("p99", math.nan)
-        row = [p["config"], str(p["conversations"]), _fmt(p["prompt_tokens_per_s"]),
-               _fmt(p["output_tokens_per_s"], digits=1), _fmt(p["requests_per_s"], digits=2),
-               " / ".join(_fmt(ttft[f"p{q}"], digits=2) for q in PERCENTILES),
-               f"{_fmt(itl['p50'], 1000)} / {_fmt(itl['p99'], 1000)}",
-               " / ".join(str(p["tokens"].get(s, 0)) for s in srcs)
-               + ("" if p.get("tokens_sum_ok", True) else " (!)"),
-               str(p.get("reloaded_tokens", "-")), str(p.get("preemptions", "-")), _fmt(lag, digits=1)]
-        lines.append("| " + " | ".join(row) + " |")
+    for row in repeat_summary(points):
+        m = row["metrics"]
+        cells = [row["config"], str(row["conversations"]), _cell(m["prompt_tokens_per_s"]),
+                 _cell(m["output_tokens_per_s"], digits=1), _cell(m["requests_per_s"], digits=2),
+                 " / ".join(_cell(m[f"ttft_s.p{q}"], digits=2) for q in PERCENTILES),
+                 f"{_cell(m['itl_s.p50'], 1000)} / {_cell(m['itl_s.p99'], 1000)}",
+                 " / ".join(_cell(m[f"tokens.{s}"]) if f"tokens.{s}" in m else "0" for s in srcs)
+                 + ("" if row["tokens_sum_ok"] else " (!)"),
+                 _cell(m["reloaded_tokens"]), _cell(m["preemptions"]),
+                 _cell(m["client.loop_lag_ms.p99"], digits=1), str(row["runs"])]
+        lines.append("| " + " | ".join(cells) + " |")
     return "\n".join(lines)
 
 
@@ -107,6 +122,8 @@ def csv_rows(points: Sequence[Point]) -> list[dict[str, Any]]:
                                            "tokens_sum_ok", "tokens_from")})
         row["client_loop_lag_p99_ms"] = client.get("loop_lag_ms", {}).get("p99")
         row["client_cpu_fraction"] = client.get("cpu_fraction")
+        row["repeat"] = p.get("repeat", 0)
+        row["run"] = p.get("run")
         rows.append(row)
     return rows
 
@@ -126,16 +143,21 @@ def plot(path: Path, points: Sequence[Point], title: str) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    by_config: dict[str, list[Point]] = {}
-    for p in points:
-        by_config.setdefault(p["config"], []).append(p)
+    by_config: dict[str, list[dict[str, Any]]] = {}
+    for row in repeat_summary(points):
+        by_config.setdefault(row["config"], []).append(row)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
-    for name, pts in by_config.items():
-        pts = sorted(pts, key=lambda p: p["conversations"])
-        xs = [p["conversations"] for p in pts]
-        left.plot(xs, [p["prompt_tokens_per_s"] + p["output_tokens_per_s"] for p in pts],
-                  marker="o", label=name)
-        right.plot(xs, [p["ttft_s"]["p99"] for p in pts], marker="o", label=name)
+    for i, (name, rows) in enumerate(by_config.items()):
+        rows = sorted(rows, key=lambda r: r["conversations"])
+        shift = 1 + 0.02 * (i - (len(by_config) - 1) / 2)
+        xs = [r["conversations"] * shift for r in rows]
+        for ax, metric in ((left, "tokens_per_s"), (right, "ttft_s.p99")):
+            spreads = [{k: math.nan if v is None else v for k, v in r["metrics"][metric].items()}
+                       for r in rows]
+            median = [s["median"] for s in spreads]
+            bars = [[m - s["min"] for m, s in zip(median, spreads, strict=True)],
+                    [s["max"] - m for m, s in zip(median, spreads, strict=True)]]
+            ax.errorbar(xs, median, yerr=bars, marker="o", capsize=3, label=name)
     left.set_ylabel("throughput (prompt + output tokens/s)")
     right.set_ylabel("TTFT p99 (s)")
     right.set_yscale("log")
@@ -143,7 +165,7 @@ def plot(path: Path, points: Sequence[Point], title: str) -> None:
     right.yaxis.set_major_formatter(plain)
     right.yaxis.set_minor_formatter(plain)
     for ax in (left, right):
-        ax.set_xlabel("conversations")
+        ax.set_xlabel("conversations (median and min-max over the runs)")
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0 if ax is left else None)
     left.legend()

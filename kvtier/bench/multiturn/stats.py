@@ -8,12 +8,15 @@ all requests (ITL: every gap between consecutive output chunks of a request).
 `tokens` is where the prompt tokens came from, as in `kvtier demo`: `device` (vLLM's own prefix
 cache), `host` (kvtier's host tier), one entry per secondary tier by name, and `recomputed`. The
 entries add up to `prompt_tokens` (`tokens_sum_ok` says whether the source agreed).
+
+A point run several times (repeats) is reported as the median and the spread (min-max) of each
+metric over its runs (`Spread`, `repeat_summary`).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -101,3 +104,73 @@ def point_summary(config: str, conversations: int, records: Sequence[RequestReco
     }
     point.update(extra or {})
     return point
+
+
+@dataclass(frozen=True)
+class Spread:
+    """One metric over a point's runs: the median, the lowest and highest value, and how many runs
+    had a value (NaN and 0 when none had)."""
+
+    median: float
+    low: float
+    high: float
+    runs: int
+
+    def as_json(self) -> dict[str, float | None]:
+        """The fields as strict JSON: null where no run had a value."""
+        def number(value: float) -> float | None:
+            return None if math.isnan(value) else value
+        return {"median": number(self.median), "min": number(self.low), "max": number(self.high),
+                "runs": self.runs}
+
+
+def spread(values: Sequence[float]) -> Spread:
+    """The `Spread` of `values`, NaNs left out; the median of an even count is the mean of the two
+    middle values."""
+    present = [float(v) for v in values if not math.isnan(v)]
+    if not present:
+        return Spread(math.nan, math.nan, math.nan, 0)
+    return Spread(percentile(present, 50), min(present), max(present), len(present))
+
+
+def _at(*path: str) -> Callable[[Mapping[str, Any]], float]:
+    def get(point: Mapping[str, Any]) -> float:
+        value: Any = point
+        for key in path:
+            value = value.get(key) if isinstance(value, Mapping) else None
+        return float(value) if isinstance(value, int | float) else math.nan
+    return get
+
+
+SPREAD_METRICS: dict[str, Callable[[Mapping[str, Any]], float]] = {
+    "prompt_tokens_per_s": _at("prompt_tokens_per_s"),
+    "output_tokens_per_s": _at("output_tokens_per_s"),
+    "tokens_per_s": lambda p: _at("prompt_tokens_per_s")(p) + _at("output_tokens_per_s")(p),
+    "requests_per_s": _at("requests_per_s"),
+    **{f"ttft_s.p{q}": _at("ttft_s", f"p{q}") for q in PERCENTILES},
+    **{f"itl_s.p{q}": _at("itl_s", f"p{q}") for q in PERCENTILES},
+    "reused_tokens": _at("reused_tokens"),
+    "reloaded_tokens": _at("reloaded_tokens"),
+    "preemptions": _at("preemptions"),
+    "client.loop_lag_ms.p99": _at("client", "loop_lag_ms", "p99"),
+}
+"""The metrics summarized over repeats, by name (a dotted name is a path into the point);
+`tokens_per_s` is prompt + output tokens per second. Token sources are summarized too, as
+`tokens.<source>`."""
+
+
+def repeat_summary(points: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
+    """One entry per (configuration, conversations), in the order of their first point: `config`,
+    `conversations`, `runs` (how many points), `tokens_sum_ok` (all runs agreed) and `metrics`: a
+    `Spread` (as JSON) per `SPREAD_METRICS` name and per `tokens.<source>`."""
+    groups: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    for p in points:
+        groups.setdefault((p["config"], p["conversations"]), []).append(p)
+    out = []
+    for (config, conversations), runs in groups.items():
+        metrics = {name: spread([get(p) for p in runs]).as_json() for name, get in SPREAD_METRICS.items()}
+        for source in dict.fromkeys(s for p in runs for s in p.get("tokens", {})):
+            metrics[f"tokens.{source}"] = spread([float(p["tokens"].get(source, 0)) for p in runs]).as_json()
+        out.append({"config": config, "conversations": conversations, "runs": len(runs),
+                    "tokens_sum_ok": all(p.get("tokens_sum_ok", True) for p in runs), "metrics": metrics})
+    return out

@@ -1,23 +1,33 @@
-"""The sweep: for each configuration, one engine; on it, one point per number of conversations.
+"""The sweep: configurations interleaved point by point, each point repeated; one engine per run.
 
-`mode` "server" starts a vLLM OpenAI server per configuration (`server.VLLMServer`) and drives it
-over HTTP with streaming; "inprocess" builds an in-process engine per configuration
-(`engine_run.InProcessEngine`); "endpoint" drives an already running server (`Plan.endpoint`)
-under the label `Plan.configs[0]` and starts nothing. Every engine gets one unmeasured warm-up
-request first. Point n uses the tag "n<conversations>" for its text, so all configurations see
-the same conversations at a given point, and one point's prefixes never help the next.
+The schedule (`schedule`): for each number of conversations, `repeats` rounds; each round runs every
+configuration once, round r in the configurations' order rotated by r places; so every
+configuration has run at a point before the next point starts, and none always runs first. Each
+run is one fresh engine (so no run inherits another's caches) with a fresh work directory for its
+tier files (removed afterwards), one unmeasured warm-up request, then the point. Point n, repeat r
+uses the tag "n<n>" (r = 0) or "n<n>r<r>" for its text: every configuration sees the same
+conversations in a round, and no run's prefixes help another.
 
-With a server the hit-quality split comes from `/metrics` counter deltas around the point (kvtier's
-counters with the connector, vLLM's prefix-cache counters without), polled until they account for
-every prompt token the client saw; in process each request carries its own split.
+`mode` "server" starts a vLLM OpenAI server per run (`server.VLLMServer`) and drives it over HTTP
+with streaming; "inprocess" builds an in-process engine per run (`engine_run.InProcessEngine`);
+"endpoint" drives an already running server (`Plan.endpoint`) under the label `Plan.configs[0]`
+and starts nothing.
 
-Results are written after every point (`report.save`), so an interrupted sweep keeps what it did.
+The hit-quality split: with kvtier, its counters (per request in process, `/metrics` deltas for a
+server); otherwise vLLM's own counters (`native_split`: device prefix cache, and with vLLM's
+OffloadingConnector its reloads from its CPU and disk tiers), from `/metrics` polled until they
+account for every prompt token the client saw, or in process from the engine's registry; vLLM
+alone in process: each request's cached tokens.
+
+Every point carries its `repeat` and its `run` (position in the schedule). Results are written
+after every point (`report.save`), so an interrupted sweep keeps what it did.
 """
 
 from __future__ import annotations
 
+import shutil
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -28,8 +38,12 @@ from kvtier.bench.multiturn.conversation import Tokenizer, WorkloadSpec
 from kvtier.bench.multiturn.endpoint_run import run_endpoint_point
 from kvtier.bench.multiturn.server import ServerSettings, VLLMServer, http_get
 from kvtier.bench.multiturn.stats import RequestRecord, point_summary, sum_splits
+from kvtier.chunks import DEVICE, HOST, RECOMPUTED
 
 METRICS_WAIT_S = 20.0
+CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"
+
+Emit = Callable[[dict[str, Any]], None]
 
 
 @dataclass
@@ -52,6 +66,23 @@ class Plan:
     api_key: str | None = None
     vllm_args: tuple[str, ...] = ()
     log_dir: Path = field(default_factory=lambda: Path("."))
+    repeats: int = 1
+
+
+@dataclass(frozen=True)
+class Run:
+    """One entry of the schedule: `config` at `conversations`, repeat `repeat` (from 0), the
+    `index`-th run of the sweep."""
+
+    index: int
+    conversations: int
+    repeat: int
+    config: str
+
+    @property
+    def tag(self) -> str:
+        """The text tag of this run's conversations (the same for every configuration)."""
+        return f"n{self.conversations}" + (f"r{self.repeat}" if self.repeat else "")
 
 
 class Hooks:
@@ -66,12 +97,45 @@ class Hooks:
     def point_done(self, point: dict[str, Any]) -> None: ...
 
 
+def schedule(sweep: tuple[int, ...], configs: list[str], repeats: int) -> list[Run]:
+    """Every run of the sweep in order (see the module docstring); ValueError for repeats < 1."""
+    if repeats < 1:
+        raise ValueError(f"--repeats {repeats}: must be >= 1")
+    order = [(n, r, configs[(i + r) % len(configs)])
+             for n in sweep for r in range(repeats) for i in range(len(configs))]
+    return [Run(index, n, r, name) for index, (n, r, name) in enumerate(order)]
+
+
+def _counter_change(before: Mapping[scrape.Sample, float], after: Mapping[scrape.Sample, float],
+                    name: str) -> dict[str, int]:
+    old = scrape.by_label(before, name, "source")
+    return {k: round(v - old.get(k, 0.0)) for k, v in scrape.by_label(after, name, "source").items()}
+
+
+def native_split(before: Mapping[scrape.Sample, float],
+                 after: Mapping[scrape.Sample, float]) -> dict[str, int]:
+    """Prompt-token sources from vLLM's own counters between two scrapes: `scrape.vllm_split`, with
+    the tokens vLLM's OffloadingConnector reloaded (`external_kv_transfer`) taken out of recomputed
+    and split by the tier that supplied them (`CACHED_BY_SOURCE`): its disk tier as `fs`, the rest
+    (its CPU tier) as `host`. Without reloads it is `scrape.vllm_split`."""
+    split = scrape.vllm_split(before, after)
+    reloaded = _counter_change(before, after, scrape.VLLM_TOKENS).get("external_kv_transfer", 0)
+    if reloaded <= 0:
+        return split
+    fs = min(max(_counter_change(before, after, CACHED_BY_SOURCE).get("disk", 0), 0), reloaded)
+    out = {DEVICE: split[DEVICE], HOST: reloaded - fs}
+    if fs:
+        out["fs"] = fs
+    out[RECOMPUTED] = split[RECOMPUTED] - reloaded
+    return out
+
+
 def _settings(plan: Plan, config: config_registry.EngineConfig) -> ServerSettings:
     if plan.model is None:
         raise ValueError("--model: needed to start an engine")
     return ServerSettings(plan.model, plan.served_name, plan.block_size, config.device_blocks,
                           plan.max_model_len, plan.spec.max_concurrency, plan.block_bytes,
-                          plan.dtype, config.kvtier, plan.vllm_args)
+                          plan.dtype, config.kvtier, plan.vllm_args, config.native)
 
 
 def _wait_metrics(url: str, before: dict[scrape.Sample, float], splitter: scrape.Splitter,
@@ -87,59 +151,75 @@ def _wait_metrics(url: str, before: dict[scrape.Sample, float], splitter: scrape
         time.sleep(0.25)
 
 
-def _served_points(plan: Plan, name: str, base_url: str, hooks: Hooks,
-                   emit: Callable[[dict[str, Any]], None], with_kvtier: bool) -> None:
+def _served_point(plan: Plan, run: Run, base_url: str, hooks: Hooks, emit: Emit, with_kvtier: bool) -> None:
     warm = replace(plan.spec, initial_tokens=160, tokens_per_turn=64, turns=1, conversations=1,
                    max_concurrency=1, output_tokens=2, seed=-1)
     run_endpoint_point(base_url, plan.served_name, warm, plan.tokenizer, "warm-up", api_key=plan.api_key)
-    splitter: scrape.Splitter = scrape.kvtier_split if with_kvtier else scrape.vllm_split
-    for n in plan.sweep:
-        spec = replace(plan.spec, conversations=n)
-        hooks.point_starting(name, n, n * spec.turns)
-        before = scrape.parse(http_get(f"{base_url}/metrics"))
-        records, client = run_endpoint_point(base_url, plan.served_name, spec, plan.tokenizer, f"n{n}",
-                                             hooks.request_done, api_key=plan.api_key)
-        expected = sum(r.prompt_tokens for r in records if not r.error)
-        after, split = _wait_metrics(f"{base_url}/metrics", before, splitter, expected)
-        source = "kvtier_metrics" if with_kvtier else "vllm_metrics"
-        emit(point_summary(name, n, records, split, {
-            "tokens_from": source, "preemptions": scrape.preemptions(before, after),
-            "kvtier_transfers": scrape.transfers(before, after), "client": client}))
+    splitter: scrape.Splitter = scrape.kvtier_split if with_kvtier else native_split
+    spec = replace(plan.spec, conversations=run.conversations)
+    hooks.point_starting(_label(plan, run), run.conversations, run.conversations * spec.turns)
+    before = scrape.parse(http_get(f"{base_url}/metrics"))
+    records, client = run_endpoint_point(base_url, plan.served_name, spec, plan.tokenizer, run.tag,
+                                         hooks.request_done, api_key=plan.api_key)
+    expected = sum(r.prompt_tokens for r in records if not r.error)
+    after, split = _wait_metrics(f"{base_url}/metrics", before, splitter, expected)
+    emit(point_summary(run.config, run.conversations, records, split, {
+        "tokens_from": "kvtier_metrics" if with_kvtier else "vllm_metrics",
+        "preemptions": scrape.preemptions(before, after),
+        "kvtier_transfers": scrape.transfers(before, after), "client": client,
+        "repeat": run.repeat, "run": run.index}))
 
 
-def _inprocess_points(plan: Plan, name: str, engine: Any, hooks: Hooks,
-                      emit: Callable[[dict[str, Any]], None]) -> None:
+def _inprocess_point(plan: Plan, run: Run, engine: Any, hooks: Hooks, emit: Emit) -> None:
     engine.warm_up()
-    for n in plan.sweep:
-        spec = replace(plan.spec, conversations=n)
-        hooks.point_starting(name, n, n * spec.turns)
-        records, client = engine.run_point(spec, f"n{n}", hooks.request_done)
-        split = sum_splits([r.tokens for r in records if r.tokens and not r.error])
-        emit(point_summary(name, n, records, split, {"tokens_from": "requests", "client": client}))
+    spec = replace(plan.spec, conversations=run.conversations)
+    hooks.point_starting(_label(plan, run), run.conversations, run.conversations * spec.turns)
+    native = engine.settings.native is not None
+    before = scrape.parse(engine.metrics_text()) if native else {}
+    records, client = engine.run_point(spec, run.tag, hooks.request_done)
+    if native:
+        split, source = native_split(before, scrape.parse(engine.metrics_text())), "vllm_metrics"
+    else:
+        split, source = sum_splits([r.tokens for r in records if r.tokens and not r.error]), "requests"
+    emit(point_summary(run.config, run.conversations, records, split, {
+        "tokens_from": source, "client": client, "repeat": run.repeat, "run": run.index}))
 
 
-def run_sweep(plan: Plan, hooks: Hooks, emit: Callable[[dict[str, Any]], None]) -> None:
-    """Run every configuration over every point; `emit` gets each point as it is done."""
-    if plan.mode != "endpoint":
-        config_registry.check_names(plan.configs)
-    for name in plan.configs:
-        hooks.engine_starting(name)
-        if plan.mode == "endpoint":
-            if plan.endpoint is None:
-                raise ValueError("--endpoint: needed in endpoint mode")
-            metrics = http_get(f"{plan.endpoint.rstrip('/')}/metrics")
-            _served_points(plan, name, plan.endpoint.rstrip("/"), hooks, emit, "kvtier_" in metrics)
-            continue
-        config = config_registry.resolve(name, plan.context)
+def _label(plan: Plan, run: Run) -> str:
+    return run.config if plan.repeats == 1 else f"{run.config} #{run.repeat + 1}"
+
+
+def _engine_run(plan: Plan, run: Run, hooks: Hooks, emit: Emit) -> None:
+    """Start the run's engine in a fresh work directory, serve the point, stop, clean up."""
+    work_dir = plan.context.work_dir / f"run{run.index}-{run.config.replace('+', '-')}"
+    try:
+        config = config_registry.resolve(run.config, replace(plan.context, work_dir=work_dir))
         settings = _settings(plan, config)
         if plan.mode == "server":
-            log = plan.log_dir / f"server-{name.replace('+', '-')}.log"
+            log = plan.log_dir / f"server-{run.config.replace('+', '-')}.log"
             with VLLMServer(settings, log) as server:
-                _served_points(plan, name, server.base_url, hooks, emit, config.kvtier is not None)
+                _served_point(plan, run, server.base_url, hooks, emit, config.kvtier is not None)
         elif plan.mode == "inprocess":
             from kvtier.bench.multiturn.engine_run import InProcessEngine
 
             with InProcessEngine(settings) as engine:
-                _inprocess_points(plan, name, engine, hooks, emit)
+                _inprocess_point(plan, run, engine, hooks, emit)
         else:
             raise ValueError(f"--mode {plan.mode}: must be server, inprocess or endpoint")
+    finally:
+        shutil.rmtree(work_dir, ignore_errors=True)
+
+
+def run_sweep(plan: Plan, hooks: Hooks, emit: Emit) -> None:
+    """Run the schedule (`schedule`); `emit` gets each point as it is done."""
+    if plan.mode != "endpoint":
+        config_registry.check_names(plan.configs)
+    for run in schedule(plan.sweep, plan.configs, plan.repeats):
+        hooks.engine_starting(_label(plan, run))
+        if plan.mode != "endpoint":
+            _engine_run(plan, run, hooks, emit)
+            continue
+        if plan.endpoint is None:
+            raise ValueError("--endpoint: needed in endpoint mode")
+        base_url = plan.endpoint.rstrip("/")
+        _served_point(plan, run, base_url, hooks, emit, "kvtier_" in http_get(f"{base_url}/metrics"))
