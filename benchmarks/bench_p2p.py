@@ -1,32 +1,40 @@
-"""p2p tier store and load throughput next to a raw TCP socket copy of the same bytes, in one run.
+"""p2p tier loads next to a raw TCP copy of the same rows, and its stores next to the same checksums.
 
-    python -m benchmarks.bench_p2p --chunks 128 --chunk-bytes 2097152 --threads 4 --repeats 5
+    python -m benchmarks.bench_p2p --chunks 128 --chunk-bytes 2097152 --threads 4 --repeats 7
 
-Each repeat runs both contenders, in alternating order, over loopback, with the same bytes, the
-same number of connections and the same memory footprint:
+Each repeat runs every contender, in rotating order, over loopback, with the same rows (`chunks`
+distinct pre-touched rows of `chunk-bytes` in one process, copied into distinct pre-touched rows of
+as large a buffer in another: the memory footprint of two host regions), the same number of
+connections and threads:
 
-- raw: a server process and this process each hold `chunks` distinct pre-touched values of
-  chunk + 4 KiB (a chunk and its header, what the tier moves per chunk), like the two host
-  regions. Load: `threads` connections each ask, in one small request per batch of up to 64
-  values (the tier's batch limit), for their share of the values, which the server sends
-  back to back from its own rows and the client `recv_into`s its own rows. Store: the same
-  bytes the other way (the client sends, the server `recv_into`s and acknowledges each batch).
-  No checksums, no headers, no copies beyond the kernel's.
-- tier: `kvtier tier-bench --tier p2p --chunk-bytes N --chunks K --threads T --json`: a holder
-  peer process serves its host region; a p2p tier process stores (indexes) every chunk of its own
-  region, then loads every chunk from the holder into its own region (lookup, authenticated
-  connection, header check, checksums on both sides), each job going through the engine-side
-  proxy exactly as in serving.
+- raw (`raw_load`): a server process and this process, `threads` connections, each thread asking
+  for its share of the rows with one 4-byte request per row (the next request sent before the
+  current row is read, so the server never waits for it), the server answering with one `sendall`
+  of the row, the client reading it with one `recv_into` (MSG_WAITALL) into its row. Nothing else:
+  no header, no checksum, no lookup. Rows are page-aligned on both sides, like host regions.
+  `--raw-variants` also runs weaker raw copies (rows where numpy puts them, 16 bytes into a page; a
+  plain `recv_into` loop; one request per batch of up to 64 rows; all three: the raw copy measured
+  before) that explain why raw baselines measured here differed.
+- hash (`hash_store`): what a p2p STORE computes, bare: the row's xxh3-128 and per-piece xxh3-64
+  digests (`rowhash.row_digests`), one thread, over the same rows. A p2p store moves no bytes; this
+  is the like-for-like reference for it.
+- tier: `kvtier tier-bench --tier p2p --json` (a holder peer process serving its host region; a p2p
+  tier process loading into its own, each job through the engine-side proxy as in serving): its
+  store (index + checksums), its load alone (lookups settled first) and its load with its lookups
+  (timed from the first lookup answered RETRY), after an untimed warm-up that opens the
+  connections (the raw copy's are open before its timer too).
 
-Throughput counts chunk payload bytes (the same for both). Prints a table and a JSON document with
-the medians and the ratios tier / raw for store and load.
+Throughput counts row bytes. Prints per-repeat values, a table of medians with min-max spreads, the
+ratios tier / raw (loads) and tier / hash (stores), and a JSON document.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import multiprocessing
+import os
 import socket
 import statistics
 import struct
@@ -38,95 +46,92 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.p2p import rowhash
 
 BATCH = 64
-"""Values per request: the p2p tier's own limit (protocol.MAX_FETCH_KEYS)."""
-_REQ = struct.Struct("<4sII")
-"""op (b"GET!" or b"PUT!"), first value, count."""
+"""Rows per request in the batched raw variant: the p2p tier's own limit (MAX_FETCH_KEYS)."""
+_REQ = struct.Struct("<II")
+"""First row, count (the per-row variants ask for one row: count 1)."""
 
 
-def _rows(count: int, value_bytes: int) -> memoryview:
-    """`count` rows of `value_bytes`, pre-touched (like a host region)."""
-    buf = np.ones(count * value_bytes, dtype=np.uint8)
-    return memoryview(buf).cast("B")
+def _rows(count: int, row_bytes: int, offset: int = 0) -> memoryview:
+    """`count` rows of `row_bytes`, pre-touched, starting `offset` bytes into fresh pages (0: page
+    aligned, like a host region; 16: where a large numpy array's data starts)."""
+    view = memoryview(mmap.mmap(-1, count * row_bytes + offset))[offset:]
+    np.frombuffer(view, dtype=np.uint8)[:] = 1
+    return view
 
 
-def _recv_exact(conn: socket.socket, out: memoryview) -> None:
+def _recv_row(conn: socket.socket, out: memoryview, waitall: bool) -> None:
     have = 0
     while have < len(out):
-        got = conn.recv_into(out[have:])
+        got = conn.recv_into(out[have:], 0, socket.MSG_WAITALL if waitall else 0)
         if not got:
             raise ConnectionError("peer closed")
         have += got
 
 
-def _serve(listener: socket.socket, chunks: int, value_bytes: int) -> None:
-    rows = _rows(chunks, value_bytes)
+def _serve(listener: socket.socket, chunks: int, row_bytes: int, offset: int) -> None:
+    rows = _rows(chunks, row_bytes, offset)
 
     def handle(conn: socket.socket) -> None:
         with conn:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            conn.sendall(b"r")  # the rows exist: the client may start its clock
-            req = bytearray(_REQ.size)
+            req = memoryview(bytearray(_REQ.size))
             while True:
                 try:
-                    _recv_exact(conn, memoryview(req))
+                    _recv_row(conn, req, True)
                 except ConnectionError:
                     return
-                op, first, count = _REQ.unpack(req)
+                first, count = _REQ.unpack(req)
                 for v in range(first, first + count):
-                    row = rows[v * value_bytes : (v + 1) * value_bytes]
-                    if op == b"GET!":
-                        conn.sendall(row)
-                    else:
-                        _recv_exact(conn, row)
-                if op == b"PUT!":
-                    conn.sendall(b"k")
+                    conn.sendall(rows[v * row_bytes : (v + 1) * row_bytes])
 
     while True:
         conn, _ = listener.accept()
         threading.Thread(target=handle, args=(conn,), daemon=True).start()
 
 
-def raw_socket_copy(value_bytes: int, chunks: int, threads: int) -> tuple[float, float]:
-    """Seconds for `threads` connections to send (store), then receive (load), `chunks` values."""
-    listener = socket.create_server(("127.0.0.1", 0))
-    server = multiprocessing.get_context("fork").Process(
-        target=_serve, args=(listener, chunks, value_bytes), daemon=True)
-    server.start()
-    try:
-        rows = _rows(chunks, value_bytes)
-        shares = [list(range(t * chunks // threads, (t + 1) * chunks // threads)) for t in range(threads)]
-        conns = [socket.create_connection(listener.getsockname()) for _ in range(threads)]
-        for c in conns:
+class RawCopy:
+    """A server process holding `chunks` rows and `threads` open connections to it; the rows of
+    both sides start `offset` bytes into their pages."""
+
+    def __init__(self, chunks: int, row_bytes: int, threads: int, offset: int = 0) -> None:
+        self.chunks, self.row_bytes, self.threads = chunks, row_bytes, threads
+        self.listener = socket.create_server(("127.0.0.1", 0))
+        self.server = multiprocessing.get_context("fork").Process(
+            target=_serve, args=(self.listener, chunks, row_bytes, offset), daemon=True)
+        self.server.start()
+        self.rows = _rows(chunks, row_bytes, offset)
+        self.conns = [socket.create_connection(self.listener.getsockname()) for _ in range(threads)]
+        for c in self.conns:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            _recv_exact(c, memoryview(bytearray(1)))
 
-        def store(t: int) -> None:
-            ack = memoryview(bytearray(1))
-            for b in range(0, len(shares[t]), BATCH):
-                batch = shares[t][b : b + BATCH]
-                conns[t].sendall(_REQ.pack(b"PUT!", batch[0], len(batch)))
-                for v in batch:
-                    conns[t].sendall(rows[v * value_bytes : (v + 1) * value_bytes])
-                _recv_exact(conns[t], ack)
+    def load(self, waitall: bool, per_row: bool) -> float:
+        """Seconds for every thread to receive its share of the rows into its own rows."""
+        n, size = self.chunks, self.row_bytes
 
-        def load(t: int) -> None:
-            for b in range(0, len(shares[t]), BATCH):
-                batch = shares[t][b : b + BATCH]
-                conns[t].sendall(_REQ.pack(b"GET!", batch[0], len(batch)))
-                for v in batch:
-                    _recv_exact(conns[t], rows[v * value_bytes : (v + 1) * value_bytes])
+        def work(t: int) -> None:
+            share = list(range(t * n // self.threads, (t + 1) * n // self.threads))
+            conn = self.conns[t]
+            asks = [(v, 1) for v in share] if per_row else [
+                (share[b], len(share[b : b + BATCH])) for b in range(0, len(share), BATCH)]
+            conn.sendall(_REQ.pack(*asks[0]))
+            for i, v in enumerate(share):
+                if per_row and i + 1 < len(share):
+                    conn.sendall(_REQ.pack(*asks[i + 1]))
+                elif not per_row and i % BATCH == 0 and i // BATCH + 1 < len(asks):
+                    conn.sendall(_REQ.pack(*asks[i // BATCH + 1]))
+                _recv_row(conn, self.rows[v * size : (v + 1) * size], waitall)
 
-        seconds = (_timed(store, threads), _timed(load, threads))
-        for c in conns:
+        return _timed(work, self.threads)
+
+    def close(self) -> None:
+        for c in self.conns:
             c.close()
-        return seconds
-    finally:
-        server.kill()
-        server.join()
-        listener.close()
+        self.server.kill()
+        self.server.join()
+        self.listener.close()
 
 
 def _timed(work: Callable[[int], None], threads: int) -> float:
@@ -146,6 +151,15 @@ def _timed(work: Callable[[int], None], threads: int) -> float:
     return time.perf_counter() - start
 
 
+def hash_store(rows: memoryview, chunks: int, row_bytes: int) -> float:
+    """Seconds for one thread to compute what a p2p STORE computes for every row."""
+    spans = rowhash.piece_spans(row_bytes)
+    start = time.perf_counter()
+    for v in range(chunks):
+        rowhash.row_digests(rows[v * row_bytes : (v + 1) * row_bytes], spans)
+    return time.perf_counter() - start
+
+
 def tier_bench(chunk_bytes: int, chunks: int, threads: int) -> dict[str, float]:
     out = subprocess.run(
         [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "p2p", "--chunk-bytes",
@@ -156,46 +170,71 @@ def tier_bench(chunk_bytes: int, chunks: int, threads: int) -> dict[str, float]:
     return report
 
 
+RAW_VARIANTS = {"raw_load": (0, True, True), "raw_load_numpy_rows": (16, True, True),
+                "raw_load_plain_recv": (0, False, True), "raw_load_batched": (0, True, False),
+                "raw_load_as_before": (16, False, False)}
+"""Raw contenders: (rows' offset into their pages, recv with MSG_WAITALL, one request per row).
+`raw_load_as_before` is the raw copy BENCHMARKS.md measured before: numpy rows, a plain recv_into
+loop, one request per batch."""
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--chunk-bytes", type=int, default=2 << 20)
     p.add_argument("--chunks", type=int, default=128)
     p.add_argument("--threads", type=int, default=4)
-    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--raw-variants", action="store_true", help="also run the weaker raw copies")
+    p.add_argument("--no-tier", action="store_true", help="raw contenders only")
     p.add_argument("--json-out", help="also write the JSON document here")
     args = p.parse_args()
     gib = args.chunk_bytes * args.chunks / 2**30
-    runs: dict[str, list[float]] = {"raw_store": [], "raw_load": [], "tier_store": [], "tier_load": []}
-    for r in range(args.repeats):
-        order = ("raw", "tier") if r % 2 == 0 else ("tier", "raw")
-        for who in order:
-            if who == "raw":
-                store_s, load_s = raw_socket_copy(args.chunk_bytes + chunkfmt.HEADER_BYTES, args.chunks,
-                                                  args.threads)
-                runs["raw_store"].append(gib / store_s)
-                runs["raw_load"].append(gib / load_s)
-            else:
-                report = tier_bench(args.chunk_bytes, args.chunks, args.threads)
-                runs["tier_store"].append(report["store_gib_s"])
-                runs["tier_load"].append(report["load_gib_s"])
-        print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.3f}" for k, v in runs.items()) + " GiB/s",
-              file=sys.stderr)
+    raws = list(RAW_VARIANTS) if args.raw_variants else ["raw_load"]
+    contenders = [*raws, "hash_store", *([] if args.no_tier else ["tier"])]
+    runs: dict[str, list[float]] = {}
+    copies = {offset: RawCopy(args.chunks, args.chunk_bytes, args.threads, offset)
+              for offset in sorted({RAW_VARIANTS[who][0] for who in raws})}
+    loadavg = [os.getloadavg()[0]]
+    try:
+        for r in range(args.repeats):
+            shift = r % len(contenders)
+            for who in contenders[shift:] + contenders[:shift]:
+                if who in RAW_VARIANTS:
+                    offset, waitall, per_row = RAW_VARIANTS[who]
+                    runs.setdefault(who, []).append(gib / copies[offset].load(waitall, per_row))
+                elif who == "hash_store":
+                    rows = copies[0].rows
+                    runs.setdefault(who, []).append(gib / hash_store(rows, args.chunks, args.chunk_bytes))
+                else:
+                    report = tier_bench(args.chunk_bytes, args.chunks, args.threads)
+                    for name in ("store", "load", "load_lookups"):
+                        runs.setdefault(f"tier_{name}", []).append(report[f"{name}_gib_s"])
+                    runs.setdefault("tier_lookup_ms", []).append(report["lookup_s"] * 1e3)
+            loadavg.append(os.getloadavg()[0])
+            print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items()), file=sys.stderr)
+    finally:
+        for raw in copies.values():
+            raw.close()
+    med = {k: statistics.median(v) for k, v in runs.items()}
     doc: dict[str, object] = {
         "chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "threads": args.threads,
-        "repeats": args.repeats, "runs": runs,
+        "repeats": args.repeats, "loadavg": [min(loadavg), max(loadavg)], "runs": runs,
+        "median": med, "spread": {k: [min(v), max(v)] for k, v in runs.items()},
     }
-    med = {k: statistics.median(v) for k, v in runs.items()}
-    doc.update({f"{k}_gib_s": v for k, v in med.items()})
-    doc["store_ratio"] = med["tier_store"] / med["raw_store"]
-    doc["load_ratio"] = med["tier_load"] / med["raw_load"]
-    print(f"{'contender':<10} {'store GiB/s':>12} {'load GiB/s':>11}")
-    for who in ("raw", "tier"):
-        print(f"{who:<10} {med[who + '_store']:>12.3f} {med[who + '_load']:>11.3f}")
-    print(f"tier/raw: store {doc['store_ratio']:.2f}, load {doc['load_ratio']:.2f}")
+    ratios = {} if args.no_tier else {
+        "load_vs_raw": med["tier_load"] / med["raw_load"],
+        "load_lookups_vs_raw": med["tier_load_lookups"] / med["raw_load"],
+        "store_vs_hash": med["tier_store"] / med["hash_store"]}
+    doc["ratios"] = ratios
+    print(f"{'GiB/s (tier_lookup_ms: ms)':<28} {'median':>7} {'min':>7} {'max':>7}")
+    for k, v in runs.items():
+        print(f"{k:<28} {med[k]:>7.2f} {min(v):>7.2f} {max(v):>7.2f}")
+    for k, ratio in ratios.items():
+        print(f"{k}: {ratio:.2f}")
     print(json.dumps(doc))
     if args.json_out:
         with open(args.json_out, "w") as f:
-            json.dump(doc, f)
+            json.dump(doc, f, indent=1)
 
 
 if __name__ == "__main__":

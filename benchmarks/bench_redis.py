@@ -15,8 +15,8 @@ round trip (the tier's batch at this size: values while they stay under `batch_b
   is one `sendmsg` (each command's header and its value as separate buffers, never joined), the
   `+OK` replies one `recv_into`; a batch of GETs is one send, and its replies one `recvmsg_into`
   with MSG_WAITALL straight into pre-touched rows (each reply's length line, its value, its CRLF).
-  Values go out from, and come back into, distinct pre-touched rows of one buffer as large as the
-  tier's host region (same memory traffic). Its reads rely on every value having the known size,
+  Values go out from, and come back into, distinct pre-touched page-aligned rows of one buffer as
+  large as the tier's host region (same memory traffic). Its reads rely on every value having the known size,
   and check each length line.
 - tier: `kvtier tier-bench --tier redis --url URL --chunk-bytes N --chunks K --threads T --json`
   (a real tier process over a real host region: rows go out from and come back into the region,
@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import mmap
 import os
 import socket
 import statistics
@@ -124,7 +125,8 @@ def raw_resp(url: str, value_bytes: int, chunks: int, threads: int, depth: int) 
     """Seconds for a bare RESP socket per thread to SET then GET `chunks` values (see the module
     docstring: gathered sends, scattered reads straight into pre-touched rows)."""
     shares = [list(range(t, chunks, threads)) for t in range(threads)]
-    buf = np.full(chunks * value_bytes, 7, dtype=np.uint8).data  # written: pre-touched
+    buf = memoryview(mmap.mmap(-1, chunks * value_bytes))  # page-aligned, like a host region
+    np.frombuffer(buf, dtype=np.uint8)[:] = 7  # pre-touched
     rows = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(chunks)]
     socks = [_resp_connect(url) for _ in range(threads)]
     bulk = b"$%d\r\n" % value_bytes

@@ -3,6 +3,10 @@
 The rows live in a real host region, the tier runs in its own process exactly as in serving, and
 every job is submitted at once so the tier's own concurrency (its `threads`) is what is measured.
 Loaded rows are checked against what was stored (outside the timed part).
+
+p2p loads what only a peer holds (`p2p_holder`): a holder peer process serves the same rows, and
+the load is timed twice after an untimed warm-up, alone (`load_s`, lookups settled first) and with
+its lookups (`load_lookups_s`, from the first lookup answered RETRY).
 """
 
 from __future__ import annotations
@@ -71,20 +75,24 @@ def run_tier_bench(
         rows = np.frombuffer(region.buf, dtype=np.uint8).reshape(chunks, row)
         rows[:] = np.random.default_rng(0).integers(0, 256, size=rows.shape, dtype=np.uint8)
         digests = [xxhash.xxh3_64_digest(rows[i]) for i in range(chunks)]
+
+        def check_rows() -> None:
+            bad = sum(xxhash.xxh3_64_digest(rows[i]) != digests[i] for i in range(chunks))
+            if bad:
+                raise RuntimeError(f"{bad} of {chunks} loaded chunks differ from what was stored")
+
         keys = [os.urandom(32) for _ in range(chunks)]
-        load_keys = keys
         if tier == "p2p":
             # The tier stores (indexes) its own rows, and loads other chunks with the same bytes
             # that only a peer process of ours holds: what an instance loads from p2p is what it
             # never stored, found by lookups before the load, as the scheduler does.
-            from kvtier.bench.p2p_holder import holder_peer
+            from kvtier.bench import p2p_holder
 
-            load_keys = [os.urandom(32) for _ in range(chunks)]
             opts.setdefault("secret", secrets.token_hex(16))
-            holder: dict[str, Any] = {k: opts[k] for k in ("secret", "curve_secret_key",
-                                                           "curve_secret_key_file") if k in opts}
-            opts.setdefault("peers", [stack.enter_context(holder_peer(rows, load_keys, BENCH_LAYOUT_FP,
-                                                                      holder))])
+            shared: dict[str, Any] = {
+                k: opts[k] for k in ("secret", "curve_secret_key", "curve_secret_key_file") if k in opts}
+            holder = stack.enter_context(p2p_holder.holder_peer(rows, BENCH_LAYOUT_FP, shared))
+            opts.setdefault("peers", [holder.address])
         spec = TierSpec(
             tier_name=tier, type=tier, module_path=None, options=opts, config_key="--tier",
             region_name=region.name, shm_dir=os.path.dirname(region.path), row_bytes=row,
@@ -94,16 +102,13 @@ def run_tier_bench(
         proc.start()
         _progress(f"storing {chunks} chunks of {row} bytes to {tier} with {threads} threads")
         store_s = _run_jobs(proc, JobKind.STORE, keys, 0)
-        rows[:] = 0
-        if tier == "p2p":
-            from kvtier.bench.p2p_holder import settle_lookups
-
-            settle_lookups(proc, load_keys)
         _progress(f"loading {chunks} chunks back from {tier}")
-        load_s = _run_jobs(proc, JobKind.LOAD, load_keys, chunks)
-        bad = sum(xxhash.xxh3_64_digest(rows[i]) != digests[i] for i in range(chunks))
-        if bad:
-            raise RuntimeError(f"{bad} of {chunks} loaded chunks differ from what was stored")
+        if tier == "p2p":
+            loads = p2p_holder.timed_loads(proc, holder, rows, check_rows, _run_jobs, chunks)
+        else:
+            rows[:] = 0
+            loads = {"load_s": _run_jobs(proc, JobKind.LOAD, keys, chunks)}
+            check_rows()
         gib = row * chunks / 2**30
         seen = proc.stats_version
         proc.request_stats()
@@ -113,8 +118,9 @@ def run_tier_bench(
             time.sleep(0.001)
         return {
             "tier": tier, "chunk_bytes": row, "chunks": chunks, "threads": threads,
-            "store_s": store_s, "load_s": load_s,
-            "store_gib_s": gib / store_s, "load_gib_s": gib / load_s,
+            "store_s": store_s, **loads, "store_gib_s": gib / store_s,
+            **{name.removesuffix("_s") + "_gib_s": gib / seconds
+               for name, seconds in loads.items() if name != "lookup_s"},
             "tier_stats": proc.last_stats,
             "tier_usage": None if proc.last_usage is None else dataclasses.asdict(proc.last_usage),
         }
@@ -170,4 +176,7 @@ def run_command(args: argparse.Namespace) -> int:
               f"{report['threads']} threads")
         print(f"  store: {report['store_gib_s']:.2f} GiB/s ({report['store_s']:.3f} s)")
         print(f"  load:  {report['load_gib_s']:.2f} GiB/s ({report['load_s']:.3f} s)")
+        if "load_lookups_s" in report:
+            print(f"  load with its lookups: {report['load_lookups_gib_s']:.2f} GiB/s "
+                  f"({report['load_lookups_s']:.3f} s, lookups {report['lookup_s']:.3f} s)")
     return 0

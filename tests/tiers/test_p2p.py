@@ -379,3 +379,12 @@ def test_secret_from_a_file(ctx, tmp_path) -> None:
         assert tier.address.startswith("tcp://127.0.0.1:") and not tier.address.endswith(":0")
     finally:
         tier.shutdown()
+
+
+def test_tier_bench_times_p2p_loads_alone_and_with_their_lookups() -> None:
+    from kvtier.bench.tier_bench import run_tier_bench
+
+    report = run_tier_bench("p2p", {}, chunk_bytes=64 << 10, chunks=8, threads=2)
+    assert report["load_s"] > 0 and report["load_lookups_s"] > report["lookup_s"] > 0
+    assert report["load_gib_s"] > 0 and report["load_lookups_gib_s"] > 0
+    assert report["tier_stats"]["loaded"] == 3 * 8  # the warm-up and both timed passes

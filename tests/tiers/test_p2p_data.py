@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import socket
 import time
 from collections.abc import Iterator
 
@@ -17,7 +18,7 @@ import zmq
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
-from kvtier.tiers.p2p import rowhash
+from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.fetch import Fetcher
 from kvtier.tiers.p2p.index import ChunkIndex, Claim
@@ -165,3 +166,21 @@ def test_requests_sent_ahead_on_a_connection_the_holder_closed_go_out_again(
     assert [holder.fetcher.complete(r) for r in requests] == [[True], [True]]
     assert all(bytes(out) == bytes(holder.row(0)) for out in outs)
     assert "peer_errors" not in holder.requester.counters()
+
+
+def test_answers_come_in_whole_blocks_so_rows_arrive_aligned(holder: Holder) -> None:
+    held, missing = random_key(), random_key()
+    holder.store(held, 1)
+    block, header = protocol.BLOCK, chunkfmt.HEADER_BYTES
+    with socket.create_connection(holder.address, timeout=5) as conn:
+        protocol.client_handshake(conn, SECRET, FP, ROW)
+        conn.sendall(protocol.encode_get([held, missing]))
+        answer = protocol.recv_bytes(conn, block + header + ROW + 2 * block)
+        conn.settimeout(0.2)
+        with pytest.raises(TimeoutError):
+            conn.recv(1)  # nothing beyond the two answers
+    assert ROW % block == 0 and header % block == 0
+    assert answer[:block] == protocol.STATUS_CHUNK
+    assert chunkfmt.check_header(answer[block : block + header], held, FP, ROW)[0] is None
+    assert answer[block + header : block + header + ROW] == bytes(holder.row(1))
+    assert answer[-2 * block :] == protocol.TRAILER_OK + protocol.STATUS_MISS

@@ -19,10 +19,11 @@ Loads (`fetch.Fetcher`, `tier.P2PTier._drain_loads`): the keys of all pending LO
 queue; each of `io_threads` load threads takes its share (about 16 MiB of rows at most), asks each
 holder for its keys in one data request, and keeps a second request in flight so the holder sends
 without pause. Each thread keeps one authenticated TCP connection per holder. The holder answers
-the keys back to back (status byte, 4 KiB chunk header, row, trailer byte); the requester reads the
-header into a small buffer and checks it, reads the row with `recv_into` straight into the LOAD
-job's slot, piece by piece, feeding each piece to a streaming checksum while it is in cache, and
-counts the key loaded only when the checksum matches. A holder that dies or stalls mid-row fails
+the keys back to back (status block, 4 KiB chunk header, row, trailer block: whole 64-byte blocks,
+so every row arrives at an aligned offset and the kernel copies it at full speed); the requester
+reads the header into a small buffer and checks it, reads the row with `recv_into` straight into
+the LOAD job's slot, piece by piece, feeding each piece to a streaming checksum while it is in
+cache, and counts the key loaded only when the checksum matches. A holder that dies or stalls mid-row fails
 the keys not read yet (a miss: the host tier never publishes a partial row). Data goes over plain
 TCP rather than ZMQ frames because ZMQ always receives into its own new buffer, which would add a
 copy; sockets use the kernel's timeouts so a piece moves in one system call.

