@@ -16,6 +16,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -87,6 +88,7 @@ class TieringManager:
         self._job_ids = itertools.count(1)
         self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
+        self._held: Counter[ChunkKey] = Counter()
         self.lookup_wait_s = lookup_wait_s
         """How long a lookup may wait for tiers' answers before it answers "ask again"."""
         self.metrics = metrics or KVTierMetrics()
@@ -252,8 +254,23 @@ class TieringManager:
             return
         self.host.complete_store(done, success=True)
         self.host.complete_store(failed, success=False)
+        if done and self.host.prepare_load(done) is not None:
+            self._held.update(done)
         if done:
             self.cascade(done, skip=transfer.tier)
+
+    def release(self, keys: Sequence[ChunkKey]) -> None:
+        """Release the hold a finished promotion put on each of `keys` (keys without one are
+        ignored). A promoted chunk stays pinned in the host tier from the end of its promotion
+        until the caller that asked for it releases it, once it pinned the rows for its own load
+        or gave up, so no other promotion or store can evict it in between."""
+        held = [k for k in dict.fromkeys(keys) if self._held[k] > 0]
+        for key in held:
+            self._held[key] -= 1
+            if not self._held[key]:
+                del self._held[key]
+        if held:
+            self.host.complete_load(held)
 
     def take_events(self) -> list[tuple[str, TierEvent]]:
         """(tier name or "host", event) in the order they were seen since the last call."""

@@ -212,6 +212,22 @@ def test_a_promotion_never_evicts_the_prefix_it_extends(manager: TieringManager)
     manager.host.check()
 
 
+def test_a_finished_promotion_is_held_until_released(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(2)]
+    store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    assert settle(manager, keys).ready == 2
+    drain(manager)  # the promotion's cascade to the other tier
+    assert [manager.host.pin_count(k) for k in keys] == [1, 1]
+    assert manager.host.prepare_store([random_key() for _ in range(HOST_SLOTS)]) is None
+    manager.release([*keys, random_key()])
+    manager.release(keys)  # a second release of the same keys changes nothing
+    assert [manager.host.pin_count(k) for k in keys] == [0, 0]
+    assert manager.host.prepare_store([random_key() for _ in range(HOST_SLOTS)]) is not None
+    manager.host.check()
+
+
 def test_without_promote_a_lookup_takes_what_the_host_tier_holds(manager: TieringManager) -> None:
     keys = [random_key() for _ in range(4)]
     store_in_host(manager, keys)

@@ -150,6 +150,8 @@ def test_reload_from_fs_tier_after_host_eviction(llm: Any, spy: KVSpy) -> None:
 
     assert again.cached == hit
     assert manager.metrics.value("kvtier_transfer_chunks_total", tier="fs", op="load") - fs_loads == len(keys)
+    settle(scheduler)
+    assert host.stats().pinned == 0  # the promotion's hold was released once the request loaded
     assert again.tokens == ref.tokens
     for key in keys:
         assert spy.loaded[key] == spy.stored[key]

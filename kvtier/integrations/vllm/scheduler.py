@@ -71,6 +71,7 @@ class _Request:
     stored: int = 0
     looked_up: int = 0
     promoted_from: dict[int, str] = field(default_factory=dict)
+    released: bool = False
 
 
 @dataclass
@@ -191,6 +192,7 @@ class KVTierScheduler:
         keys = state.keys[first : first + count]
         slots = self.manager.host.prepare_load(keys) if keys else None
         sources = [state.promoted_from.get(c, HOST) for c in range(first, first + count)]
+        self._release_promoted(state)
         if not state.hits.recorded:
             self.accounting.record_alloc(state.hits, state.looked_up, sources if slots else [])
         if num_external_tokens == 0:
@@ -316,7 +318,15 @@ class KVTierScheduler:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return None
+        self._release_promoted(state)
         return self.accounting.finish(request.request_id, state.hits)
+
+    def _release_promoted(self, state: _Request) -> None:
+        """Release the holds on the chunks promoted for this request (once): its own load has
+        pinned the rows it needs, or it no longer needs them."""
+        if state.promoted_from and not state.released:
+            state.released = True
+            self.manager.release([state.keys[i] for i in state.promoted_from if i < len(state.keys)])
 
     def hit_sources(self, request: Request) -> dict[str, int]:
         """Tokens loaded for `request` by kvtier source ("host" or a tier name), for vLLM's
