@@ -160,14 +160,21 @@ def hash_store(rows: memoryview, chunks: int, row_bytes: int) -> float:
     return time.perf_counter() - start
 
 
-def tier_bench(chunk_bytes: int, chunks: int, threads: int) -> dict[str, float]:
-    out = subprocess.run(
-        [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "p2p", "--chunk-bytes",
-         str(chunk_bytes), "--chunks", str(chunks), "--threads", str(threads), "--json"],
-        check=True, capture_output=True, text=True,
-    )
-    report: dict[str, float] = json.loads(out.stdout)
-    return report
+def tier_bench(chunk_bytes: int, chunks: int, threads: int, failures: list[str]) -> dict[str, float]:
+    """One `kvtier tier-bench --tier p2p` run; a run that fails (e.g. a lookup timed out on a
+    loaded machine) is recorded in `failures` (its last error line) and run again, up to 3 times."""
+    for _ in range(3):
+        out = subprocess.run(
+            [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "p2p", "--chunk-bytes",
+             str(chunk_bytes), "--chunks", str(chunks), "--threads", str(threads), "--json"],
+            capture_output=True, text=True,
+        )
+        if out.returncode == 0:
+            report: dict[str, float] = json.loads(out.stdout)
+            return report
+        failures.append((out.stderr.strip().splitlines() or ["no output"])[-1])
+        print(f"tier-bench failed: {failures[-1]}", file=sys.stderr)
+    raise RuntimeError("tier-bench failed 3 times in a row")
 
 
 RAW_VARIANTS = {"raw_load": (0, True, True), "raw_load_numpy_rows": (16, True, True),
@@ -192,6 +199,7 @@ def main() -> None:
     raws = list(RAW_VARIANTS) if args.raw_variants else ["raw_load"]
     contenders = [*raws, "hash_store", *([] if args.no_tier else ["tier"])]
     runs: dict[str, list[float]] = {}
+    failures: list[str] = []
     copies = {offset: RawCopy(args.chunks, args.chunk_bytes, args.threads, offset)
               for offset in sorted({RAW_VARIANTS[who][0] for who in raws})}
     loadavg = [os.getloadavg()[0]]
@@ -206,7 +214,7 @@ def main() -> None:
                     rows = copies[0].rows
                     runs.setdefault(who, []).append(gib / hash_store(rows, args.chunks, args.chunk_bytes))
                 else:
-                    report = tier_bench(args.chunk_bytes, args.chunks, args.threads)
+                    report = tier_bench(args.chunk_bytes, args.chunks, args.threads, failures)
                     for name in ("store", "load", "load_lookups"):
                         runs.setdefault(f"tier_{name}", []).append(report[f"{name}_gib_s"])
                     runs.setdefault("tier_lookup_ms", []).append(report["lookup_s"] * 1e3)
@@ -220,6 +228,7 @@ def main() -> None:
         "chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "threads": args.threads,
         "repeats": args.repeats, "loadavg": [min(loadavg), max(loadavg)], "runs": runs,
         "median": med, "spread": {k: [min(v), max(v)] for k, v in runs.items()},
+        "tier_failed_runs": failures,
     }
     ratios = {} if args.no_tier else {
         "load_vs_raw": med["tier_load"] / med["raw_load"],

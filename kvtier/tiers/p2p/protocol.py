@@ -12,19 +12,19 @@ Data (plain TCP, one connection per requester thread and peer, persistent):
   server -> client: HELLO = magic, server nonce.
   client -> server: client nonce, layout fingerprint, row bytes, tag("data-c" + both nonces + the
   layout fields). server -> client: status byte (0: accepted, 1: other layout), tag("data-s" + both
-  nonces + status). Either side closes the connection when the other's tag is wrong.
+  nonces + status), zeros up to BLOCK bytes for HELLO and this answer together. Either side closes
+  the connection when the other's tag is wrong.
   Then requests: `_GET` = magic, count (1..MAX_FETCH_KEYS), followed by `count` keys. The server
   answers the keys in order, back to back: per key one status block (STATUS_MISS or STATUS_CHUNK)
   and, for a chunk, the 4 KiB chunk header, the row, and one trailer block: TRAILER_OK, or
   TRAILER_ABORTED when the holder found part of the row changed (the rest of the row was sent as
   zeros; the key is a miss, the connection stays usable).
-  Every block of an answer is a multiple of BLOCK bytes (rows are multiples of the host region's
-  ROW_ALIGN), so every row of a connection's answers starts at the same offset modulo BLOCK as the
-  answers do: on loopback, where the requester has read the handshake before it asks, the kernel
-  places the answers from a fresh buffer and the rows are BLOCK-aligned. It copies them into the
-  page-aligned slots at full speed: rows one byte off that alignment cost the receiving process
-  about twice the CPU for the same copy (measured on loopback, 2 MiB rows). GET3 names this framing
-  (GET2 sent one-byte status and trailer): a peer of the other version closes the connection.
+  Everything the server sends comes in whole BLOCKs (rows are multiples of the host region's
+  ROW_ALIGN), so every row starts at a BLOCK-aligned offset of the stream, and the kernel copies it
+  into the page-aligned slot at full speed: rows one byte off that alignment cost the receiving
+  process about 1.5-2x the CPU for the same copy (measured on loopback, 2 MiB rows). GET3 names
+  this framing (GET2 sent one-byte status and trailer blocks and an unpadded handshake): peers of
+  different versions fail the handshake or the first request and close the connection.
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ BLOCK = 64
 """Every answer to a data request is a multiple of this many bytes."""
 _HELLO = struct.Struct(f"<8s{NONCE_BYTES}s")
 _CLIENT_AUTH = struct.Struct(f"<{NONCE_BYTES}s16sQ{TAG_BYTES}s")
-_SERVER_AUTH = struct.Struct(f"<B{TAG_BYTES}s")
+_SERVER_AUTH = struct.Struct(f"<B{TAG_BYTES}s{BLOCK - _HELLO.size - 1 - TAG_BYTES}x")
 _GET = struct.Struct("<4sI")
 STATUS_MISS = bytes(BLOCK)
 STATUS_CHUNK = b"\x01" + bytes(BLOCK - 1)
