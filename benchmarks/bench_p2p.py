@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import multiprocessing
 import os
 import socket
@@ -42,24 +41,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
 
-import numpy as np
-
+from benchmarks import rawio
 from kvtier.tiers.p2p import rowhash
 
 BATCH = 64
 """Rows per request in the batched raw variant: the p2p tier's own limit (MAX_FETCH_KEYS)."""
 _REQ = struct.Struct("<II")
 """First row, count (the per-row variants ask for one row: count 1)."""
-
-
-def _rows(count: int, row_bytes: int, offset: int = 0) -> memoryview:
-    """`count` rows of `row_bytes`, pre-touched, starting `offset` bytes into fresh pages (0: page
-    aligned, like a host region; 16: where a large numpy array's data starts)."""
-    view = memoryview(mmap.mmap(-1, count * row_bytes + offset))[offset:]
-    np.frombuffer(view, dtype=np.uint8)[:] = 1
-    return view
 
 
 def _recv_row(conn: socket.socket, out: memoryview, waitall: bool) -> None:
@@ -72,7 +61,7 @@ def _recv_row(conn: socket.socket, out: memoryview, waitall: bool) -> None:
 
 
 def _serve(listener: socket.socket, chunks: int, row_bytes: int, offset: int) -> None:
-    rows = _rows(chunks, row_bytes, offset)
+    rows = rawio.rows(chunks, row_bytes, offset)
 
     def handle(conn: socket.socket) -> None:
         with conn:
@@ -102,7 +91,7 @@ class RawCopy:
         self.server = multiprocessing.get_context("fork").Process(
             target=_serve, args=(self.listener, chunks, row_bytes, offset), daemon=True)
         self.server.start()
-        self.rows = _rows(chunks, row_bytes, offset)
+        self.rows = rawio.rows(chunks, row_bytes, offset)
         self.conns = [socket.create_connection(self.listener.getsockname()) for _ in range(threads)]
         for c in self.conns:
             c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
@@ -124,7 +113,7 @@ class RawCopy:
                     conn.sendall(_REQ.pack(*asks[i // BATCH + 1]))
                 _recv_row(conn, self.rows[v * size : (v + 1) * size], waitall)
 
-        return _timed(work, self.threads)
+        return rawio.timed_threads(self.threads, work)
 
     def close(self) -> None:
         for c in self.conns:
@@ -132,23 +121,6 @@ class RawCopy:
         self.server.kill()
         self.server.join()
         self.listener.close()
-
-
-def _timed(work: Callable[[int], None], threads: int) -> float:
-    barrier = threading.Barrier(threads + 1)
-
-    def run(t: int) -> None:
-        barrier.wait()
-        work(t)
-
-    workers = [threading.Thread(target=run, args=(t,)) for t in range(threads)]
-    for w in workers:
-        w.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for w in workers:
-        w.join()
-    return time.perf_counter() - start
 
 
 def hash_store(rows: memoryview, chunks: int, row_bytes: int) -> float:

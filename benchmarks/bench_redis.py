@@ -31,24 +31,23 @@ from __future__ import annotations
 
 import argparse
 import json
-import mmap
 import os
 import socket
 import statistics
 import subprocess
 import sys
-import threading
 import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlsplit
 
-import numpy as np
 import redis
 
+from benchmarks import rawio
 from kvtier.tiers.common import chunkfmt
 from tests.services.redis_server import start_server, stop_server
 
+CRLF = memoryview(b"\r\n")
 DEFAULT_BATCH_BYTES = 8 << 20
 """The redis tier's default `batch_bytes` (the raw client gets the same values per round trip)."""
 
@@ -75,7 +74,7 @@ def raw_redis_py(url: str, value_bytes: int, chunks: int, threads: int, depth: i
                 if phase == "get" and any(len(r) != value_bytes for r in replies):
                     raise RuntimeError("a GET returned a value of the wrong size")
 
-        return _timed_threads(threads, worker)
+        return rawio.timed_threads(threads, worker)
 
     try:
         return {"store_s": run("set"), "load_s": run("get")}
@@ -98,47 +97,24 @@ def _resp_connect(url: str) -> socket.socket:
     return sock
 
 
-def _recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Fill every buffer of `parts`, in order, from `sock`."""
-    while parts:
-        got = sock.recvmsg_into(parts, 0, socket.MSG_WAITALL)[0]
-        if got == 0:
-            raise ConnectionError("the server closed the connection")
-        while parts and got >= len(parts[0]):
-            got -= len(parts[0])
-            parts = parts[1:]
-        if parts and got:
-            parts = [parts[0][got:], *parts[1:]]
-
-
-def _send_parts(sock: socket.socket, parts: list[bytes | memoryview]) -> None:
-    while parts:
-        sent = sock.sendmsg(parts)
-        while parts and sent >= len(parts[0]):
-            sent -= len(parts[0])
-            parts = parts[1:]
-        if parts and sent:
-            parts = [memoryview(parts[0])[sent:], *parts[1:]]
-
-
 def raw_resp(url: str, value_bytes: int, chunks: int, threads: int, depth: int) -> dict[str, float]:
     """Seconds for a bare RESP socket per thread to SET then GET `chunks` values (see the module
     docstring: gathered sends, scattered reads straight into pre-touched rows)."""
     shares = [list(range(t, chunks, threads)) for t in range(threads)]
-    buf = memoryview(mmap.mmap(-1, chunks * value_bytes))  # page-aligned, like a host region
-    np.frombuffer(buf, dtype=np.uint8)[:] = 7  # pre-touched
+    buf = rawio.rows(chunks, value_bytes)
     rows = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(chunks)]
     socks = [_resp_connect(url) for _ in range(threads)]
     bulk = b"$%d\r\n" % value_bytes
 
     def set_batch(sock: socket.socket, batch: list[int]) -> None:
-        parts: list[bytes | memoryview] = []
+        parts: list[memoryview] = []
         for i in batch:
             key = b"resp:%d" % i
-            parts += [b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n%b" % (len(key), key, bulk), rows[i], b"\r\n"]
-        _send_parts(sock, parts)
+            head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n%b" % (len(key), key, bulk)
+            parts += [memoryview(head), rows[i], CRLF]
+        rawio.send_parts(sock, parts)
         replies = memoryview(bytearray(5 * len(batch)))
-        _recv_parts(sock, [replies])
+        rawio.recv_parts(sock, [replies])
         if bytes(replies) != b"+OK\r\n" * len(batch):
             raise RuntimeError(f"unexpected SET replies {bytes(replies[:40])!r}")
 
@@ -147,7 +123,7 @@ def raw_resp(url: str, value_bytes: int, chunks: int, threads: int, depth: int) 
         sock.sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(k), k) for k in keys))
         heads = [memoryview(bytearray(len(bulk))) for _ in batch]
         ends = [memoryview(bytearray(2)) for _ in batch]
-        _recv_parts(sock, [part for n, i in enumerate(batch) for part in (heads[n], rows[i], ends[n])])
+        rawio.recv_parts(sock, [part for n, i in enumerate(batch) for part in (heads[n], rows[i], ends[n])])
         if any(bytes(h) != bulk for h in heads):
             raise RuntimeError("a GET reply is not a value of the expected size")
 
@@ -156,38 +132,13 @@ def raw_resp(url: str, value_bytes: int, chunks: int, threads: int, depth: int) 
             for j in range(0, len(shares[t]), depth):
                 op(socks[t], shares[t][j : j + depth])
 
-        return _timed_threads(threads, worker)
+        return rawio.timed_threads(threads, worker)
 
     try:
         return {"store_s": run(set_batch), "load_s": run(get_batch)}
     finally:
         for sock in socks:
             sock.close()
-
-
-def _timed_threads(threads: int, work: Callable[[int], object]) -> float:
-    """Seconds from releasing `threads` threads running `work(t)` to the last one's end; re-raises
-    the first error."""
-    barrier = threading.Barrier(threads + 1)
-    errors: list[BaseException] = []
-
-    def worker(t: int) -> None:
-        barrier.wait()
-        try:
-            work(t)
-        except BaseException as e:
-            errors.append(e)
-
-    pool = [threading.Thread(target=worker, args=(t,)) for t in range(threads)]
-    for th in pool:
-        th.start()
-    barrier.wait()
-    start = time.perf_counter()
-    for th in pool:
-        th.join()
-    if errors:
-        raise errors[0]
-    return time.perf_counter() - start
 
 
 def tier_bench(url: str, chunk_bytes: int, chunks: int, threads: int) -> dict[str, Any]:
