@@ -1,6 +1,6 @@
 """What kvtier costs when there is nothing to reuse: TTFT of fresh prompts with and without it.
 
-    python -m benchmarks.bench_miss --tokens 512,2048,8192 --repeats 5
+    python -m benchmarks.bench_miss --tokens 512,2048,8000 --repeats 5
 
 Two engines, each in its own process (SmolLM2, CPU backend, float32, the same device cache and
 `max_num_seqs=1`): `none` is vLLM without a connector; `kvtier` has the KVTierConnector with a
@@ -12,6 +12,8 @@ and is served with one output token after the device prefix cache is emptied: it
 is its TTFT. After each kvtier request its engine waits until its cascades have finished (timed
 apart as `drain_s`), so the fs writes of one request do not land in the next measurement of either
 engine; the no-reuse throughput benchmark (BENCHMARKS.md) covers the cascade competing with work.
+
+SmolLM2's context is 8192 tokens, hence 8000 as the largest default size.
 
 Prints per size the median and min-max TTFT of both, the ratio of medians kvtier / none, and one
 JSON document.
@@ -149,7 +151,7 @@ def main() -> int:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("--tokens", default="512,2048,8192", help="prompt sizes, comma-separated")
+    parser.add_argument("--tokens", default="512,2048,8000", help="prompt sizes, comma-separated")
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--engine", choices=CONFIGS, help=argparse.SUPPRESS)
     parser.add_argument("--max-tokens", type=int, default=0, help=argparse.SUPPRESS)
