@@ -69,6 +69,7 @@ def test_sweep_runs_each_configuration_on_a_fresh_engine_in_schedule_order(
     order = [(p["conversations"], p["repeat"], p["config"]) for p in points]
     assert order == [(r.conversations, r.repeat, r.config) for r in sweep.schedule((2, 4), plan.configs, 2)]
     assert [p["run"] for p in points] == list(range(12))
+    assert all(len(p["loadavg"]) == 3 for p in points)
     assert [entry[0] for entry in FakeEngine.log[:3]] == ["40", "40", "400"]
     assert [entry[1] for entry in FakeEngine.log[:6]] == ["n2"] * 3 + ["n2r1"] * 3
     assert all(entry[2] for entry in FakeEngine.log)  # the fs tier's directory existed during its run

@@ -164,7 +164,9 @@ def plot(path: Path, points: Sequence[Point], title: str) -> None:
     plain = matplotlib.ticker.FormatStrFormatter("%g")
     right.yaxis.set_major_formatter(plain)
     right.yaxis.set_minor_formatter(plain)
+    ticks = sorted({p["conversations"] for p in points})
     for ax in (left, right):
+        ax.set_xticks(ticks, [str(t) for t in ticks])
         ax.set_xlabel("conversations (median and min-max over the runs)")
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0 if ax is left else None)

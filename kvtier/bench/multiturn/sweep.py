@@ -19,12 +19,14 @@ OffloadingConnector its reloads from its CPU and disk tiers), from `/metrics` po
 account for every prompt token the client saw, or in process from the engine's registry; vLLM
 alone in process: each request's cached tokens.
 
-Every point carries its `repeat` and its `run` (position in the schedule). Results are written
-after every point (`report.save`), so an interrupted sweep keeps what it did.
+Every point carries its `repeat`, its `run` (position in the schedule) and the machine's load
+average when it ended (`loadavg`: a noisy neighbour shows). Results are written after every point
+(`report.save`), so an interrupted sweep keeps what it did.
 """
 
 from __future__ import annotations
 
+import os
 import shutil
 import time
 from collections.abc import Callable, Mapping
@@ -166,8 +168,7 @@ def _served_point(plan: Plan, run: Run, base_url: str, hooks: Hooks, emit: Emit,
     emit(point_summary(run.config, run.conversations, records, split, {
         "tokens_from": "kvtier_metrics" if with_kvtier else "vllm_metrics",
         "preemptions": scrape.preemptions(before, after),
-        "kvtier_transfers": scrape.transfers(before, after), "client": client,
-        "repeat": run.repeat, "run": run.index}))
+        "kvtier_transfers": scrape.transfers(before, after), "client": client, **_where(run)}))
 
 
 def _inprocess_point(plan: Plan, run: Run, engine: Any, hooks: Hooks, emit: Emit) -> None:
@@ -182,7 +183,11 @@ def _inprocess_point(plan: Plan, run: Run, engine: Any, hooks: Hooks, emit: Emit
     else:
         split, source = sum_splits([r.tokens for r in records if r.tokens and not r.error]), "requests"
     emit(point_summary(run.config, run.conversations, records, split, {
-        "tokens_from": source, "client": client, "repeat": run.repeat, "run": run.index}))
+        "tokens_from": source, "client": client, **_where(run)}))
+
+
+def _where(run: Run) -> dict[str, Any]:
+    return {"repeat": run.repeat, "run": run.index, "loadavg": list(os.getloadavg())}
 
 
 def _label(plan: Plan, run: Run) -> str:
