@@ -2,12 +2,12 @@
 
     python -m benchmarks.bench_miss --tokens 512,2048,8000 --repeats 5
 
-Two engines, each in its own process (SmolLM2, CPU backend, float32, the same device cache and
-`max_num_seqs=1`): `none` is vLLM without a connector; `kvtier` has the KVTierConnector with a
-host tier and an fs tier in a temp directory. The parent sends one prompt at a time to one engine
-and waits for its answer, so only one engine works at any moment; the order of the two alternates
-every repeat. Each prompt is distinct real text never seen before by either engine (a pure miss:
-kvtier looks it up in both tiers, stores every chunk device → host and cascades it to the fs tier)
+Three engines, each in its own process (SmolLM2, CPU backend, float32, the same device cache and
+`max_num_seqs=1`): `none` is vLLM without a connector; `host` has the KVTierConnector with a host
+tier; `host+fs` adds an fs tier in a temp directory. The parent sends one prompt at a time to one
+engine and waits for its answer, so only one engine works at any moment; the order rotates every
+repeat. Each prompt is distinct real text never seen before by either engine (a pure miss:
+kvtier looks it up in its tiers, stores every chunk device → host and cascades it to the fs tier)
 and is served with one output token after the device prefix cache is emptied: its generate() time
 is its TTFT. After each kvtier request its engine waits until its cascades have finished (timed
 apart as `drain_s`), so the fs writes of one request do not land in the next measurement of either
@@ -15,7 +15,7 @@ engine; the no-reuse throughput benchmark (BENCHMARKS.md) covers the cascade com
 
 SmolLM2's context is 8192 tokens, hence 8000 as the largest default size.
 
-Prints per size the median and min-max TTFT of both, the ratio of medians kvtier / none, and one
+Prints per size the median and min-max TTFT of each, the ratios of medians to `none`, and one
 JSON document.
 """
 
@@ -38,7 +38,8 @@ from kvtier.bench.multiturn.presets import kv_bytes_per_token
 from kvtier.integrations.vllm.launch import in_process_env, transfer_config
 from kvtier.tools.models import model_dir
 
-CONFIGS = ("none", "kvtier")
+CONFIGS = ("none", "host", "host+fs")
+"""vLLM alone; kvtier with a host tier only; kvtier with a host tier and an fs tier."""
 BLOCK_SIZE = 128
 
 
@@ -56,10 +57,10 @@ def engine(config: str, max_tokens: int) -> int:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-miss-", dir="/var/tmp")))
         stack.enter_context(in_process_env(tmp))
         options: dict[str, Any] = {}
-        if config == "kvtier":
+        if config != "none":
+            tiers = [{"type": "fs", "root_dir": str(tmp / "fs")}] if config == "host+fs" else []
             options["kv_transfer_config"] = transfer_config({
-                "cpu_bytes_to_use": 2 * max_tokens * per_token,
-                "secondary_tiers": [{"type": "fs", "root_dir": str(tmp / "fs")}],
+                "cpu_bytes_to_use": 2 * max_tokens * per_token, "secondary_tiers": tiers,
             })
         llm = LLM(model=str(model), dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
                   num_gpu_blocks_override=blocks, kv_cache_memory_bytes=(blocks + 1) * BLOCK_SIZE * per_token,
@@ -119,10 +120,10 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
     try:
         for rep in range(repeats):
             for n in sizes:
-                for config in CONFIGS if rep % 2 == 0 else reversed(CONFIGS):
+                for config in CONFIGS[rep % len(CONFIGS):] + CONFIGS[: rep % len(CONFIGS)]:
                     index += 1
                     got = children[config].ask(n, index)
-                    if config == "kvtier":
+                    if config != "none":
                         drains.append(got["drain_s"])
                         if got["split"].get("recomputed", 0) != n:
                             raise RuntimeError(f"prompt {index} was not a pure miss: {got['split']}")
@@ -141,10 +142,10 @@ def run(sizes: list[int], repeats: int) -> dict[str, Any]:
                 c: [round(min(samples[n][c]), 4), round(max(samples[n][c]), 4)] for c in CONFIGS
             },
             "ttft_s": {c: [round(x, 4) for x in samples[n][c]] for c in CONFIGS},
-            "kvtier_over_none": round(med["kvtier"] / med["none"], 4),
+            "over_none": {c: round(med[c] / med["none"], 4) for c in CONFIGS[1:]},
         }
     return {"repeats": repeats, "block_size": BLOCK_SIZE, "dtype": "float32", "sizes": rows,
-            "kvtier_drain_s_median": round(statistics.median(drains), 4) if drains else None}
+            "drain_s_median": round(statistics.median(drains), 4) if drains else None}
 
 
 def main() -> int:
@@ -162,11 +163,13 @@ def main() -> int:
     if any(n < BLOCK_SIZE for n in sizes) or args.repeats < 1:
         parser.error(f"--tokens: each size must be >= {BLOCK_SIZE}; --repeats >= 1")
     result = run(sizes, args.repeats)
-    print(f"{'tokens':>7} {'none (s)':>22} {'kvtier (s)':>22} {'kvtier/none':>12}")
+    print(f"{'tokens':>7} " + " ".join(f"{c + ' (s)':>24}" for c in CONFIGS)
+          + " " + " ".join(f"{c + '/none':>13}" for c in CONFIGS[1:]))
     for n, row in result["sizes"].items():
         cells = [f"{row['median_ttft_s'][c]:.3f} [{row['min_max_ttft_s'][c][0]:.3f}-"
                  f"{row['min_max_ttft_s'][c][1]:.3f}]" for c in CONFIGS]
-        print(f"{n:>7} {cells[0]:>22} {cells[1]:>22} {row['kvtier_over_none']:>12.3f}")
+        ratios = [f"{row['over_none'][c]:>13.3f}" for c in CONFIGS[1:]]
+        print(f"{n:>7} " + " ".join(f"{cell:>24}" for cell in cells) + " " + " ".join(ratios))
     print(json.dumps(result, indent=1))
     return 0
 
