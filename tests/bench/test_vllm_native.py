@@ -54,10 +54,11 @@ def _ask(llm: Any, text: str) -> tuple[list[int], int]:
     return list(out.outputs[0].token_ids), int(out.num_cached_tokens or 0)
 
 
-def _cached_by_source(llm: Any) -> dict[str, float]:
+def _cached_by_source() -> dict[str, float]:
+    """vLLM's cached prompt tokens by source so far (the engine runs in this process: its counters
+    are in this process's registry)."""
     from prometheus_client import REGISTRY, generate_latest
 
-    del llm  # the engine runs in this process: its counters are in this process's registry
     return scrape.by_label(scrape.parse(generate_latest(REGISTRY).decode()), CACHED_BY_SOURCE, "source")
 
 
@@ -70,10 +71,10 @@ def _reload_matches_device_hit(llm: Any, text: str, evict: list[str]) -> dict[st
     assert device_hit > 0
     for other in evict:
         _ask(llm, other)
-    before = _cached_by_source(llm)
+    before = _cached_by_source()
     assert llm.reset_prefix_cache()
     reload_tokens, reload_hit = _ask(llm, text)
-    after = _cached_by_source(llm)
+    after = _cached_by_source()
     assert reload_hit == device_hit
     assert reload_tokens == device_tokens
     return {k: after.get(k, 0.0) - before.get(k, 0.0) for k in after}
