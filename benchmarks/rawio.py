@@ -1,5 +1,6 @@
 """What the raw contenders of the benchmarks share: rows laid out like a host region's, threads
-released together and timed, and scatter/gather socket I/O.
+released together and timed, and scatter/gather socket I/O (the p2p tier's own `recv_parts` and
+`send_parts`: the same system calls the tier makes).
 
 A raw contender is the strongest plain-Python client of the same service that a benchmark sets
 against a kvtier tier (bench_p2p's TCP copy, bench_redis's RESP socket). To be a fair reference it
@@ -11,12 +12,15 @@ moment they are all released to the last one's end, as a tier's I/O threads are 
 from __future__ import annotations
 
 import mmap
-import socket
 import threading
 import time
 from collections.abc import Callable
 
 import numpy as np
+
+from kvtier.tiers.p2p.protocol import recv_parts, send_parts
+
+__all__ = ["recv_parts", "rows", "send_parts", "timed_threads"]
 
 
 def rows(count: int, row_bytes: int, offset: int = 0) -> memoryview:
@@ -50,27 +54,3 @@ def timed_threads(threads: int, work: Callable[[int], object]) -> float:
     if errors:
         raise errors[0]
     return time.perf_counter() - start
-
-
-def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Fill every buffer of `parts`, in order, from `sock` (scattered reads, MSG_WAITALL)."""
-    while parts:
-        got = sock.recvmsg_into(parts, 0, socket.MSG_WAITALL)[0]
-        if got == 0:
-            raise ConnectionError("the server closed the connection")
-        parts = _advance(parts, got)
-
-
-def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Send every buffer of `parts`, in order (gathered writes: one system call when they fit)."""
-    while parts:
-        parts = _advance(parts, sock.sendmsg(parts))
-
-
-def _advance(parts: list[memoryview], done: int) -> list[memoryview]:
-    while parts and done >= len(parts[0]):
-        done -= len(parts[0])
-        parts = parts[1:]
-    if parts and done:
-        parts = [parts[0][done:], *parts[1:]]
-    return parts
