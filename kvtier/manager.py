@@ -16,7 +16,6 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -88,7 +87,10 @@ class TieringManager:
         self._job_ids = itertools.count(1)
         self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
-        self._held: Counter[ChunkKey] = Counter()
+        self._claimed: set[ChunkKey] = set()
+        """Keys being promoted for a caller that has not released them: held once loaded."""
+        self._held: set[ChunkKey] = set()
+        """Promoted keys pinned in the host tier until their caller releases them."""
         self.lookup_wait_s = lookup_wait_s
         """How long a lookup may wait for tiers' answers before it answers "ask again"."""
         self.metrics = metrics or KVTierMetrics()
@@ -214,6 +216,7 @@ class TieringManager:
                 by_tier.setdefault(source, []).append(key)
         for name, tier_keys in by_tier.items():
             job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys])
+            self._claimed.update(tier_keys)
             self.tiers[name].submit_load(job)
         return tuple(sources[:fitted]) if by_tier else ()
 
@@ -254,21 +257,24 @@ class TieringManager:
             return
         self.host.complete_store(done, success=True)
         self.host.complete_store(failed, success=False)
-        if done and self.host.prepare_load(done) is not None:
-            self._held.update(done)
+        self._claimed.difference_update(failed)
+        hold = [k for k in done if k in self._claimed]
+        self._claimed.difference_update(hold)
+        if hold and self.host.prepare_load(hold) is not None:
+            self._held.update(hold)
         if done:
             self.cascade(done, skip=transfer.tier)
 
     def release(self, keys: Sequence[ChunkKey]) -> None:
-        """Release the hold a finished promotion put on each of `keys` (keys without one are
-        ignored). A promoted chunk stays pinned in the host tier from the end of its promotion
-        until the caller that asked for it releases it, once it pinned the rows for its own load
-        or gave up, so no other promotion or store can evict it in between."""
-        held = [k for k in dict.fromkeys(keys) if self._held[k] > 0]
-        for key in held:
-            self._held[key] -= 1
-            if not self._held[key]:
-                del self._held[key]
+        """Release the hold a promotion puts on each of `keys` (keys without one are ignored).
+        A promoted chunk stays pinned in the host tier from the end of its promotion until the
+        caller that asked for it releases it, once it pinned the rows for its own load or gave up,
+        so no other promotion or store can evict it in between. A key released while its
+        promotion is still in flight is not held when that promotion ends."""
+        unique = set(keys)
+        self._claimed -= unique
+        held = [k for k in unique if k in self._held]
+        self._held.difference_update(held)
         if held:
             self.host.complete_load(held)
 

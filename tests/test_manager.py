@@ -228,6 +228,19 @@ def test_a_finished_promotion_is_held_until_released(manager: TieringManager) ->
     manager.host.check()
 
 
+def test_a_promotion_released_while_in_flight_is_not_held(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(2)]
+    store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    assert manager.lookup_prefix(keys, tiers=["fs"]).pending
+    manager.release(keys)  # e.g. the request was aborted while its chunks were being promoted
+    assert settle(manager, keys, promote=False).ready == 2
+    drain(manager)
+    assert [manager.host.pin_count(k) for k in keys] == [0, 0]
+    manager.host.check()
+
+
 def test_without_promote_a_lookup_takes_what_the_host_tier_holds(manager: TieringManager) -> None:
     keys = [random_key() for _ in range(4)]
     store_in_host(manager, keys)

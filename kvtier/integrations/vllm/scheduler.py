@@ -326,7 +326,7 @@ class KVTierScheduler:
         pinned the rows it needs, or it no longer needs them."""
         if state.promoted_from and not state.released:
             state.released = True
-            self.manager.release([state.keys[i] for i in state.promoted_from if i < len(state.keys)])
+            self.manager.release([state.keys[i] for i in state.promoted_from])
 
     def hit_sources(self, request: Request) -> dict[str, int]:
         """Tokens loaded for `request` by kvtier source ("host" or a tier name), for vLLM's
