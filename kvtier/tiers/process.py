@@ -224,14 +224,18 @@ class TierProcess:
         return out
 
     def await_answers(self, timeout_s: float) -> None:
-        """Block up to `timeout_s` until every lookup asked so far is answered (or the tier is
-        down), handling the replies that arrive meanwhile; the next `lookup` then has the answers.
+        """Block up to `timeout_s` until every lookup asked in the last `timeout_s` is answered (or
+        the tier is down), handling the replies that arrive meanwhile; the next `lookup` then has
+        the answers.
 
         The one bounded wait on the scheduler thread: a new prompt's first lookup costs one round
-        trip to the tier process instead of a whole engine step of "ask again".
+        trip to the tier process instead of a whole engine step of "ask again". A question older
+        than `timeout_s` already had its wait: a slow tier costs each question one wait, not one
+        per engine step until it answers.
         """
-        deadline = time.monotonic() + timeout_s
-        while self._asked and self.is_up:
+        start = time.monotonic()
+        deadline = start + timeout_s
+        while self.is_up and any(start - asked < timeout_s for _, asked in self._asked.values()):
             left = deadline - time.monotonic()
             if left <= 0:
                 return

@@ -166,3 +166,26 @@ def test_a_retry_answer_is_asked_again_not_cached(region: HostRegion) -> None:
         assert answers == [LookupResult.HIT], "a tier's RETRY must not stick in the proxy's cache"
     finally:
         proc.shutdown()
+
+
+def test_a_lookup_waits_once_for_a_stopped_tier(region: HostRegion) -> None:
+    proc = make_proc(region, "memory")
+    proc.start()
+    try:
+        assert proc.pid is not None
+        os.kill(proc.pid, signal.SIGSTOP)  # a tier that cannot answer in time
+        try:
+            assert proc.lookup([random_key()]) == [LookupResult.RETRY]
+            start = time.monotonic()
+            proc.await_answers(0.3)
+            assert time.monotonic() - start >= 0.29  # the fresh question got its wait
+            time.sleep(0.05)
+            start = time.monotonic()
+            proc.await_answers(0.3)
+            assert time.monotonic() - start < 0.1  # the same question, now stale, is not waited on
+        finally:
+            os.kill(proc.pid, signal.SIGCONT)
+        key = random_key()
+        assert settle_lookup(proc, [key]) == [LookupResult.MISS]
+    finally:
+        proc.shutdown()
