@@ -163,9 +163,11 @@ class TieringManager:
             return PrefixLookup(ready, pending=True)
         sources, pending = self._find(rest, tiers) if rest and promote else ([], False)
         promoting: tuple[str, ...] = ()
-        if sources:
+        if sources and not pending:
+            # Only a fully known run is promoted: the caller promotes once per request, so a
+            # promotion started on a partial answer would cap the hit at its first chunks.
             promoting = self._promote(keys[:ready], rest[: len(sources)], sources)
-            pending = pending or bool(promoting)
+            pending = bool(promoting)
         if not pending:
             # Counted once per request, not on every "ask again" while a promotion runs.
             for key in keys:

@@ -14,6 +14,7 @@ import pytest
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.manager import PrefixLookup, TieringManager
+from kvtier.tiers.base import LookupResult
 from tests.conftest import LAYOUT_FP, random_key
 
 ROW = 2 * 4096
@@ -322,3 +323,20 @@ def test_region_too_large_for_shm_is_a_config_error() -> None:
     cfg = KVTierConfig.from_dict({"cpu_bytes_to_use": too_big})
     with pytest.raises(ConfigError, match=r"cpu_bytes_to_use.*/dev/shm"):
         TieringManager.from_config(cfg, ROW, LAYOUT_FP)
+
+
+def test_a_partly_answered_run_is_promoted_whole_once_known(manager: TieringManager) -> None:
+    keys = [random_key() for _ in range(3)]
+    store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    fs = manager.tiers["fs"]
+    real = fs.lookup
+    partial = [LookupResult.HIT, LookupResult.RETRY, LookupResult.RETRY]
+    answers = iter([partial, partial])  # the first ask, and the ask after the lookup wait
+    # As an obj tier whose first HEAD answered before the others.
+    fs.lookup = lambda ks: next(answers, None) or real(ks)  # type: ignore[method-assign]
+    first = manager.lookup_prefix(keys, tiers=["fs"])
+    assert (first.pending, first.promoting, manager.in_flight) == (True, (), 0)
+    assert settle(manager, keys, tiers=["fs"]).ready == 3
+    assert chunks(manager, "fs", "load") == 3
