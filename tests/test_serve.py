@@ -134,6 +134,18 @@ def test_vllm_offloading_config_is_mapped_key_by_key(tmp_path: Path, connector: 
         assert said in line, line
 
 
+@pytest.mark.parametrize("given", [None, "fail"])
+def test_a_failed_load_recomputes_unless_the_user_chose_otherwise(
+    tmp_path: Path, given: str | None
+) -> None:
+    top = {} if given is None else {"kv_load_failure_policy": given}
+    expected = given or "recompute"
+    for raw in ({"kv_connector": "KVTierConnector", **top, "kv_connector_extra_config": {}},
+                _seed(tmp_path, kv_connector="OffloadingConnector", **top)):
+        transfer, _ = build_transfer_config(None, None, _write(tmp_path, raw), engine_block_size=128)
+        assert transfer["kv_load_failure_policy"] == expected
+
+
 def test_vllm_cpu_spec_ignores_tiers_and_kvtier_flags_still_apply(tmp_path: Path) -> None:
     raw = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
         "spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 26, "blocks_per_chunk": 4,

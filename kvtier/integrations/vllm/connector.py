@@ -15,6 +15,7 @@ events go out through `take_events` when vLLM's KV events are enabled (`kvtier.i
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -46,6 +47,8 @@ if TYPE_CHECKING:
     from vllm.v1.request import Request
 
 
+log = logging.getLogger("kvtier.vllm.connector")
+
 HIT_SOURCE = {
     "host": CacheHitSource.HOST,
     "fs": CacheHitSource.DISK,
@@ -68,6 +71,11 @@ class KVTierConnector(KVConnectorBase_V1):
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
         if role == KVConnectorRole.SCHEDULER:
+            if self._kv_transfer_config.kv_load_failure_policy != "recompute":
+                log.warning("kvtier: kv_load_failure_policy is %r: a request whose KV load fails "
+                            "(a tier went down, a chunk failed its checksum) fails instead of "
+                            "recomputing; set it to \"recompute\"",
+                            self._kv_transfer_config.kv_load_failure_policy)
             world = vllm_config.parallel_config.world_size
             events = vllm_config.kv_events_config
             enabled = events is not None and bool(events.enable_kv_cache_events)

@@ -27,8 +27,10 @@ CONNECTOR: dict[str, str] = {
     "kv_connector": "KVTierConnector",
     "kv_connector_module_path": "kvtier.integrations.vllm",
     "kv_role": "kv_both",
+    "kv_load_failure_policy": "recompute",
 }
-"""The keys of a kv-transfer-config that load kvtier's connector, in both roles."""
+"""The keys of a kv-transfer-config that load kvtier's connector, in both roles. A chunk whose
+load fails is recomputed (vLLM's default policy, "fail", would fail its request)."""
 
 
 def connector_config(extra: Mapping[str, Any]) -> dict[str, Any]:

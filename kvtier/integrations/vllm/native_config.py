@@ -78,7 +78,8 @@ def to_kvtier(raw: Mapping[str, Any], engine_block_size: int) -> NativeMapping:
     if not isinstance(extra, Mapping):
         raise ConfigError("kv_connector_extra_config", extra, "must be a JSON object")
     top = {k: v for k, v in raw.items() if k != "kv_connector_extra_config"} if whole else {}
-    out = NativeMapping({**top, **CONNECTOR, "kv_role": top.get("kv_role", CONNECTOR["kv_role"])})
+    kept: dict[str, Any] = {k: top[k] for k in ("kv_role", "kv_load_failure_policy") if k in top}
+    out = NativeMapping({**top, **CONNECTOR, **kept})
     name = top.get("kv_connector", "(none)")
     out.mapped.append(f"kv_connector {name} kept" if name == CONNECTOR["kv_connector"]
                       else f"kv_connector {name} -> {CONNECTOR['kv_connector']}")
