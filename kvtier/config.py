@@ -46,6 +46,9 @@ class KVTierConfig:
     tier_job_timeout_s: float = 60.0
     tier_restart_backoff_s: float = 1.0
     tier_lookup_wait_s: float = 0.01
+    stream_promotions: bool = True
+    """A prefix longer than the host tier has room for is promoted and copied to the device a batch
+    at a time (False: the chunks that do not fit are recomputed)."""
     shm_dir: str = "/dev/shm"
     eviction_class: type[EvictionPolicy[Any]] = field(default=LRUPolicy, compare=False, repr=False)
     """The class `eviction_policy` names, resolved once when the config is parsed."""
@@ -87,6 +90,7 @@ class KVTierConfig:
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
             tier_lookup_wait_s=_float(raw, "tier_lookup_wait_s", 0.01, minimum=0.0),
+            stream_promotions=_bool(raw, "stream_promotions", True),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
             eviction_class=resolve_eviction(policy, policy_mp),
             admission_class=resolve_admission(admission, admission_mp),
@@ -113,6 +117,13 @@ def _float(raw: Mapping[str, Any], key: str, default: float, minimum: float | No
     if not math.isfinite(value):
         raise ConfigError(key, value, "must be finite")
     return float(value)
+
+
+def _bool(raw: Mapping[str, Any], key: str, default: bool) -> bool:
+    value = raw.get(key, default)
+    if not isinstance(value, bool):
+        raise ConfigError(key, value, "must be true or false")
+    return value
 
 
 def _string(raw: Mapping[str, Any], key: str, default: str) -> str:

@@ -59,6 +59,9 @@ class PrefixLookup:
     ready: int
     pending: bool
     promoting: tuple[str, ...] = ()
+    beyond: tuple[str, ...] = ()
+    """For a caller that streams: the source tier of each chunk after the `promoting` ones that a
+    tier holds but the host tier had no room for now (to promote later with `promote`)."""
 
 
 @dataclass(frozen=True)
@@ -149,13 +152,16 @@ class TieringManager:
     # -- lookups and promotions ----------------------------------------------------------------
 
     def lookup_prefix(
-        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True
+        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True,
+        stream: bool = False,
     ) -> PrefixLookup:
         """How many leading `keys` are ready in the host tier; promote what follows if found.
 
         `tiers` restricts which secondary tiers may serve (None: all of them). With `promote`
         False the answer is what the host tier holds now (and the promotions in flight): a caller
         whose promotion already ran takes what it brought rather than evicting to promote again.
+        The chunks found that do not fit in the host tier now are refused (counted), or with
+        `stream` reported in `beyond` for the caller to `promote` once room is freed.
         """
         ready = self.host.lookup(keys)
         rest = keys[ready:]
@@ -163,16 +169,27 @@ class TieringManager:
             return PrefixLookup(ready, pending=True)
         sources, pending = self._find(rest, tiers) if rest and promote else ([], False)
         promoting: tuple[str, ...] = ()
+        beyond: tuple[str, ...] = ()
         if sources and not pending:
             # Only a fully known run is promoted: the caller promotes once per request, so a
             # promotion started on a partial answer would cap the hit at its first chunks.
-            promoting = self._promote(keys[:ready], rest[: len(sources)], sources)
-            pending = bool(promoting)
+            fitted = self._promote(keys[:ready], rest[: len(sources)], sources)
+            promoting = tuple(sources[:fitted])
+            if stream:
+                beyond = tuple(sources[fitted:])
+            else:
+                self.metrics.inc("promotion_refused_chunks", len(sources) - fitted)
+            pending = fitted > 0
         if not pending:
             # Counted once per request, not on every "ask again" while a promotion runs.
             for key in keys:
                 self.admission.record_access(key)
-        return PrefixLookup(ready, pending, promoting)
+        return PrefixLookup(ready, pending, promoting, beyond)
+
+    def promote(self, keys: Sequence[ChunkKey], sources: Sequence[str]) -> int:
+        """Start promoting the leading `keys` that fit in the host tier, chunk i from `sources[i]`;
+        how many started (0: no room now). Each is held once loaded, until `release`d."""
+        return self._promote((), keys, sources)
 
     def _find(
         self, keys: Sequence[ChunkKey], tiers: Collection[str] | None
@@ -200,9 +217,9 @@ class TieringManager:
 
     def _promote(
         self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str]
-    ) -> tuple[str, ...]:
+    ) -> int:
         """Allocate host slots for the leading `keys` that fit and load each from its source tier;
-        returns the source of each chunk promoted (empty: none fitted).
+        returns how many fitted (READY or WRITING afterwards).
 
         The `ready` chunks before them are named too, so making room never evicts the prefix the
         promotion extends. A chunk is useful only after every chunk before it: when the host tier
@@ -210,8 +227,6 @@ class TieringManager:
         """
         slots, fitted = self.host.prepare_store_prefix([*ready, *keys])
         fitted -= len(ready)
-        if fitted < len(keys):
-            self.metrics.inc("promotion_refused_chunks", len(keys) - fitted)
         by_tier: dict[str, list[ChunkKey]] = {}
         for key, source in zip(keys[:fitted], sources, strict=False):
             if key in slots:
@@ -220,7 +235,7 @@ class TieringManager:
             job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys])
             self._claimed.update(tier_keys)
             self.tiers[name].submit_load(job)
-        return tuple(sources[:fitted]) if by_tier else ()
+        return fitted
 
     # -- cascades ------------------------------------------------------------------------------
 

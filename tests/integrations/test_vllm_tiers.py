@@ -239,3 +239,40 @@ def test_bad_configs_stop_vllm_with_kvtiers_message(vllm_env: Path) -> None:
     assert "tape" in errors[1] and "fs" in errors[1], errors[1]
     assert "root_dir" in errors[2], errors[2]
     assert "/dev/shm" in errors[3] and "cpu_bytes_to_use" in errors[3], errors[3]
+
+
+def test_a_prefix_longer_than_the_host_tier_streams_back_from_fs(llm: Any) -> None:
+    """Seven chunks in the fs tier, room for four in the host tier: the whole prefix comes back
+    (promoted and copied a batch at a time), not only the four that fit at once."""
+    scheduler, _ = connector_halves(llm)
+    metrics = scheduler.accounting.metrics
+    text = " ".join(["Four stories, one after the other."] +
+                    [PROMPTS[n] for n in ("railway", "chess", "library", "garden")])
+    ids: list[int] = llm.get_tokenizer().encode(text)
+    prompt = ids[: 7 * CHUNK + 1]
+    keys = scheduler.hasher.keys(prompt)
+    assert len(keys) == 7 > HOST_SLOTS
+    generate(llm, prompt, max_tokens=16)  # decode steps give the chunks without room theirs
+    settle(scheduler)
+    fs = scheduler.manager.tiers["fs"]
+    deadline = time.monotonic() + 20
+    while (answers := fs.lookup(keys)).count(answers[0]) < len(keys) or answers[0].name == "RETRY":
+        assert time.monotonic() < deadline, answers
+        time.sleep(0.02)
+    assert answers[0].name == "HIT", answers
+    ref = generate(llm, prompt)
+    assert ref.num_cached_tokens == 7 * CHUNK
+    loads = metrics.value("kvtier_transfer_chunks_total", tier="fs", op="load")
+
+    assert scheduler.reset_cache() and llm.reset_prefix_cache()
+    again = generate(llm, prompt)
+
+    assert again.num_cached_tokens == 7 * CHUNK
+    assert again.kv_transfer_params["kvtier"]["tokens"] == {
+        "device": 0, "host": 0, "fs": 7 * CHUNK, "recomputed": 1}
+    assert again.outputs[0].token_ids == ref.outputs[0].token_ids
+    assert metrics.value("kvtier_transfer_chunks_total", tier="fs", op="load") - loads == 7
+    assert not scheduler.streams and not scheduler._loading
+    settle(scheduler)
+    assert all(scheduler.manager.host.pin_count(k) == 0 for k in keys)
+    scheduler.manager.host.check()

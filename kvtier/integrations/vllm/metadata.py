@@ -27,7 +27,9 @@ class ChunkCopy:
 
     `block_ids[i]` are the `blocks_per_chunk` engine blocks of chunk i, in token order; `slots[i]`
     is its host row; `keys[i]` its chunk key (for logs, events and checks: copies need none). A load
-    whose `slots` is empty could not pin its host rows: the worker fails it.
+    whose `slots` is empty could not pin its host rows: the worker fails it. A request's load may
+    come in parts, one at a time (`streams.py`): the worker reports the request's load finished
+    when its `last` part ends.
     """
 
     job_id: int
@@ -35,6 +37,7 @@ class ChunkCopy:
     keys: tuple[bytes, ...]
     block_ids: tuple[tuple[int, ...], ...]
     slots: tuple[int, ...]
+    last: bool = True
 
     @property
     def all_block_ids(self) -> list[int]:

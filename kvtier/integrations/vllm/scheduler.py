@@ -8,7 +8,9 @@ Loads are asynchronous (vLLM's `load_kv_async`): `get_num_new_matched_tokens` re
 ready in the host tier past vLLM's own device prefix hit (None, "ask again", while a promotion from
 a secondary tier is in flight); `update_state_after_alloc` pins their host rows; the next
 `build_connector_meta` sends the copies; the worker reports the request in `finished_recving` and
-`update_connector_output` releases the pins.
+`update_connector_output` releases the pins. When the secondary tiers hold more of the prefix than
+the host tier has room for, the whole prefix is offered and the chunks that did not fit are
+streamed in parts, a batch at a time (`streams.py`).
 
 Stores: `build_connector_meta` allocates host rows (WRITING) for every full chunk that this step
 completes, prompt chunks and the chunks filled during decode alike (in multi-turn chat the reply is
@@ -39,10 +41,12 @@ from typing import TYPE_CHECKING, Any
 from kvtier.chunks import HOST
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.accounting import Accounting, RequestHits
+from kvtier.integrations.vllm.copies import LoadCopy, StoreCopy
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.options import RequestOptions
+from kvtier.integrations.vllm.streams import LoadStreams, Part
 from kvtier.keys import ChunkHasher
 from kvtier.manager import TieringManager
 
@@ -71,35 +75,9 @@ class _Request:
     stored: int = 0
     looked_up: int = 0
     promoted_from: dict[int, str] = field(default_factory=dict)
+    streamed: range = range(0)
+    """The chunks found in secondary tiers that did not fit in the host tier: streamed."""
     released: bool = False
-
-
-@dataclass
-class _Copy:
-    """A device <-> host copy every worker (TP rank) reports on; done once all of them have."""
-
-    acks: int = 0
-    ok: bool = True
-    seconds: float = 0.0
-
-    def ack(self, acks: int, ok: bool, seconds: float, world_size: int) -> bool:
-        """Record workers' reports; True when this completes the copy."""
-        self.acks += acks
-        self.ok = self.ok and ok
-        self.seconds = max(self.seconds, seconds)
-        return self.acks >= world_size
-
-
-@dataclass
-class _Store(_Copy):
-    keys: list[bytes] = field(default_factory=list)
-    priority: int = 0
-
-
-@dataclass
-class _Load(_Copy):
-    req_id: str = ""
-    sources: list[str] = field(default_factory=list)
 
 
 class KVTierScheduler:
@@ -126,9 +104,11 @@ class KVTierScheduler:
         self._requests: dict[str, _Request] = {}
         self._loads_to_send: list[ChunkCopy] = []
         self._loading: dict[str, list[bytes]] = {}
-        self._stores: dict[int, _Store] = {}
-        self._loads: dict[int, _Load] = {}
+        self._stores: dict[int, StoreCopy] = {}
+        self._loads: dict[int, LoadCopy] = {}
         self._job_ids = itertools.count(1)
+        self.stream_promotions = config.stream_promotions
+        self.streams = LoadStreams(self.manager, self._job_ids)
 
     @property
     def region_name(self) -> str:
@@ -166,15 +146,22 @@ class KVTierScheduler:
             return 0, False
         # One promotion per request: once it ran, the request takes what it brought.
         found = self.manager.lookup_prefix(
-            keys, state.options.load_tiers, promote=not state.promoted_from
+            keys, state.options.load_tiers, promote=not state.promoted_from,
+            stream=self.stream_promotions,
         )
-        for i, tier in enumerate(found.promoting, start + found.ready):
+        for i, tier in enumerate((*found.promoting, *found.beyond), start + found.ready):
             state.promoted_from.setdefault(i, tier)
+        if found.beyond:
+            at = start + found.ready + len(found.promoting)
+            state.streamed = range(at, at + len(found.beyond))
         if found.pending:
             return None, False
+        if state.streamed.start != start + found.ready:
+            state.streamed = range(0)  # not right after what is ready: nothing to stream onto
         state.load_from = start
         state.looked_up = len(keys)
-        return found.ready * ct, found.ready > 0
+        chunks = found.ready + len(state.streamed)
+        return chunks * ct, chunks > 0
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -189,27 +176,53 @@ class KVTierScheduler:
             return
         first = state.load_from
         count = num_external_tokens // self.geometry.chunk_tokens
-        keys = state.keys[first : first + count]
-        slots = self.manager.host.prepare_load(keys) if keys else None
+        streamed = len(state.streamed) if count >= len(state.streamed) else 0
+        head = state.keys[first : first + count - streamed]  # ready in the host tier
+        slots = self.manager.host.prepare_load(head) if head else None
         sources = [state.promoted_from.get(c, HOST) for c in range(first, first + count)]
         self._release_promoted(state)
+        ok = slots is not None or not head
         if not state.hits.recorded:
-            self.accounting.record_alloc(state.hits, state.looked_up, sources if slots else [])
+            self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [])
         if num_external_tokens == 0:
             return
         bpc = self.geometry.blocks_per_chunk
         ids = blocks.get_block_ids()[0]
-        chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c in range(first, first + count))
-        if slots is None:
+        chunks = [tuple(ids[c * bpc : (c + 1) * bpc]) for c in range(first, first + count)]
+        req_id = request.request_id
+        if not ok:
             # The rows left the host tier since the lookup: these chunks are recomputed.
             self.manager.metrics.inc("failures", count, HOST, "load")
-            slots = []
-        else:
-            self._loading[request.request_id] = keys
-        job = ChunkCopy(next(self._job_ids), request.request_id, tuple(keys), chunks, tuple(slots))
-        if slots:
-            self._loads[job.job_id] = _Load(req_id=request.request_id, sources=sources)
-        self._loads_to_send.append(job)
+            keys = state.keys[first : first + count]
+            self._send(ChunkCopy(next(self._job_ids), req_id, tuple(keys), tuple(chunks), ()))
+            return
+        if streamed:
+            self.streams.start(req_id, state.keys[first + len(head) : first + count],
+                               sources[len(head):], chunks[len(head):], head_in_flight=bool(head))
+        if head and slots is not None:
+            copy = ChunkCopy(next(self._job_ids), req_id, tuple(head), tuple(chunks[: len(head)]),
+                             tuple(slots), last=not streamed)
+            self._send(copy, sources[: len(head)], head)
+
+    def _send(self, copy: ChunkCopy, sources: list[str] | None = None,
+              keys: list[bytes] | None = None) -> None:
+        """Queue a load (or a part of one) for the next step; `keys` pinned for it are released
+        when it ends, and its `sources` are counted then (none: a failed load)."""
+        if keys:
+            self._loading[copy.req_id] = keys
+        if copy.slots and sources is not None:
+            self._loads[copy.job_id] = LoadCopy(req_id=copy.req_id, sources=sources, last=copy.last)
+        self._loads_to_send.append(copy)
+
+    def _send_parts(self, parts: list[Part]) -> None:
+        """Queue the streamed parts due this step (a part without rows failed: counted now)."""
+        for part in parts:
+            if part.copy.slots:
+                self._send(part.copy, part.sources, list(part.copy.keys))
+                continue
+            state = self._requests.get(part.copy.req_id)
+            self.accounting.load_failed(state.hits if state else None, part.sources)
+            self._send(part.copy)
 
     # -- each step -----------------------------------------------------------------------------
 
@@ -221,6 +234,7 @@ class KVTierScheduler:
         """
         self.manager.poll()
         self.accounting.step()
+        self._send_parts(self.streams.parts())
         stores: list[ChunkCopy] = []
         speculative = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -266,7 +280,7 @@ class KVTierScheduler:
         bpc = self.geometry.blocks_per_chunk
         chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c, _ in new)
         job_id = next(self._job_ids)
-        self._stores[job_id] = _Store(keys=[key for _, key in new], priority=state.options.priority)
+        self._stores[job_id] = StoreCopy(keys=[key for _, key in new], priority=state.options.priority)
         req_id = state.request.request_id
         new_keys = tuple(key for _, key in new)
         return ChunkCopy(job_id, req_id, new_keys, chunks, tuple(slots[k] for k in new_keys))
@@ -304,6 +318,11 @@ class KVTierScheduler:
             if load is None or not load.ack(acks, ok, seconds, self.world_size):
                 continue
             del self._loads[job_id]
+            if not load.last:
+                keys = self._loading.pop(load.req_id, None)
+                if keys is not None:
+                    self.manager.host.complete_load(keys)
+                self.streams.part_done(load.req_id, load.ok)
             if load.ok:
                 self.accounting.copied("load", len(load.sources), load.seconds, ok=True)
             else:
@@ -319,6 +338,7 @@ class KVTierScheduler:
         if state is None:
             return None
         self._release_promoted(state)
+        self.streams.drop(request.request_id)
         return self.accounting.finish(request.request_id, state.hits)
 
     def _release_promoted(self, state: _Request) -> None:

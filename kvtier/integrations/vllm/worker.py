@@ -41,6 +41,7 @@ class _Job:
     load: bool
     req_id: str
     block_ids: tuple[int, ...]
+    last: bool = True
 
 
 class KVTierWorker:
@@ -96,7 +97,7 @@ class KVTierWorker:
         `start_load_kv`; the loading requests are not in this step's forward pass. A load without
         pinned host rows fails at once."""
         for job in meta.loads:
-            self._jobs[job.job_id] = _Job(True, job.req_id, tuple(job.all_block_ids))
+            self._jobs[job.job_id] = _Job(True, job.req_id, tuple(job.all_block_ids), job.last)
             if job.slots:
                 self._transfer(meta).submit_load(job.job_id, job.block_ids, job.slots)
             else:
@@ -138,10 +139,12 @@ class KVTierWorker:
         if not ok:
             self._load_errors.update(job.block_ids)
         self._loads[job_id] = (1, ok)
-        self._finished_loads.add(job.req_id)
+        if job.last:
+            self._finished_loads.add(job.req_id)
 
     def take_finished_loads(self) -> set[str]:
-        """Request ids whose loads ended (successfully or not) since the last call."""
+        """Request ids whose loads ended (successfully or not: their last part) since the last
+        call."""
         self._collect()
         done, self._finished_loads = self._finished_loads, set()
         return done
