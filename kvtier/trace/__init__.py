@@ -1,0 +1,3 @@
+"""Traces of chunk references and `kvtier plan`: the reuse they show and the tier sizes they call
+for. `format` (the file format and its reader), `mrc` (miss-ratio curves), `analysis` (the four
+questions), `plan` (sizing and recommendations), `plots`, `commands` (the CLI)."""
