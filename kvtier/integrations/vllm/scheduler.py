@@ -25,7 +25,7 @@ restrict the secondary tiers a load may come from, and set the cascade's retenti
 
 Metrics and the per-request split of prompt tokens by source are kept by `accounting.py`; KV events
 (`kv_events.py`) are drained every step by `take_events` and translated when vLLM's KV events are
-on.
+on. With `trace_path` set, `tracing.py` records each finished request.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.options import RequestOptions
+from kvtier.integrations.vllm.tracing import RequestTracer
 from kvtier.keys import ChunkHasher
 from kvtier.manager import TieringManager
 
@@ -121,6 +122,7 @@ class KVTierScheduler:
         )
         self.hasher = ChunkHasher(config.hash_algorithm, geometry.fingerprint, layout.chunk_tokens)
         self.shm_dir = config.shm_dir
+        self.tracer = RequestTracer.make(config, geometry)
         self.world_size = world_size
         self._block_ids_of: BlockIdsFn | None = None
         self._requests: dict[str, _Request] = {}
@@ -170,6 +172,7 @@ class KVTierScheduler:
         )
         for i, tier in enumerate(found.promoting, start + found.ready):
             state.promoted_from.setdefault(i, tier)
+        self.tracer.looked_up(request.request_id, found.pending)
         if found.pending:
             return None, False
         state.load_from = start
@@ -221,6 +224,7 @@ class KVTierScheduler:
         """
         self.manager.poll()
         self.accounting.step()
+        self.tracer.step()
         stores: list[ChunkCopy] = []
         speculative = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -229,6 +233,7 @@ class KVTierScheduler:
                 continue
             # Draft tokens may be rejected: their KV is not final, so it is not stored.
             computed = state.request.num_computed_tokens + num_new - len(speculative.get(req_id, ()))
+            self.tracer.scheduled(req_id, computed, state.request.num_prompt_tokens)
             self._extend_keys(state, computed)
             store = self._plan_store(state, computed)
             if store is not None:
@@ -319,7 +324,9 @@ class KVTierScheduler:
         if state is None:
             return None
         self._release_promoted(state)
-        return self.accounting.finish(request.request_id, state.hits)
+        params = self.accounting.finish(request.request_id, state.hits)
+        self.tracer.finished(request, state.keys, params["kvtier"]["tokens"], state.options.priority)
+        return params
 
     def _release_promoted(self, state: _Request) -> None:
         """Release the holds on the chunks promoted for this request (once): its own load has
@@ -349,8 +356,9 @@ class KVTierScheduler:
         return True
 
     def shutdown(self) -> None:
-        """Stop the secondary tiers and remove the host region. Idempotent."""
+        """Stop the secondary tiers and remove the host region, then the trace writer. Idempotent."""
         self.manager.shutdown()
+        self.tracer.close()
 
     def _state(self, request: Request) -> _Request | None:
         """The request's state, keyed on first sight; None when it cannot be cached (multimodal
