@@ -13,6 +13,7 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
     from kvtier.bench import demo, tier_bench
     from kvtier.bench.multiturn import cli as multiturn_cli
+    from kvtier.integrations.vllm import trace_record
     from kvtier.integrations.vllm.serve import add_parser as add_serve_parser
     from kvtier.tiers.fs.fsck import add_fsck_parser
     from kvtier.trace import commands as plan_commands
@@ -27,6 +28,7 @@ def build_parser() -> argparse.ArgumentParser:
     add_serve_parser(sub)
     multiturn_cli.add_parser(sub)
     plan_commands.add_parser(sub)
+    trace_record.add_parser(sub)
     return parser
 
 

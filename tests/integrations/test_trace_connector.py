@@ -85,6 +85,7 @@ def test_trace_of_a_run_and_its_plan(llm: Any, trace_path: Path, capsys: pytest.
 
     trace = read_traces([trace_path])
     assert (trace.header.chunk_bytes, trace.header.block_size) == (ROW_BYTES, BLOCK_SIZE)
+    capsys.readouterr()  # the engine's log lines
     assert main(["plan", str(trace_path), "--json", "--host-gib-s", "1"]) == 0
     report = json.loads(capsys.readouterr().out)
     assert report["requests"] == 4
