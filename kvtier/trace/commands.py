@@ -34,9 +34,21 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--out", type=Path, help="write plan.json and PNG plots into this folder")
     p.add_argument("--host-gib-s", type=float,
                    help="host transfer budget in GiB/s (default: measured by a quick copy)")
+    p.add_argument("--at", type=_sizes, default=(), metavar="BYTES[,BYTES...]",
+                   help="host sizes to predict the hit ratio of (plan.json `predict`)")
     p.add_argument("--bytes-per-token", type=int,
                    help="KV bytes per token, for traces that do not say (kv-events traces)")
     p.set_defaults(func=run)
+
+
+def _sizes(text: str) -> tuple[int, ...]:
+    try:
+        sizes = tuple(int(float(v)) for v in text.split(","))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated byte counts") from None
+    if min(sizes) < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: byte counts >= 0")
+    return sizes
 
 
 def summary(report: dict[str, Any]) -> str:
@@ -46,12 +58,16 @@ def summary(report: dict[str, Any]) -> str:
     cs = ", ".join(
         f"{r['blocks_per_chunk']}: {r['bytes_per_reused_token'] or 0:.0f} B" for r in report["chunk_size"]
     )
-    return SUMMARY.format(
+    lines = SUMMARY.format(
         **report, rt="/".join("-" if v is None else f"{v:.2f}s" for v in rt.values()), cs=cs,
         ws=report["working_set_bytes"] / GIB, cpu=rec["cpu_bytes_to_use"], cpu_hit=rec["cpu_hit_ratio"],
         mb=rec["max_bytes"], mb_hit=rec["max_bytes_hit_ratio"], policy=rec["eviction_policy"],
         bpc=rec["blocks_per_chunk"], adm=json.dumps(rec["admission"]),
     )
+    for p in report.get("predict", ()):
+        lines += (f"\nhost tier of {p['bytes']} bytes: LRU hit ratio {p['lru_hit_ratio']:.1%}, "
+                  f"host share behind the device {p['host_hit_ratio']:.1%}")
+    return lines
 
 
 def run(args: argparse.Namespace) -> int:
@@ -60,7 +76,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bytes_per_token:
         chunk_bytes = args.bytes_per_token * trace.header.chunk_tokens
     host = args.host_gib_s * GIB if args.host_gib_s else None
-    result = plan(trace, chunk_bytes, host)
+    result = plan(trace, chunk_bytes, host, args.at)
     text = json.dumps(result.report, indent=1)
     if args.out is not None:
         from kvtier.trace.plots import write_plots

@@ -6,6 +6,11 @@ to the working set (every distinct chunk): LRU exactly from stack distances, ARC
 (`mrc.py`). "Reachable reuse" is the hit ratio of an unbounded cache (every reuse hits); the size
 capturing q of it is the smallest LRU cache whose hit ratio reaches q times that.
 
+Observed and predicted: `observed_hit_ratio` is the trace's recorded token sources (device, host,
+each tier, recomputed) over the chunk references' tokens; `predict` (sizes given with `--at`)
+gives, per host size, the LRU hit ratio and the host tier's share behind the recorded device hits
+(the LRU hit ratio less the observed device share: a chunk the device serves never reaches host).
+
 Recommendations: `cpu_bytes_to_use` captures 90% of the reachable reuse and `max_bytes` (the
 secondary tier) 99%, each with the hit ratio it buys; `blocks_per_chunk` is the largest chunk
 that keeps 95% of the reusable tokens within the host transfer budget; admission keeps at least
@@ -16,11 +21,13 @@ most chunks.
 from __future__ import annotations
 
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
+from kvtier.chunks import DEVICE
 from kvtier.policies.arc import ARCPolicy
 from kvtier.trace import analysis
 from kvtier.trace.format import Trace, TraceError
@@ -81,10 +88,27 @@ class Plan:
     reuse_times: np.ndarray
 
 
+def _observed(trace: Trace) -> dict[str, float]:
+    """The recorded token sources as fractions of the chunk references' tokens."""
+    tokens = len(trace.refs) * trace.header.chunk_tokens
+    return {k: v / tokens for k, v in trace.sources.items()} if tokens else {}
+
+
+def _predict(distances: np.ndarray, observed: dict[str, float], at: Sequence[int],
+             chunk_bytes: int) -> list[dict[str, Any]]:
+    """Hit ratios of host tiers of `at` bytes: the LRU curve's, and the share the host would serve
+    behind the recorded device hits (the device's share taken out)."""
+    device = observed.get(DEVICE, 0.0)
+    lru = lru_hit_ratios(distances, [b // chunk_bytes for b in at])
+    return [{"bytes": b, "lru_hit_ratio": h, "host_hit_ratio": max(h - device, 0.0)}
+            for b, h in zip(at, lru, strict=True)]
+
+
 def plan(trace: Trace, chunk_bytes: int | None = None,
-         host_bytes_per_s: float | None = None) -> Plan:
+         host_bytes_per_s: float | None = None, at: Sequence[int] = ()) -> Plan:
     """The plan of a trace. `chunk_bytes` overrides the header's (required when it has none);
-    `host_bytes_per_s` defaults to a measured host copy."""
+    `host_bytes_per_s` defaults to a measured host copy; `at`: host sizes (bytes) to predict the
+    hit ratio of."""
     chunk_bytes = chunk_bytes or trace.header.chunk_bytes
     if not chunk_bytes:
         raise TraceError("the trace does not say the bytes of a chunk: pass --bytes-per-token")
@@ -119,6 +143,7 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
         "chunk_tokens": trace.header.chunk_tokens,
         "chunk_bytes": chunk_bytes,
         "token_sources": trace.sources,
+        "observed_hit_ratio": _observed(trace),
         **analysis.shared_prefixes(stream),
         **times,
         "host_gib_s": budget / GIB,
@@ -146,4 +171,6 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
             },
         },
     }
+    if at:
+        report["predict"] = _predict(distances, report["observed_hit_ratio"], at, chunk_bytes)
     return Plan(report, samples)

@@ -177,3 +177,16 @@ def test_bad_input_names_file_and_line(tmp_path: Path, capsys: pytest.CaptureFix
         read_traces([tmp_path / "missing.jsonl"])
     assert main(["plan", str(foreign)]) == 2
     assert f"{foreign}:1: not a kvtier trace" in capsys.readouterr().err
+
+
+def test_observed_and_predicted_host_hit_ratios(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    path = write_trace(tmp_path / "t.jsonl", KNOWN)
+    assert main(["plan", str(path), "--json", "--host-gib-s", "1", "--at", "4000,6e3"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    # 14 chunk references of 16 tokens: 224 tokens; the device served 32, the host 48.
+    assert report["observed_hit_ratio"] == pytest.approx(
+        {"device": 32 / 224, "host": 48 / 224, "recomputed": 144 / 224})
+    four, six = report["predict"]
+    assert (four["bytes"], six["bytes"]) == (4000, 6000)
+    assert four == pytest.approx({"bytes": 4000, "lru_hit_ratio": 4 / 14, "host_hit_ratio": 2 / 14})
+    assert six == pytest.approx({"bytes": 6000, "lru_hit_ratio": 5 / 14, "host_hit_ratio": 3 / 14})
