@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -83,6 +84,9 @@ def run(args: argparse.Namespace) -> int:
 
         args.out.mkdir(parents=True, exist_ok=True)
         (args.out / "plan.json").write_text(text + "\n")
-        write_plots(result.report, result.reuse_times, args.out)
+        try:
+            write_plots(result.report, result.reuse_times, args.out)
+        except ImportError as e:
+            print(f"kvtier plan: no plots ({e}); plan.json is written", file=sys.stderr)
     print(text if args.json else summary(result.report))
     return 0

@@ -14,15 +14,13 @@ policy kvtier runs (`kvtier.policies`), on a spatial sample of the keys when the
 
 from __future__ import annotations
 
-import logging
+import functools
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from kvtier.policies.base import EvictionPolicy
-
-log = logging.getLogger("kvtier.trace")
 
 SAMPLE_REFS = 100_000
 """Miniature simulations keep about this many references."""
@@ -65,6 +63,7 @@ def _fenwick_distances(prev: Any, out: Any, tree: Any) -> None:
             k += k & -k
 
 
+@functools.cache
 def _compiled() -> Callable[[Any, Any, Any], None] | None:
     try:
         import numba

@@ -1,6 +1,8 @@
 """`kvtier plan`: a trace's answers to the four questions, the host tier's miss-ratio curves, and
 the settings they recommend, as one JSON-ready dict.
 
+`requests` counts request records (a kv-events trace has none: it counts its stored batches).
+
 Sizing: the MRC is over the whole reference stream (every prompt chunk of every record), from 0
 to the working set (every distinct chunk): LRU exactly from stack distances, ARC by simulation
 (`mrc.py`). "Reachable reuse" is the hit ratio of an unbounded cache (every reuse hits); the size
