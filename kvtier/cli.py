@@ -13,8 +13,10 @@ def build_parser() -> argparse.ArgumentParser:
     from kvtier import __version__
     from kvtier.bench import demo, tier_bench
     from kvtier.bench.multiturn import cli as multiturn_cli
+    from kvtier.integrations.vllm import trace_record
     from kvtier.integrations.vllm.serve import add_parser as add_serve_parser
     from kvtier.tiers.fs.fsck import add_fsck_parser
+    from kvtier.trace import commands as plan_commands
 
     parser = argparse.ArgumentParser(prog="kvtier", description=__doc__)
     parser.add_argument("--version", action="version", version=f"kvtier {__version__}")
@@ -25,6 +27,8 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     add_serve_parser(sub)
     multiturn_cli.add_parser(sub)
+    plan_commands.add_parser(sub)
+    trace_record.add_parser(sub)
     return parser
 
 

@@ -50,6 +50,10 @@ class KVTierConfig:
     """A prefix longer than the host tier has room for is promoted and copied to the device a batch
     at a time (False: the chunks that do not fit are recomputed)."""
     shm_dir: str = "/dev/shm"
+    trace_path: str | None = None
+    """Each finished request appends a record here (`kvtier.trace.writer`); None: no trace."""
+    trace_max_bytes: int = 256 << 20
+    """The trace file is rotated to `trace_path.1` at this size."""
     eviction_class: type[EvictionPolicy[Any]] = field(default=LRUPolicy, compare=False, repr=False)
     """The class `eviction_policy` names, resolved once when the config is parsed."""
     admission_class: type[AdmissionPolicy] = field(default=AdmitAll, compare=False, repr=False)
@@ -92,6 +96,8 @@ class KVTierConfig:
             tier_lookup_wait_s=_float(raw, "tier_lookup_wait_s", 0.01, minimum=0.0),
             stream_promotions=_bool(raw, "stream_promotions", True),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
+            trace_path=_optional_string(raw, "trace_path"),
+            trace_max_bytes=_int(raw, "trace_max_bytes", 256 << 20, minimum=4096),
             eviction_class=resolve_eviction(policy, policy_mp),
             admission_class=resolve_admission(admission, admission_mp),
         )

@@ -79,6 +79,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--obj-bucket", default=None)
     p.add_argument("--redis-url", default=None)
     p.add_argument("--admission-policy", default=None)
+    p.add_argument("--trace", type=Path, default=None,
+                   help="write each kvtier run's connector trace (trace_path) into this directory")
     p.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
     p.set_defaults(func=run_multiturn, accepts_passthrough=True)
     r = bsub.add_parser("report", help="table, CSV and PNG from saved results.json files")
@@ -138,6 +140,9 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
     block_bytes = presets.kv_bytes_per_token(model, dtype) * preset.block_size if model is not None else 0
     options = {k: v for k in ("obj_endpoint", "obj_bucket", "redis_url", "admission_policy")
                if (v := getattr(args, k))}
+    if args.trace is not None:
+        args.trace.mkdir(parents=True, exist_ok=True)
+        options["trace_dir"] = str(args.trace.resolve())
     context = config_registry.BenchContext(block_bytes, sizes.device_blocks, sizes.all_fits_blocks,
                                            sizes.host_chunks, work_dir, options)
     tokenizer_name = args.tokenizer or (str(model) if model is not None else None)

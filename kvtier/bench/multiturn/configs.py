@@ -14,6 +14,9 @@ or neither (vLLM alone).
   `--obj-bucket` (credentials from the AWS environment) / `--redis-url`.
 - `admission`: host + fs with the admission policy named by `--admission-policy`.
 
+With `--trace DIR` (option `trace_dir`) every kvtier configuration writes its run's connector trace
+to `DIR/<run directory>.jsonl`.
+
 Every configuration offloads in chunks of one engine block, the same block size and the same host
 bytes, so the kvtier and native pairs differ only in the connector.
 
@@ -24,7 +27,7 @@ from __future__ import annotations
 
 import importlib.util
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -175,6 +178,10 @@ def resolve(name: str, ctx: BenchContext) -> EngineConfig:
     """Build configuration `name`; kvtier's part is validated (`KVTierConfig.from_dict`)."""
     check_names([name])
     config = CONFIGS[name](ctx)
+    trace_dir = ctx.options.get("trace_dir")
+    if config.kvtier is not None and trace_dir:  # `--trace`: one trace file per run
+        config = replace(config, kvtier={**config.kvtier,
+                                         "trace_path": str(Path(trace_dir) / f"{ctx.work_dir.name}.jsonl")})
     if config.kvtier is not None:
         KVTierConfig.from_dict(config.kvtier)
     return config

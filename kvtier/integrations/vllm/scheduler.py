@@ -27,7 +27,7 @@ restrict the secondary tiers a load may come from, and set the cascade's retenti
 
 Metrics and the per-request split of prompt tokens by source are kept by `accounting.py`; KV events
 (`kv_events.py`) are drained every step by `take_events` and translated when vLLM's KV events are
-on.
+on. With `trace_path` set, `tracing.py` records each finished request.
 """
 
 from __future__ import annotations
@@ -47,6 +47,7 @@ from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.options import RequestOptions
 from kvtier.integrations.vllm.streams import LoadStreams, Part
+from kvtier.integrations.vllm.tracing import RequestTracer
 from kvtier.keys import ChunkHasher
 from kvtier.manager import TieringManager
 
@@ -99,6 +100,7 @@ class KVTierScheduler:
         )
         self.hasher = ChunkHasher(config.hash_algorithm, geometry.fingerprint, layout.chunk_tokens)
         self.shm_dir = config.shm_dir
+        self.tracer = RequestTracer.make(config, geometry)
         self.world_size = world_size
         self._block_ids_of: BlockIdsFn | None = None
         self._requests: dict[str, _Request] = {}
@@ -154,6 +156,7 @@ class KVTierScheduler:
         if found.beyond:
             at = start + found.ready + len(found.promoting)
             state.streamed = range(at, at + len(found.beyond))
+        self.tracer.looked_up(request.request_id, found.pending)
         if found.pending:
             return None, False
         if state.streamed.start != start + found.ready:
@@ -235,6 +238,7 @@ class KVTierScheduler:
         self.manager.poll()
         self.accounting.step()
         self._send_parts(self.streams.parts())
+        self.tracer.step()
         stores: list[ChunkCopy] = []
         speculative = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -243,6 +247,7 @@ class KVTierScheduler:
                 continue
             # Draft tokens may be rejected: their KV is not final, so it is not stored.
             computed = state.request.num_computed_tokens + num_new - len(speculative.get(req_id, ()))
+            self.tracer.scheduled(req_id, computed, state.request.num_prompt_tokens)
             self._extend_keys(state, computed)
             store = self._plan_store(state, computed)
             if store is not None:
@@ -339,7 +344,9 @@ class KVTierScheduler:
             return None
         self._release_promoted(state)
         self.streams.drop(request.request_id)
-        return self.accounting.finish(request.request_id, state.hits)
+        params = self.accounting.finish(request.request_id, state.hits)
+        self.tracer.finished(request, state.keys, params["kvtier"]["tokens"], state.options.priority)
+        return params
 
     def _release_promoted(self, state: _Request) -> None:
         """Release the holds on the chunks promoted for this request (once): its own load has
@@ -369,8 +376,9 @@ class KVTierScheduler:
         return True
 
     def shutdown(self) -> None:
-        """Stop the secondary tiers and remove the host region. Idempotent."""
+        """Stop the secondary tiers and remove the host region, then the trace writer. Idempotent."""
         self.manager.shutdown()
+        self.tracer.close()
 
     def _state(self, request: Request) -> _Request | None:
         """The request's state, keyed on first sight; None when it cannot be cached (multimodal

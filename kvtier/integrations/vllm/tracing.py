@@ -1,0 +1,121 @@
+"""The connector's request trace (`trace_path`): one record per finished request, in the format of
+`kvtier.trace.format`, handed to the background `TraceWriter` (never blocking the scheduler).
+
+The scheduler half calls a `RequestTracer` on its scheduler thread at four points: each lookup
+(`looked_up`: a lookup answered "ask again" while a promotion is in flight, so the promotion wait
+runs from the first such answer to the next answer), each step (`step`, then `scheduled` for every
+scheduled request), and `finished`. The first token is taken to exist at the start of the step
+after the one that computed the last prompt token (its forward pass is over then), or at finish if
+that comes first; TTFT runs from the request's arrival to that time. Without `trace_path` the
+scheduler holds a `NoTracer`, whose hooks do nothing.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from kvtier.config import KVTierConfig
+from kvtier.integrations.vllm.geometry import EngineGeometry
+from kvtier.trace.format import TraceHeader, encode_keys
+from kvtier.trace.writer import TraceWriter
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+class NoTracer:
+    """Tracing off: every hook is a no-op."""
+
+    def looked_up(self, req_id: str, pending: bool) -> None:
+        """A lookup for `req_id` answered; `pending`: it must ask again (promotion in flight)."""
+
+    def step(self) -> None:
+        """A scheduler step starts (the previous step's forward pass is over)."""
+
+    def scheduled(self, req_id: str, computed: int, prompt_tokens: int) -> None:
+        """`req_id` will have `computed` tokens computed at the end of this step."""
+
+    def finished(self, request: Request, keys: Sequence[bytes], split: Mapping[str, int],
+                 priority: int) -> None:
+        """`request` finished; `keys` its chunk keys so far, `split` its prompt tokens by source."""
+
+    def close(self) -> None:
+        """Write what is queued and stop. Idempotent."""
+
+
+@dataclass
+class _Times:
+    wait_since: float | None = None
+    wait_s: float = 0.0
+    prefilled: bool = False
+    first_token: float | None = None
+
+
+class RequestTracer(NoTracer):
+    """Builds each finished request's record and queues it to the writer."""
+
+    def __init__(self, writer: TraceWriter, chunk_tokens: int) -> None:
+        self.writer = writer
+        self.chunk_tokens = chunk_tokens
+        self._times: dict[str, _Times] = {}
+        self._prefilled: list[_Times] = []
+
+    @classmethod
+    def make(cls, config: KVTierConfig, geometry: EngineGeometry) -> NoTracer:
+        """A tracer writing to `config.trace_path`, or a `NoTracer` when it is not set."""
+        if config.trace_path is None:
+            return NoTracer()
+        header = TraceHeader("connector", geometry.block_size, geometry.blocks_per_chunk,
+                             geometry.layout.row_bytes)
+        return cls(TraceWriter(config.trace_path, header, config.trace_max_bytes), geometry.chunk_tokens)
+
+    def _of(self, req_id: str) -> _Times:
+        times = self._times.get(req_id)
+        if times is None:
+            times = self._times[req_id] = _Times()
+        return times
+
+    def looked_up(self, req_id: str, pending: bool) -> None:
+        times = self._of(req_id)
+        now = time.time()
+        if pending and times.wait_since is None:
+            times.wait_since = now
+        elif not pending and times.wait_since is not None:
+            times.wait_s += now - times.wait_since
+            times.wait_since = None
+
+    def step(self) -> None:
+        if self._prefilled:
+            now = time.time()
+            for times in self._prefilled:
+                times.first_token = now
+            self._prefilled = []
+
+    def scheduled(self, req_id: str, computed: int, prompt_tokens: int) -> None:
+        times = self._of(req_id)
+        if computed >= prompt_tokens and not times.prefilled:
+            times.prefilled = True
+            self._prefilled.append(times)
+
+    def finished(self, request: Request, keys: Sequence[bytes], split: Mapping[str, int],
+                 priority: int) -> None:
+        times = self._times.pop(request.request_id, None) or _Times()
+        now = time.time()
+        first = times.first_token or now
+        prompt = request.num_prompt_tokens
+        salt = request.cache_salt
+        self.writer.write({
+            "t": request.arrival_time, "end": now, "prompt": prompt,
+            "output": request.num_output_tokens,
+            "keys": encode_keys(keys[: prompt // self.chunk_tokens]),
+            "src": dict(split), "ttft": first - request.arrival_time if times.prefilled else None,
+            "wait": times.wait_s, "prio": priority,
+            "salt": hashlib.sha256(salt.encode()).hexdigest()[:16] if salt else None,
+        })
+
+    def close(self) -> None:
+        self.writer.close()

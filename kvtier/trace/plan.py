@@ -1,0 +1,178 @@
+"""`kvtier plan`: a trace's answers to the four questions, the host tier's miss-ratio curves, and
+the settings they recommend, as one JSON-ready dict.
+
+`requests` counts request records (a kv-events trace has none: it counts its stored batches).
+
+Sizing: the MRC is over the whole reference stream (every prompt chunk of every record), from 0
+to the working set (every distinct chunk): LRU exactly from stack distances, ARC by simulation
+(`mrc.py`). "Reachable reuse" is the hit ratio of an unbounded cache (every reuse hits); the size
+capturing q of it is the smallest LRU cache whose hit ratio reaches q times that.
+
+Observed and predicted: `observed_hit_ratio` is the trace's recorded token sources (device, host,
+each tier, recomputed) over the chunk references' tokens; `predict` (sizes given with `--at`)
+gives, per host size, the LRU hit ratio and the host tier's share behind the recorded device hits
+(the LRU hit ratio less the observed device share: a chunk the device serves never reaches host).
+
+Recommendations: `cpu_bytes_to_use` captures 90% of the reachable reuse and `max_bytes` (the
+secondary tier) 99%, each with the hit ratio it buys; `blocks_per_chunk` is the largest chunk
+that keeps 95% of the reusable tokens within the host transfer budget; admission keeps at least
+90% of the reuse (`frequency` `min_seen`) or 99% (`min_retention_priority`) while dropping the
+most chunks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+from kvtier.chunks import DEVICE
+from kvtier.policies.arc import ARCPolicy
+from kvtier.trace import analysis
+from kvtier.trace.format import Trace, TraceError
+from kvtier.trace.mrc import lru_hit_ratios, sample_rate, simulate, stack_distances
+
+LRU_POINTS = 64
+ARC_POINTS = 16
+CAPTURE = (0.90, 0.95, 0.99)
+GIB = 1 << 30
+
+
+def measure_host_bytes_per_s(nbytes: int = 64 << 20, repeat: int = 3) -> float:
+    """Host memory copy bandwidth (bytes/s), best of a few copies of `nbytes`."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    np.copyto(dst, src)  # first touch
+    best = float("inf")
+    for _ in range(repeat):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / max(best, 1e-9)
+
+
+def _sizes(working_set: int, points: int) -> list[int]:
+    return sorted({round(working_set * i / points) for i in range(points + 1)})
+
+
+def _capture(distances: np.ndarray, refs: int, fraction: float) -> int:
+    """The smallest LRU size (chunks) whose hits reach `fraction` of the reachable reuse."""
+    reuse = distances[distances > 0]
+    if len(reuse) == 0:
+        return 0
+    cum = np.cumsum(np.bincount(reuse))
+    return int(np.searchsorted(cum, fraction * len(reuse) - 1e-9))
+
+
+def _pick_chunk(rows: list[dict[str, Any]]) -> int:
+    best = rows[0]
+    for row in rows[1:]:
+        within = row["host_budget_fraction"] is None or row["host_budget_fraction"] <= 1.0
+        if within and row["reused_tokens"] >= 0.95 * rows[0]["reused_tokens"]:
+            best = row
+    return int(best["blocks_per_chunk"])
+
+
+def _pick_admission(rows: list[dict[str, Any]], key: str, keep: float) -> int:
+    """The setting that drops the most chunks while keeping `keep` of the reuse."""
+    ok = [r for r in rows if r["reuse_kept_fraction"] >= keep]
+    return int(min(ok, key=lambda r: r["admitted_chunk_fraction"])[key]) if ok else int(rows[0][key])
+
+
+@dataclass
+class Plan:
+    """A plan: the JSON report, and the reuse times (seconds) its CDF plot is drawn from."""
+
+    report: dict[str, Any]
+    reuse_times: np.ndarray
+
+
+def _observed(trace: Trace) -> dict[str, float]:
+    """The recorded token sources as fractions of the chunk references' tokens."""
+    tokens = len(trace.refs) * trace.header.chunk_tokens
+    return {k: v / tokens for k, v in trace.sources.items()} if tokens else {}
+
+
+def _predict(distances: np.ndarray, observed: dict[str, float], at: Sequence[int],
+             chunk_bytes: int) -> list[dict[str, Any]]:
+    """Hit ratios of host tiers of `at` bytes: the LRU curve's, and the share the host would serve
+    behind the recorded device hits (the device's share taken out)."""
+    device = observed.get(DEVICE, 0.0)
+    lru = lru_hit_ratios(distances, [b // chunk_bytes for b in at])
+    return [{"bytes": b, "lru_hit_ratio": h, "host_hit_ratio": max(h - device, 0.0)}
+            for b, h in zip(at, lru, strict=True)]
+
+
+def plan(trace: Trace, chunk_bytes: int | None = None,
+         host_bytes_per_s: float | None = None, at: Sequence[int] = ()) -> Plan:
+    """The plan of a trace. `chunk_bytes` overrides the header's (required when it has none);
+    `host_bytes_per_s` defaults to a measured host copy; `at`: host sizes (bytes) to predict the
+    hit ratio of."""
+    chunk_bytes = chunk_bytes or trace.header.chunk_bytes
+    if not chunk_bytes:
+        raise TraceError("the trace does not say the bytes of a chunk: pass --bytes-per-token")
+    budget = host_bytes_per_s or measure_host_bytes_per_s()
+    stream = analysis.Stream.of(trace)
+    refs = len(trace.refs)
+    working_set = len(stream.key_refs)
+    distances = stack_distances(stream.prev)
+    lru_sizes = _sizes(working_set, LRU_POINTS)
+    arc_sizes = _sizes(working_set, ARC_POINTS)
+    lru = lru_hit_ratios(distances, lru_sizes)
+    arc = simulate(ARCPolicy, trace.refs, arc_sizes, sample_rate(trace.refs))
+    reachable = float(stream.reuse.sum()) / refs if refs else 0.0
+    capture = {f"{int(q * 100)}%": _capture(distances, refs, q) * chunk_bytes for q in CAPTURE}
+
+    times = analysis.reuse_times(stream)
+    samples = times.pop("reuse_time_samples")
+    rows = analysis.chunk_sizes(stream, chunk_bytes, budget)
+    bypass = analysis.bypass(stream)
+    admission = bypass["admission"]
+    cpu = _capture(distances, refs, CAPTURE[0])
+    secondary = _capture(distances, refs, CAPTURE[-1])
+    cpu_hit, secondary_hit = lru_hit_ratios(distances, [cpu, secondary])
+    arc_at_cpu = simulate(ARCPolicy, trace.refs, [cpu], sample_rate(trace.refs))[0]
+    report: dict[str, Any] = {
+        "requests": int((trace.prompt > 0).sum()) or trace.records,
+        "records": trace.records,
+        "source": trace.header.source,
+        "duration_s": float(trace.t[-1] - trace.t[0]),
+        "prompt_tokens": int(analysis.prompt_tokens(trace).sum()),
+        "chunk_references": refs,
+        "chunk_tokens": trace.header.chunk_tokens,
+        "chunk_bytes": chunk_bytes,
+        "token_sources": trace.sources,
+        "observed_hit_ratio": _observed(trace),
+        **analysis.shared_prefixes(stream),
+        **times,
+        "host_gib_s": budget / GIB,
+        "chunk_size": rows,
+        "never_reused_chunk_fraction": bypass["never_reused_chunk_fraction"],
+        "admission": admission,
+        "working_set_bytes": working_set * chunk_bytes,
+        "reachable_hit_ratio": reachable,
+        "capture_bytes": capture,
+        "mrc": {
+            "lru": [[s * chunk_bytes, h] for s, h in zip(lru_sizes, lru, strict=True)],
+            "arc": [[s * chunk_bytes, h] for s, h in zip(arc_sizes, arc, strict=True)],
+        },
+        "recommend": {
+            "cpu_bytes_to_use": cpu * chunk_bytes,
+            "cpu_hit_ratio": cpu_hit,
+            "eviction_policy": "arc" if arc_at_cpu > cpu_hit + 0.01 else "lru",
+            "max_bytes": secondary * chunk_bytes,
+            "max_bytes_hit_ratio": secondary_hit,
+            "blocks_per_chunk": _pick_chunk(rows),
+            "admission": {
+                "frequency_min_seen": _pick_admission(admission["frequency"], "min_seen", 0.90),
+                "min_retention_priority": _pick_admission(
+                    admission["priority"], "min_retention_priority", 0.99),
+            },
+        },
+    }
+    if at:
+        report["predict"] = _predict(distances, report["observed_hit_ratio"], at, chunk_bytes)
+    return Plan(report, samples)
