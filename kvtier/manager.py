@@ -109,7 +109,8 @@ class TieringManager:
         All-or-nothing: if any part fails (a tier rejects its options, the region does not fit),
         what was already built is shut down in reverse order and the error is re-raised.
         """
-        region = HostRegion.create(config.cpu_bytes_to_use, shm_dir=config.shm_dir, min_bytes=row_bytes)
+        region = HostRegion.create(config.cpu_bytes_to_use, shm_dir=config.shm_dir, min_bytes=row_bytes,
+                                   guard=True)
         started: list[TierProcess] = []
         try:
             num_slots = region.size // row_bytes

@@ -4,7 +4,8 @@ The owner creates the segment as a file under /dev/shm with a name unique to the
 (`kvtier-<pid>-<process start time>-<random>`), so two instances on one host never collide. Tier
 processes and TP ranks attach to it by name. The owner removes it on `close()`; a segment left by an
 owner that crashed is found by `remove_stale_regions()` (the pid is gone, or now belongs to a process
-started at another time) and removed on the next start.
+started at another time) and removed on the next start, or at once by the region's reaper
+(`reaper.py`) when the owner asked for one.
 
 Pages are touched once at creation so the first store does not pay the page-fault cost.
 
@@ -24,22 +25,11 @@ import secrets
 from typing import Protocol
 
 from kvtier.errors import ConfigError
+from kvtier.host.reaper import owner_alive, start_reaper, start_time
 
 SHM_DIR = "/dev/shm"
 PAGE = 4096
 _NAME_RE = re.compile(r"^kvtier-(\d+)-(\d+)-[0-9a-f]{8}$")
-
-
-def _start_time(pid: int) -> int | None:
-    """The start time (clock ticks since boot) of `pid`, or None when no such process exists."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as f:
-            stat = f.read()
-    except OSError:
-        return None
-    # The command name (field 2) may hold spaces and parentheses: split after its closing ')'.
-    fields = stat[stat.rindex(b")") + 2 :].split()
-    return int(fields[19])
 
 
 def remove_stale_regions(shm_dir: str = SHM_DIR) -> list[str]:
@@ -53,8 +43,7 @@ def remove_stale_regions(shm_dir: str = SHM_DIR) -> list[str]:
         m = _NAME_RE.match(name)
         if m is None:
             continue
-        pid, started = int(m.group(1)), int(m.group(2))
-        if _start_time(pid) == started:
+        if owner_alive(int(m.group(1)), int(m.group(2))):
             continue
         with contextlib.suppress(FileNotFoundError):
             os.unlink(os.path.join(shm_dir, name))
@@ -112,8 +101,11 @@ class HostRegion:
         pretouch: bool = True,
         key: str = "cpu_bytes_to_use",
         min_bytes: int = 1,
+        guard: bool = False,
     ) -> HostRegion:
-        """Create and map a fresh segment of `size` bytes (rounded up to a page).
+        """Create and map a fresh segment of `size` bytes (rounded up to a page). With `guard`, a
+        reaper (`reaper.py`) removes the segment within a second if this process dies without
+        closing it, however it dies (SIGKILL included).
 
         Raises ConfigError naming `key` when the size is below `min_bytes` or does not fit in the
         free space of `shm_dir` (`check_region_size`).
@@ -121,7 +113,9 @@ class HostRegion:
         remove_stale_regions(shm_dir)
         size = check_region_size(size, shm_dir, key, min_bytes)
         pid = os.getpid()
-        name = f"kvtier-{pid}-{_start_time(pid)}-{secrets.token_hex(4)}"
+        started = start_time(pid)
+        assert started is not None  # this process exists
+        name = f"kvtier-{pid}-{started}-{secrets.token_hex(4)}"
         path = os.path.join(shm_dir, name)
         fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
         try:
@@ -138,6 +132,8 @@ class HostRegion:
         except BaseException:
             os.unlink(path)
             raise
+        if guard:
+            start_reaper(path, pid, started)
         return region
 
     @classmethod

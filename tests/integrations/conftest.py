@@ -9,6 +9,7 @@ the module; tests of one module share it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -59,7 +60,10 @@ def make_llm(vllm_env: Path) -> Iterator[Callable[..., Any]]:
 
     yield make
     for llm in reversed(started):
+        region = connector_halves(llm)[0].manager.region
         llm.llm_engine.engine_core.shutdown()
+        # The engine's shutdown reaches the connector's: the host region is gone at once.
+        assert region is None or not os.path.exists(region.path), region.path
 
 
 def connector_halves(llm: Any) -> tuple[Any, Any]:

@@ -5,7 +5,8 @@ at once (a p2p holder), and helpers the test process and that child share.
 to its process group reaches the engine and its tier processes together) and talks to it over
 stdin/stdout, one JSON line each way. The child reads a setup line (`model`, `extra_config`, `llm`),
 builds an in-process engine with the KVTierConnector, answers `{"ready": true}`, then serves
-requests until stdin closes: `{"generate": [{"prompt": [ids], "max_tokens": n}, ...]}` (greedy, one
+requests until stdin closes: `{"generate": [{"prompt": [ids], "max_tokens": n, "cache_salt": s},
+...]}` (greedy, one
 at a time, waiting after each until its tier jobs are done) answers a list of
 `{"tokens", "cached", "kvtier"}`, and `{"stats": TIER}` answers that tier's own stats. The caller
 sets vLLM's environment first (`conftest.vllm_env`); the child inherits it.
@@ -71,11 +72,13 @@ class EngineProcess:
             assert self._reply(timeout_s) == {"ready": True}
             self._ready = True
 
-    def generate(self, requests: list[tuple[list[int], int]],
-                 timeout_s: float = 120.0) -> list[dict[str, Any]]:
-        """Serve (prompt, max_tokens) requests one after the other; their results in order."""
+    def generate(self, requests: list[tuple[list[int], int]], timeout_s: float = 120.0,
+                 cache_salt: str | None = None) -> list[dict[str, Any]]:
+        """Serve (prompt, max_tokens) requests one after the other (with `cache_salt`: a tenant's);
+        their results in order."""
         self.wait_ready()
-        self._send({"generate": [{"prompt": p, "max_tokens": n} for p, n in requests]})
+        self._send({"generate": [{"prompt": p, "max_tokens": n, "cache_salt": cache_salt}
+                                 for p, n in requests]})
         results: list[dict[str, Any]] = self._reply(timeout_s)
         return results
 
@@ -152,7 +155,10 @@ def main() -> None:
         results = []
         for item in request["generate"]:
             params = SamplingParams(temperature=0.0, max_tokens=item["max_tokens"])
-            out = llm.generate([TokensPrompt(prompt_token_ids=item["prompt"])], params, use_tqdm=False)[0]
+            prompt = TokensPrompt(prompt_token_ids=item["prompt"])
+            if item.get("cache_salt") is not None:
+                prompt["cache_salt"] = item["cache_salt"]
+            out = llm.generate([prompt], params, use_tqdm=False)[0]
             settle(scheduler)
             results.append(result_of(out))
         _answer(results)

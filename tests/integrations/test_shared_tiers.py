@@ -131,13 +131,18 @@ def computed_by_a(instance_a: EngineProcess, prompts: dict[str, list[int]]) -> d
     return out
 
 
-def generate(llm: Any, prompt: list[int], tier: str, max_tokens: int = MAX_TOKENS) -> dict[str, Any]:
-    """B serves `prompt`, with only `tier` allowed to load its prefix; then its tier jobs finish."""
+def generate(llm: Any, prompt: list[int], tier: str, max_tokens: int = MAX_TOKENS,
+             cache_salt: str | None = None) -> dict[str, Any]:
+    """B serves `prompt` (for the tenant `cache_salt`), with only `tier` allowed to load its prefix;
+    then its tier jobs finish."""
     from vllm import SamplingParams
 
     extra = {"kv_transfer_params": {"kvtier": {"load_tiers": [tier]}}}
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
-    out = llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
+    request: dict[str, Any] = {"prompt_token_ids": prompt}
+    if cache_salt is not None:
+        request["cache_salt"] = cache_salt
+    out = llm.generate([request], params, use_tqdm=False)[0]
     settle(connector_halves(llm)[0])
     return result_of(out)
 
@@ -168,6 +173,37 @@ def test_b_reloads_from_the_shared_tier_what_only_a_computed(
     assert again["cached"] == hit
     assert again["kvtier"]["tokens"] == split(prompt, **{tier: hit})
     assert again["tokens"] == computed_by_a[RELOADED[tier]]["tokens"]
+
+
+TENANT_PROMPT = {"obj": "birds", "redis": "chess", "p2p": "lighthouse"}
+"""The prompt Alice (A) computes for each tier; Bob sends it to B under another `cache_salt`."""
+
+
+@pytest.fixture(scope="module")
+def computed_for_alice(instance_a: EngineProcess, prompts: dict[str, list[int]]) -> dict[str, Any]:
+    """A's full computes of `TENANT_PROMPT`'s prompts for the tenant `alice` (stored in every tier)."""
+    names = list(TENANT_PROMPT.values())
+    results = instance_a.generate([(prompts[n], MAX_TOKENS) for n in names], cache_salt="alice")
+    return dict(zip(names, results, strict=True))
+
+
+@pytest.mark.parametrize("tier", ["obj", "redis", "p2p"])
+def test_tenants_never_reuse_each_others_chunks(
+    llm: Any, computed_for_alice: dict[str, Any], prompts: dict[str, list[int]], tier: str
+) -> None:
+    """Bob sends Alice's prompt, token for token, with his own `cache_salt`: the tier that holds
+    Alice's chunks serves him nothing, and he gets the answer of a full compute; Alice's own
+    request to B is then served from that tier (the control)."""
+    name = TENANT_PROMPT[tier]
+    prompt = prompts[name]
+
+    bob = generate(llm, prompt, tier, cache_salt="bob")
+
+    assert bob["cached"] == 0
+    assert bob["kvtier"]["tokens"] == split(prompt)
+    assert bob["tokens"] == computed_for_alice[name]["tokens"]
+    alice = generate(llm, prompt, tier, cache_salt="alice")
+    assert alice["kvtier"]["tokens"] == split(prompt, **{tier: hit_of(prompt)})
 
 
 def test_a_peer_with_a_wrong_secret_is_refused_and_b_recomputes(

@@ -4,6 +4,11 @@ A request whose prefix is reloaded from a kvtier tier after `reset_prefix_cache(
 same greedy tokens as the same request served from vLLM's own device prefix cache at the same hit
 length, and the reloaded device KV must be byte-identical to the KV vLLM originally computed.
 (A full recompute is not the reference: its matmul shapes differ, so its last bits may too.)
+
+`reset_prefix_cache()` frees the device blocks but leaves their bytes: each reload test then poisons
+the whole device KV cache (`poison`), so a load that copied nothing into a block vLLM happens to
+reuse cannot pass the byte and output checks; `test_the_oracle_catches_a_load_that_copies_nothing`
+shows that it does not.
 """
 
 from __future__ import annotations
@@ -116,13 +121,29 @@ def reference(llm: Any, prompt: str) -> tuple[Result, int, list[bytes]]:
     return ref, hit, scheduler.hasher.keys(first.prompt)[: hit // CHUNK]
 
 
+POISON = 7.0
+"""What `poison` writes in every element of the device KV cache (exact in bf16 and float32)."""
+
+
+def poison(llm: Any) -> None:
+    """Overwrite every block of every layer's device KV with `POISON`. Only between requests (after
+    `reset_prefix_cache()`, nothing running): no live block is touched."""
+    for tensor in connector_halves(llm)[1].transfer.layer_tensors:
+        tensor.fill_(POISON)
+
+
+def reset_and_poison(llm: Any) -> None:
+    assert llm.reset_prefix_cache()
+    poison(llm)
+
+
 def test_reload_from_host_tier_matches_device_prefix_cache(llm: Any, spy: KVSpy) -> None:
     scheduler, _ = connector_halves(llm)
     ref, hit, keys = reference(llm, PROMPTS["lighthouse"])
     assert all(scheduler.manager.host.contains(k) for k in keys)
     loads = host_loads(scheduler)
 
-    assert llm.reset_prefix_cache()
+    reset_and_poison(llm)
     again = generate(llm, PROMPTS["lighthouse"])
 
     assert again.cached == hit
@@ -145,7 +166,7 @@ def test_reload_from_fs_tier_after_host_eviction(llm: Any, spy: KVSpy) -> None:
     settle(scheduler)
     fs_loads = manager.metrics.value("kvtier_transfer_chunks_total", tier="fs", op="load")
 
-    assert llm.reset_prefix_cache()
+    reset_and_poison(llm)
     again = generate(llm, PROMPTS["bread"])
 
     assert again.cached == hit
@@ -170,7 +191,7 @@ def test_decode_chunks_of_one_turn_are_reloaded_in_the_next(llm: Any, spy: KVSpy
     settle(scheduler)
     loads = host_loads(scheduler)
 
-    assert llm.reset_prefix_cache()
+    reset_and_poison(llm)
     again = generate(llm, turn2)
     ref = generate(llm, turn2)  # vLLM's own device prefix cache, same hit length
 
@@ -188,7 +209,7 @@ def test_a_batch_mixing_a_reload_and_a_miss(llm: Any) -> None:
     _, hit, keys = reference(llm, PROMPTS["birds"])
     settle(scheduler)
     loads = host_loads(scheduler)
-    assert llm.reset_prefix_cache()
+    reset_and_poison(llm)
     params = SamplingParams(temperature=0.0, max_tokens=4)
     outs = llm.generate([PROMPTS["birds"], PROMPTS["garden"]], params, use_tqdm=False)
     assert [o.num_cached_tokens for o in outs] == [hit, 0]
@@ -197,3 +218,25 @@ def test_a_batch_mixing_a_reload_and_a_miss(llm: Any) -> None:
     garden = scheduler.hasher.keys(list(outs[1].prompt_token_ids))
     settle(scheduler)
     assert all(scheduler.manager.host.contains(k) for k in garden)
+
+
+def test_the_oracle_catches_a_load_that_copies_nothing(
+    llm: Any, spy: KVSpy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A host → device copy that reports success but copies nothing (a fault only a patch causes):
+    the poisoned blocks fail both the byte check and the output check."""
+    scheduler, worker = connector_halves(llm)
+    ref, hit, keys = reference(llm, PROMPTS["railway"])
+    settle(scheduler)
+    reset_and_poison(llm)
+    monkeypatch.setattr(worker.transfer, "load", lambda block_ids, slots: True)
+
+    again = generate(llm, PROMPTS["railway"])
+
+    assert again.cached == hit  # vLLM believed the load
+    dtype = worker.transfer.layer_tensors[0].dtype
+    pattern = torch.full((1,), POISON, dtype=dtype).view(torch.uint8).numpy().tobytes()
+    for key in keys:  # the blocks kept the poison: the byte check fails
+        assert spy.loaded[key] != spy.stored[key]
+        assert spy.loaded[key] == pattern * (len(spy.loaded[key]) // len(pattern))
+    assert again.tokens != ref.tokens

@@ -146,6 +146,49 @@ def test_partial_prefix_hit_matches_the_device_prefix_cache(llm: Any) -> None:
     assert again.outputs[0].token_ids == ref.outputs[0].token_ids
 
 
+def salted(llm: Any, prompt: list[int], tenant: str, max_tokens: int = 4) -> Any:
+    """`prompt` served for `tenant` (its `cache_salt`); then its tier jobs finish."""
+    from vllm import SamplingParams
+
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    out = llm.generate([{"prompt_token_ids": prompt, "cache_salt": tenant}], params,
+                       use_tqdm=False)[0]
+    settle(connector_halves(llm)[0])
+    return out
+
+
+def split_of(out: Any) -> dict[str, int]:
+    return dict(out.kv_transfer_params["kvtier"]["tokens"])
+
+
+@pytest.mark.parametrize("tier", ["host", "fs"])
+def test_tenants_never_reuse_each_others_chunks(llm: Any, tier: str) -> None:
+    """Alice's chunks of a prompt sit in the host tier (and in fs, the host tier emptied for the fs
+    case); Bob sends the identical prompt with another `cache_salt`: he reuses nothing, and gets
+    the answer of a full compute. Alice, asking again, reuses them from that tier (the control)."""
+    scheduler, _ = connector_halves(llm)
+    prompt = tokens(llm, "library")
+    alice, bob = f"alice-{tier}", f"bob-{tier}"
+    hit = (len(prompt) - 1) // CHUNK * CHUNK
+    computed = salted(llm, prompt, alice)
+    assert computed.num_cached_tokens == 0
+
+    assert llm.reset_prefix_cache()  # the device cache would not serve Bob either; out of the way
+    if tier == "fs":
+        assert scheduler.reset_cache()
+    theirs = salted(llm, prompt, bob)
+
+    assert theirs.num_cached_tokens == 0
+    assert split_of(theirs) == {"device": 0, "host": 0, "fs": 0, "recomputed": len(prompt)}
+    assert theirs.outputs[0].token_ids == computed.outputs[0].token_ids
+    assert llm.reset_prefix_cache()
+    if tier == "fs":
+        assert scheduler.reset_cache()
+    again = salted(llm, prompt, alice)
+    assert split_of(again) == {"device": 0, "host": 0, "fs": 0, **{tier: hit},
+                               "recomputed": len(prompt) - hit}
+
+
 def evict_host(llm: Any, keys: list[bytes]) -> None:
     scheduler, _ = connector_halves(llm)
     for filler in ("library", "birds", "railway", "chess"):

@@ -37,9 +37,11 @@ shown in errors). Control messages carry an HMAC-SHA256 over their whole content
 nonces. Every size, count and key length is checked before use (`protocol`); nothing is unpickled.
 With `curve_secret_key` (or `_file`), the control channel is also ZMQ CURVE: encrypted, and only
 peers holding the fleet's CURVE key complete the ZMQ handshake (`curve`). Refusals are counted
-(`auth_refused`, `malformed`) and logged once per cause. After the handshake the data stream is
-not encrypted or MACed per message: the chunk checksum catches corruption, not an active attacker
-on the path (use a trusted network for the data port).
+(`auth_refused`, `malformed`) and logged once per cause. Without TLS, the data stream after the
+handshake is not encrypted or MACed per message: the chunk checksum catches corruption, not an
+active attacker on the path (use a trusted network for the data port). With `tls_cert_file`,
+`tls_key_file` and `tls_ca_file`, every data connection is mutual TLS under the fleet's CA (`tls`):
+encrypted, and refused (`auth_refused`) for a peer without a certificate the CA signed.
 
 Threads (all in the tier process): the dispatch thread only queues work; `io_threads` load threads
 plus one store thread (two `IoPool`s); one lookup thread (owns the DEALER sockets); one control

@@ -33,6 +33,7 @@ from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.protocol import PeerFailure
+from kvtier.tiers.p2p.tls import Tls
 
 
 class _Reset(Exception):
@@ -56,8 +57,10 @@ class Fetcher:
     def __init__(
         self, secret: Secret, layout_fp: bytes, row_bytes: int, book: TierBook, failures: FailureLog, *,
         connect_timeout_s: float, transfer_timeout_s: float, reconnect_interval_s: float,
+        tls: Tls | None = None,
     ) -> None:
         self._secret = secret
+        self._tls = tls
         self._fp = layout_fp
         self._row_bytes = row_bytes
         self._spans = rowhash.piece_spans(row_bytes)
@@ -180,6 +183,8 @@ class Fetcher:
         try:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             protocol.set_timeout(conn, self._transfer_timeout_s)
+            if self._tls is not None:
+                conn = self._tls.wrap_client(conn, self._transfer_timeout_s)
             protocol.client_handshake(conn, self._secret, self._fp, self._row_bytes)
         except BaseException:
             conn.close()

@@ -30,6 +30,7 @@ Data (plain TCP, one connection per requester thread and peer, persistent):
 from __future__ import annotations
 
 import socket
+import ssl
 import struct
 import time
 from dataclasses import dataclass
@@ -133,7 +134,11 @@ def decode_control(secret: Secret, frames: list[bytes]) -> Control:
 def set_timeout(sock: socket.socket, seconds: float) -> None:
     """Make `sock` blocking, each send or receive call failing (OSError) after `seconds` without
     progress. The timeouts are the kernel's (SO_SNDTIMEO, SO_RCVTIMEO), not Python's poll loop, so a
-    whole piece moves in one system call (`recv_exact` waits for all of it with MSG_WAITALL)."""
+    whole piece moves in one system call (`recv_exact` waits for all of it with MSG_WAITALL). A TLS
+    socket gets Python's timeout instead: OpenSSL retries a read the kernel timed out."""
+    if isinstance(sock, ssl.SSLSocket):
+        sock.settimeout(seconds)
+        return
     sock.settimeout(None)
     whole = int(seconds)
     tv = struct.pack("ll", whole, int((seconds - whole) * 1e6))
@@ -144,8 +149,9 @@ def set_timeout(sock: socket.socket, seconds: float) -> None:
 def recv_exact(sock: socket.socket, out: memoryview) -> None:
     """Fill `out` from `sock`; ConnectionError when the peer closes first."""
     have = 0
+    flags = 0 if isinstance(sock, ssl.SSLSocket) else socket.MSG_WAITALL  # TLS takes no flags
     while have < len(out):
-        got = sock.recv_into(out[have:], 0, socket.MSG_WAITALL)
+        got = sock.recv_into(out[have:], 0, flags)
         if got == 0:
             raise ConnectionError("peer closed the connection")
         have += got
@@ -154,6 +160,10 @@ def recv_exact(sock: socket.socket, out: memoryview) -> None:
 def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
     """Fill every buffer of `parts` in order from `sock` (scattered reads, one system call when the
     bytes come in time); ConnectionError when the peer closes first."""
+    if isinstance(sock, ssl.SSLSocket):  # no scattered reads through TLS: one buffer at a time
+        for part in parts:
+            recv_exact(sock, part)
+        return
     while parts:
         got = sock.recvmsg_into(parts, 0, socket.MSG_WAITALL)[0]
         if got == 0:
@@ -163,6 +173,10 @@ def recv_parts(sock: socket.socket, parts: list[memoryview]) -> None:
 
 def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
     """Send every buffer of `parts` in order (gathered writes: one system call when they fit)."""
+    if isinstance(sock, ssl.SSLSocket):  # no gathered writes through TLS: one buffer at a time
+        for part in parts:
+            sock.sendall(part)
+        return
     while parts:
         parts = _advance(parts, sock.sendmsg(parts))
 

@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import socket
+import ssl
 import threading
 from urllib.parse import urlsplit
 
@@ -36,6 +37,7 @@ from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.curve import Curve
 from kvtier.tiers.p2p.index import ChunkIndex
 from kvtier.tiers.p2p.protocol import PeerFailure
+from kvtier.tiers.p2p.tls import Tls
 
 POLL_MS = 200
 _TRAILER_OK = memoryview(protocol.TRAILER_OK)
@@ -48,9 +50,10 @@ class P2PServer:
         self, zctx: zmq.Context[zmq.Socket[bytes]], listen: str, secret: Secret, index: ChunkIndex,
         region: memoryview, row_bytes: int, layout_fp: bytes, instance_id: bytes, book: TierBook,
         failures: FailureLog, *, max_connections: int, handshake_timeout_s: float, idle_timeout_s: float,
-        transfer_timeout_s: float, curve: Curve | None = None,
+        transfer_timeout_s: float, curve: Curve | None = None, tls: Tls | None = None,
     ) -> None:
         self._secret = secret
+        self._tls = tls
         self._index = index
         self._region = region
         self._row_bytes = row_bytes
@@ -152,6 +155,8 @@ class P2PServer:
         try:
             protocol.set_timeout(conn, self._handshake_timeout_s)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            if self._tls is not None:
+                conn = self._wrap(conn, self._tls)
             if not protocol.server_handshake(conn, self._secret, self._fp, self._row_bytes):
                 return
             head = memoryview(bytearray(protocol.STATUS_CHUNK + bytes(chunkfmt.HEADER_BYTES)))
@@ -174,6 +179,23 @@ class P2PServer:
             with self._lock:
                 self._conns.discard(conn)
             conn.close()
+
+    def _wrap(self, conn: socket.socket, tls: Tls) -> socket.socket:
+        """`conn` after the TLS handshake, in place of the plain socket among the connections
+        `close` ends (the plain one is detached by the wrap). A handshake that fails (no TLS, a
+        certificate the fleet CA did not sign) or does not end within the handshake timeout raises
+        AuthError."""
+        with self._lock:
+            self._conns.discard(conn)
+        try:
+            wrapped = tls.wrap_server(conn, self._handshake_timeout_s)
+        except ssl.SSLError as e:
+            raise protocol.AuthError(f"TLS handshake failed ({e.reason})") from None
+        except OSError:
+            raise protocol.AuthError("no TLS handshake within handshake_timeout_s") from None
+        with self._lock:
+            self._conns.add(wrapped)
+        return wrapped
 
     def _send_chunk(self, conn: socket.socket, key: bytes, head: memoryview) -> None:
         """Answer one key: a miss, or the header and the row, each piece checked just before it goes.

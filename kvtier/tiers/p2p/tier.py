@@ -26,6 +26,7 @@ from kvtier.tiers.p2p.fetch import Fetcher, Request
 from kvtier.tiers.p2p.index import ChunkIndex, Claim
 from kvtier.tiers.p2p.lookup import PeerLookup
 from kvtier.tiers.p2p.server import P2PServer
+from kvtier.tiers.p2p.tls import Tls, load_tls
 
 BATCH_BYTES = 16 << 20
 """About how many bytes of rows one data request asks for (between 1 and MAX_FETCH_KEYS keys)."""
@@ -66,6 +67,9 @@ class P2PTier(BookedTier):
         Option("secret_file", Kind.TEXT),
         Option("curve_secret_key", Kind.TEXT, show=hidden),
         Option("curve_secret_key_file", Kind.TEXT),
+        Option("tls_cert_file", Kind.TEXT),
+        Option("tls_key_file", Kind.TEXT),
+        Option("tls_ca_file", Kind.TEXT),
         Option("listen", Kind.TEXT, "tcp://127.0.0.1:0", test=_is_tcp, allowed=TCP_ADDRESS),
         Option("peers", Kind.TEXTS, (), test=_is_tcp,
                allowed="must be a list of tcp://HOST:PORT addresses"),
@@ -86,8 +90,10 @@ class P2PTier(BookedTier):
     )
     """`secret` or `secret_file` (shared by every peer; required, at least 16 bytes),
     `curve_secret_key` or `curve_secret_key_file` (optional: the fleet's ZMQ CURVE secret key, Z85;
-    see `curve`), `listen` (ZMQ address to bind; port 0 picks a free one), `peers` (static list of
-    peers' `listen` addresses; our own is ignored), `discovery_url` (a redis URL: peers register
+    see `curve`), `tls_cert_file`, `tls_key_file` and `tls_ca_file` (optional, all three: mutual
+    TLS on the data connections with the fleet CA's certificates; see `tls`), `listen` (ZMQ address
+    to bind; port 0 picks a free one), `peers` (static list of peers' `listen` addresses; our own is
+    ignored), `discovery_url` (a redis URL: peers register
     there and read each other; with `discovery_prefix`, `discovery_ttl_s`, and `advertise`, the
     address peers should use when `listen` binds a wildcard), `io_threads` (concurrent loads),
     `lookup_timeout_s` (a silent peer's answer counts as a miss after this), `lookup_ttl_s` (how
@@ -100,6 +106,7 @@ class P2PTier(BookedTier):
         o = check_options(self.OPTIONS, options)
         key = load_secret(o["secret"], o["secret_file"])
         curve = load_curve(o["curve_secret_key"], o["curve_secret_key_file"])
+        tls = load_tls(o["tls_cert_file"], o["tls_key_file"], o["tls_ca_file"])
         self._failures = FailureLog(ctx.log, f"p2p tier {ctx.tier_name}")
         self._index = ChunkIndex(ctx.num_slots)
         self._spans = rowhash.piece_spans(ctx.row_bytes)
@@ -112,8 +119,8 @@ class P2PTier(BookedTier):
         self._zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self._built: list[_Closable] = []
         try:
-            self._serve(o, key, curve)
-            self._ask_peers(o, key, curve)
+            self._serve(o, key, curve, tls)
+            self._ask_peers(o, key, curve, tls)
             self._load_pool = IoPool(self._threads, 0, f"kvtier-p2p-{ctx.tier_name}-load")
             self._store_pool = IoPool(0, 1, f"kvtier-p2p-{ctx.tier_name}-store")
         except BaseException:
@@ -123,7 +130,7 @@ class P2PTier(BookedTier):
                      ctx.tier_name, self.address, self._server.data_port, len(o["peers"]),
                      ", redis discovery" if o["discovery_url"] else "")
 
-    def _serve(self, o: dict[str, Any], key: Secret, curve: Curve | None) -> None:
+    def _serve(self, o: dict[str, Any], key: Secret, curve: Curve | None, tls: Tls | None) -> None:
         """Start the serving half (and the CURVE gate); ConfigError naming `listen` when it
         cannot bind. Constructor only."""
         if curve is not None:
@@ -134,14 +141,15 @@ class P2PTier(BookedTier):
                 self._fp, self._instance_id, self._book, self._failures,
                 max_connections=o["max_connections"], handshake_timeout_s=o["handshake_timeout_s"],
                 idle_timeout_s=o["idle_timeout_s"], transfer_timeout_s=o["transfer_timeout_s"],
-                curve=curve,
+                curve=curve, tls=tls,
             )
         except (zmq.ZMQError, OSError) as e:
             raise ConfigError("listen", o["listen"], f"cannot listen there: {e}") from None
         self.address = self._server.address
         self._built.append(self._server)
 
-    def _ask_peers(self, o: dict[str, Any], key: Secret, curve: Curve | None) -> None:
+    def _ask_peers(self, o: dict[str, Any], key: Secret, curve: Curve | None,
+                   tls: Tls | None) -> None:
         """Start the asking half: lookups, fetches, and discovery when configured. Constructor
         only, after `_serve`."""
         own = o["advertise"] or self.address
@@ -154,7 +162,7 @@ class P2PTier(BookedTier):
         self._fetcher = Fetcher(
             key, self._fp, self.ctx.row_bytes, self._book, self._failures,
             connect_timeout_s=o["connect_timeout_s"], transfer_timeout_s=o["transfer_timeout_s"],
-            reconnect_interval_s=o["reconnect_interval_s"],
+            reconnect_interval_s=o["reconnect_interval_s"], tls=tls,
         )
         self._built.append(self._fetcher)
         peers = list(o["peers"])

@@ -1,0 +1,228 @@
+"""Clean shutdown: on every orderly way an engine stops, kvtier's host region leaves /dev/shm and its
+tier processes exit within seconds.
+
+- a real `kvtier serve` server stopped with SIGTERM (`kill PID`) or SIGINT to its process group
+  (Ctrl-C): vLLM's API server SIGKILLs its engine core a moment after its SIGTERM, so only the
+  region's reaper can remove the region then;
+- an in-process engine dropped and garbage-collected without a shutdown (an engine shut down is
+  checked by every module's `make_llm` teardown, see `conftest.py`);
+- a script that ends with its engine still up (vLLM's default engine-core process: its client's
+  finalizer stops it at interpreter exit).
+A process that was SIGKILLed is covered by the reaper's own test (`tests/host/test_reaper.py`).
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.bench.multiturn.server import stop_process_group
+from kvtier.host.reaper import owner_alive, start_time
+from kvtier.host.region import SHM_DIR
+from kvtier.integrations.vllm.launch import isolated_env, transfer_config
+from tests.integrations.conftest import BLOCK_SIZE, _model_path, connector_halves
+from tests.test_serve import _free_port, _get
+
+pytestmark = pytest.mark.slow
+
+ROOT = Path(__file__).resolve().parents[2]
+GONE_WITHIN_S = 5.0
+ROW_BYTES = 30 * 2 * 3 * 32 * 64 * 4  # SmolLM2 float32, one 32-token block per chunk
+
+
+def _children() -> dict[int, list[int]]:
+    """ppid -> pids of every process now."""
+    out: dict[int, list[int]] = {}
+    for name in os.listdir("/proc"):
+        if not name.isdigit():
+            continue
+        try:
+            with open(f"/proc/{name}/stat", "rb") as f:
+                stat = f.read()
+        except OSError:
+            continue
+        ppid = int(stat[stat.rindex(b")") + 2 :].split()[1])
+        out.setdefault(ppid, []).append(int(name))
+    return out
+
+
+def _tree(pid: int) -> list[int]:
+    """`pid` and all its descendants now."""
+    children, found, todo = _children(), [], [pid]
+    while todo:
+        p = todo.pop()
+        found.append(p)
+        todo.extend(children.get(p, []))
+    return found
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return f.read().replace(b"\0", b" ").decode(errors="replace")
+    except OSError:
+        return ""
+
+
+def _regions_of(pids: list[int]) -> list[str]:
+    prefixes = tuple(f"kvtier-{p}-" for p in pids)
+    return [n for n in os.listdir(SHM_DIR) if n.startswith(prefixes)]
+
+
+def _tier_processes(pids: list[int]) -> list[tuple[int, int]]:
+    """(pid, start time) of the kvtier tier processes among `pids`."""
+    found = []
+    for p in pids:
+        started = start_time(p)
+        if started is not None and "kvtier.tiers.worker" in _cmdline(p):
+            found.append((p, started))
+    return found
+
+
+def _assert_all_gone(regions: list[str], tiers: list[tuple[int, int]], what: str) -> float:
+    """Wait until no region in `regions` exists, no process in `tiers` lives, and no process names
+    one of the regions (its reaper); return how long it took. Fails after `GONE_WITHIN_S`."""
+    t0 = time.monotonic()
+    while True:
+        left_regions = [r for r in regions if os.path.exists(os.path.join(SHM_DIR, r))]
+        left_tiers = [p for p, s in tiers if owner_alive(p, s)]
+        left_reapers = [p for p in _tree(1) if any(r in _cmdline(p) for r in regions)]
+        if not (left_regions or left_tiers or left_reapers):
+            return time.monotonic() - t0
+        assert time.monotonic() - t0 < GONE_WITHIN_S, (
+            f"{what}: after {GONE_WITHIN_S} s, regions {left_regions}, tier processes {left_tiers}, "
+            f"reapers {left_reapers} are left")
+        time.sleep(0.1)
+
+
+# -- a real `kvtier serve` server ------------------------------------------------------------------
+
+
+class _Server:
+    def __init__(self, tmp: Path) -> None:
+        self.port = _free_port()
+        self.log_path = tmp / "server.log"
+        env = {**os.environ, **isolated_env(tmp, in_process=False)}
+        args = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smol",
+                "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "2",
+                "--kv-cache-memory-bytes", str(64 << 20), "--block-size", "32"]
+        with self.log_path.open("w") as log:
+            self.proc = subprocess.Popen(
+                [sys.executable, "-m", "kvtier.cli", "serve", str(_model_path()),
+                 "--cpu-gb", "0.03125", "--fs", str(tmp / "fs"), "--", *args],
+                stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+
+    def wait_up(self, deadline: float) -> None:
+        while True:
+            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "server not up in time"
+            try:
+                _get(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                return
+            except OSError:
+                time.sleep(1)
+
+
+@pytest.fixture(scope="module")
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Server]]:
+    """Two servers started side by side (their start-up, mostly imports, overlaps)."""
+    started = {name: _Server(tmp_path_factory.mktemp(f"serve-{name}")) for name in ("term", "int")}
+    try:
+        deadline = time.monotonic() + 400  # ~40 s idle; minutes when the 2 cores are shared
+        for server in started.values():
+            server.wait_up(deadline)
+        yield started
+    finally:
+        for server in started.values():
+            stop_process_group(server.proc, 20.0)
+
+
+@pytest.mark.parametrize(("name", "sig", "group"), [
+    ("term", signal.SIGTERM, False),  # `kill PID`, a service manager's stop
+    ("int", signal.SIGINT, True),  # Ctrl-C: the terminal signals the whole foreground group
+])
+def test_server_stopped_by_a_signal_leaves_nothing(
+    servers: dict[str, _Server], name: str, sig: signal.Signals, group: bool,
+) -> None:
+    server = servers[name]
+    reply = _get(f"http://127.0.0.1:{server.port}/v1/completions", {
+        "model": "smol", "prompt": "The capital of France is " * 12, "max_tokens": 4})
+    assert '"text"' in reply
+    tree = _tree(server.proc.pid)
+    regions, tiers = _regions_of(tree), _tier_processes(tree)
+    assert len(regions) == 1, (regions, tree)
+    assert len(tiers) == 1, tiers
+    (os.killpg if group else os.kill)(server.proc.pid, sig)
+    server.proc.wait(30)
+    took = _assert_all_gone(regions, tiers, f"kvtier serve after {sig.name}")
+    print(f"{sig.name}: region and tier process gone {took:.2f} s after the server exited")
+
+
+# -- an in-process engine --------------------------------------------------------------------------
+
+
+def _extra(fs_dir: Path) -> dict[str, Any]:
+    return {"cpu_bytes_to_use": 8 * ROW_BYTES,
+            "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}]}
+
+
+def _parts(llm: Any) -> tuple[list[str], list[tuple[int, int]]]:
+    manager = connector_halves(llm)[0].manager
+    regions = [manager.region.name]
+    tiers = [(t.pid, start_time(t.pid)) for t in manager.tiers.values()]
+    assert all(s is not None for _, s in tiers) and len(tiers) == 1
+    return regions, tiers
+
+
+def test_llm_garbage_collected_leaves_nothing(vllm_env: Path, tmp_path: Path) -> None:
+    from vllm import LLM
+
+    llm = LLM(model=str(_model_path()), kv_transfer_config=transfer_config(_extra(tmp_path)),
+              dtype="float32", enforce_eager=True, block_size=BLOCK_SIZE,
+              num_gpu_blocks_override=64, kv_cache_memory_bytes=64 << 20, max_model_len=1024)
+    regions, tiers = _parts(llm)
+    del llm
+    gc.collect()
+    _assert_all_gone(regions, tiers, "LLM garbage-collected")
+
+
+_SCRIPT = """
+import sys
+from vllm import LLM
+from kvtier.integrations.vllm.launch import transfer_config
+llm = LLM(model=sys.argv[1], kv_transfer_config=transfer_config({extra!r}), **{llm!r})
+print("\\nup", flush=True)
+sys.stdin.readline()
+"""
+
+
+def test_script_ending_with_its_engine_up_leaves_nothing(vllm_env: Path, tmp_path: Path) -> None:
+    """A user's script with vLLM's default engine-core process ends without shutting it down."""
+    llm = {"dtype": "float32", "enforce_eager": True, "block_size": BLOCK_SIZE,
+           "num_gpu_blocks_override": 64, "kv_cache_memory_bytes": 64 << 20, "max_model_len": 1024}
+    env = {**os.environ, "VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+    script = _SCRIPT.format(extra=_extra(tmp_path), llm=llm)
+    proc = subprocess.Popen([sys.executable, "-c", script, str(_model_path())], env=env, cwd=ROOT,
+                            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    assert proc.stdin is not None and proc.stdout is not None
+    try:
+        lines = iter(proc.stdout.readline, "")  # vLLM logs on stdout too
+        assert any(line.strip() == "up" for line in lines), "the script's engine did not start"
+        tree = _tree(proc.pid)
+        regions, tiers = _regions_of(tree), _tier_processes(tree)
+        assert len(regions) == 1 and len(tiers) == 1, (regions, tiers)
+        proc.stdin.close()
+        assert proc.wait(60) == 0
+        _assert_all_gone(regions, tiers, "script exit")
+    finally:
+        stop_process_group(proc, 5.0)
