@@ -25,7 +25,8 @@ from kvtier.config import KVTierConfig
 from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
 from kvtier.metrics import KVTierMetrics
-from kvtier.policies.base import AdmissionPolicy, AdmitAll
+from kvtier.policies.admission import AdmissionChain
+from kvtier.policies.base import DEFAULT_PRIORITY, AdmitAll
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
 from kvtier.tiers.process import TierProcess, TierSpec
 
@@ -75,7 +76,7 @@ class TieringManager:
         self,
         host: HostTier,
         tiers: Sequence[TierHandle],
-        admission: AdmissionPolicy | None = None,
+        admission: AdmissionChain | None = None,
         metrics: KVTierMetrics | None = None,
         lookup_wait_s: float = 0.0,
     ) -> None:
@@ -83,7 +84,7 @@ class TieringManager:
         self.tiers = {t.name: t for t in tiers}
         if len(self.tiers) != len(tiers) or HOST in self.tiers:
             raise ValueError(f"tier names must be unique and not {HOST!r}")
-        self.admission = admission or AdmitAll()
+        self.admission = admission or AdmissionChain([AdmitAll()])
         self._job_ids = itertools.count(1)
         self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
@@ -127,9 +128,9 @@ class TieringManager:
                 started.append(proc)
             for proc in started:
                 proc.wait_ready()
-            manager = cls(
-                host, started, config.admission_class(), lookup_wait_s=config.tier_lookup_wait_s
-            )
+            settings = config.admission_settings()
+            admission = AdmissionChain([c(settings) for c in config.admission_classes])
+            manager = cls(host, started, admission, lookup_wait_s=config.tier_lookup_wait_s)
         except BaseException:
             for proc in reversed(started):
                 proc.shutdown()
@@ -168,10 +169,6 @@ class TieringManager:
             # promotion started on a partial answer would cap the hit at its first chunks.
             promoting = self._promote(keys[:ready], rest[: len(sources)], sources)
             pending = bool(promoting)
-        if not pending:
-            # Counted once per request, not on every "ask again" while a promotion runs.
-            for key in keys:
-                self.admission.record_access(key)
         return PrefixLookup(ready, pending, promoting)
 
     def _find(
@@ -222,14 +219,41 @@ class TieringManager:
             self.tiers[name].submit_load(job)
         return tuple(sources[:fitted]) if by_tier else ()
 
-    # -- cascades ------------------------------------------------------------------------------
+    # -- admission and cascades ----------------------------------------------------------------
 
-    def cascade(self, keys: Sequence[ChunkKey], priority: int = 0, skip: str | None = None) -> None:
+    def record_request(self, keys: Sequence[ChunkKey]) -> None:
+        """A request whose prompt has these chunk keys arrived: called once per request, for the
+        admission policies that count sightings."""
+        for key in keys:
+            self.admission.record_access(key)
+
+    def admit(self, keys: Sequence[ChunkKey], tier: str, priority: int) -> list[ChunkKey]:
+        """The `keys` the admission policies let into `tier` ("host" or a secondary tier's name)
+        for a request of retention `priority`, in order; admitted and rejected chunks are counted."""
+        if self.admission.admits_all:
+            admitted = list(keys)
+        else:
+            admitted = []
+            rejected: dict[str, int] = {}
+            for key in keys:
+                reason = self.admission.rejected_by(key, tier, priority)
+                if reason is None:
+                    admitted.append(key)
+                else:
+                    rejected[reason] = rejected.get(reason, 0) + 1
+            for reason, count in rejected.items():
+                self.metrics.inc("rejected_chunks", count, tier, reason)
+        self.metrics.inc("admitted_chunks", len(admitted), tier)
+        return admitted
+
+    def cascade(
+        self, keys: Sequence[ChunkKey], priority: int = DEFAULT_PRIORITY, skip: str | None = None
+    ) -> None:
         """Copy host-resident `keys` to every secondary tier (but `skip`) that admits them."""
         for name, tier in self.tiers.items():
             if name == skip:
                 continue
-            admitted = [k for k in keys if self.admission.admit(k, name, priority)]
+            admitted = self.admit(keys, name, priority)
             resident = [k for k in admitted if self.host.contains(k)]
             self.metrics.inc("cascade_skipped_chunks", len(admitted) - len(resident), name)
             slots = self.host.prepare_load(resident) if resident else None

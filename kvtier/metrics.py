@@ -1,7 +1,8 @@
 """kvtier's Prometheus metrics, declared in one place (`METRICS`), all named `kvtier_*`.
 
 Labels are bounded: `tier` is "host" or a configured secondary tier's name; `op` is "store" or
-"load"; `source` is "device", "host", a secondary tier's name, or "recomputed". For the host tier,
+"load"; `reason` is a configured admission policy's name; `source` is "device", "host", a
+secondary tier's name, or "recomputed". For the host tier,
 "store" is a device → host copy and "load" a host → device copy; for a secondary tier, "store" is
 a cascade (host → tier) and "load" a promotion (tier → host).
 
@@ -61,6 +62,9 @@ METRICS: tuple[MetricSpec, ...] = (
                "Chunks not promoted because the host tier had no room for them (they are recomputed)"),
     MetricSpec("cascade_skipped_chunks", "counter",
                "Chunks not copied to the tier because their host rows could not be pinned", _T),
+    MetricSpec("admitted_chunks", "counter", "Chunks the admission policies let into the tier", _T),
+    MetricSpec("rejected_chunks", "counter",
+               "Chunks kept out of the tier, by the admission policy that refused them", ("tier", "reason")),
 )
 SPECS = {spec.name: spec for spec in METRICS}
 

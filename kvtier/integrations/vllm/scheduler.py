@@ -42,9 +42,10 @@ from kvtier.integrations.vllm.accounting import Accounting, RequestHits
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.options import RequestOptions
+from kvtier.integrations.vllm.options import RequestOptions, retention_priority
 from kvtier.keys import ChunkHasher
 from kvtier.manager import TieringManager
+from kvtier.policies.base import DEFAULT_PRIORITY
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -67,8 +68,13 @@ class _Request:
     lora: str | None
     options: RequestOptions
     hits: RequestHits
+    priority: int
     load_from: int = 0
     stored: int = 0
+    asked: int = 0
+    """Chunks before this index were put to the host tier's admission (device → host gate)."""
+    refused: set[int] = field(default_factory=set)
+    """Indices of the chunks the host tier's admission refused: never stored for this request."""
     looked_up: int = 0
     promoted_from: dict[int, str] = field(default_factory=dict)
     released: bool = False
@@ -93,7 +99,7 @@ class _Copy:
 @dataclass
 class _Store(_Copy):
     keys: list[bytes] = field(default_factory=list)
-    priority: int = 0
+    priority: int = DEFAULT_PRIORITY
 
 
 @dataclass
@@ -251,22 +257,27 @@ class KVTierScheduler:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
         if done <= state.stored or state.options.skip_store or self._block_ids_of is None:
             return None
-        first = state.stored
-        keys = state.keys[first:done]
+        if done > state.asked:
+            asked = state.keys[state.asked : done]
+            admitted = set(self.manager.admit(asked, HOST, state.priority))
+            state.refused.update(c for c, k in enumerate(asked, state.asked) if k not in admitted)
+            state.asked = done
+        wanted = [c for c in range(state.stored, done) if c not in state.refused]
+        keys = [state.keys[c] for c in wanted]
         slots, fitted = self.manager.host.prepare_store_prefix(keys)
         # Chunks that found no room (rows pinned by copies in flight) are tried again at the
         # request's next step; a later chunk is never stored before them.
-        state.stored = first + fitted
+        state.stored = wanted[fitted] if fitted < len(wanted) else done
         if fitted < len(keys):
             self.accounting.store_rejected(len(keys) - fitted)
-        new = [(c, key) for c, key in enumerate(keys, first) if key in slots]
+        new = [(c, key) for c, key in zip(wanted[:fitted], keys, strict=False) if key in slots]
         if not new:
             return None
         ids = self._block_ids_of(state.request.request_id)
         bpc = self.geometry.blocks_per_chunk
         chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c, _ in new)
         job_id = next(self._job_ids)
-        self._stores[job_id] = _Store(keys=[key for _, key in new], priority=state.options.priority)
+        self._stores[job_id] = _Store(keys=[key for _, key in new], priority=state.priority)
         req_id = state.request.request_id
         new_keys = tuple(key for _, key in new)
         return ChunkCopy(job_id, req_id, new_keys, chunks, tuple(slots[k] for k in new_keys))
@@ -363,7 +374,10 @@ class KVTierScheduler:
         lora = request.lora_request.lora_name if request.lora_request else None
         keys = self.hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
         options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
-        state = _Request(request, keys, lora, options, RequestHits(request.num_prompt_tokens))
+        priority = retention_priority(options, request.priority)
+        hits = RequestHits(request.num_prompt_tokens)
+        state = _Request(request, keys, lora, options, hits, priority)
+        self.manager.record_request(keys)
         if self.events is not None:
             self.events.remember(keys, request.prompt_token_ids)
         self._requests[request.request_id] = state
