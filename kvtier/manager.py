@@ -27,6 +27,7 @@ from kvtier.host.tier import HostTier
 from kvtier.metrics import KVTierMetrics
 from kvtier.policies.admission import AdmissionChain
 from kvtier.policies.base import DEFAULT_PRIORITY, AdmitAll
+from kvtier.policies.remembered import RememberedPriorities
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
 from kvtier.tiers.process import TierProcess, TierSpec
 
@@ -67,6 +68,7 @@ class _Transfer:
     tier: str
     kind: JobKind
     keys: tuple[ChunkKey, ...]
+    priority: int
 
 
 class TieringManager:
@@ -97,6 +99,8 @@ class TieringManager:
         self.metrics = metrics or KVTierMetrics()
         """Where every transfer, failure and refusal of this manager is counted."""
         self.region: HostRegion | None = None
+        self.priorities = RememberedPriorities()
+        """The priority each chunk was cascaded with: a promoted chunk gets it back."""
 
     @classmethod
     def from_config(
@@ -150,13 +154,16 @@ class TieringManager:
     # -- lookups and promotions ----------------------------------------------------------------
 
     def lookup_prefix(
-        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True
+        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True,
+        priority: int = DEFAULT_PRIORITY,
     ) -> PrefixLookup:
         """How many leading `keys` are ready in the host tier; promote what follows if found.
 
         `tiers` restricts which secondary tiers may serve (None: all of them). With `promote`
         False the answer is what the host tier holds now (and the promotions in flight): a caller
         whose promotion already ran takes what it brought rather than evicting to promote again.
+        A promoted chunk gets the retention priority it was cascaded with, or the caller's
+        `priority` when higher (or when that is not remembered).
         """
         ready = self.host.lookup(keys)
         rest = keys[ready:]
@@ -167,7 +174,7 @@ class TieringManager:
         if sources and not pending:
             # Only a fully known run is promoted: the caller promotes once per request, so a
             # promotion started on a partial answer would cap the hit at its first chunks.
-            promoting = self._promote(keys[:ready], rest[: len(sources)], sources)
+            promoting = self._promote(keys[:ready], rest[: len(sources)], sources, priority)
             pending = bool(promoting)
         return PrefixLookup(ready, pending, promoting)
 
@@ -196,7 +203,8 @@ class TieringManager:
         return sources, False
 
     def _promote(
-        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str]
+        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str],
+        priority: int,
     ) -> tuple[str, ...]:
         """Allocate host slots for the leading `keys` that fit and load each from its source tier;
         returns the source of each chunk promoted (empty: none fitted).
@@ -214,7 +222,7 @@ class TieringManager:
             if key in slots:
                 by_tier.setdefault(source, []).append(key)
         for name, tier_keys in by_tier.items():
-            job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys])
+            job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys], priority)
             self._claimed.update(tier_keys)
             self.tiers[name].submit_load(job)
         return tuple(sources[:fitted]) if by_tier else ()
@@ -250,6 +258,7 @@ class TieringManager:
         self, keys: Sequence[ChunkKey], priority: int = DEFAULT_PRIORITY, skip: str | None = None
     ) -> None:
         """Copy host-resident `keys` to every secondary tier (but `skip`) that admits them."""
+        self.priorities.remember(keys, priority)
         for name, tier in self.tiers.items():
             if name == skip:
                 continue
@@ -258,7 +267,7 @@ class TieringManager:
             self.metrics.inc("cascade_skipped_chunks", len(admitted) - len(resident), name)
             slots = self.host.prepare_load(resident) if resident else None
             if slots is not None:
-                tier.submit_store(self._job(name, JobKind.STORE, resident, slots))
+                tier.submit_store(self._job(name, JobKind.STORE, resident, slots, priority))
 
     # -- completions ---------------------------------------------------------------------------
 
@@ -281,15 +290,20 @@ class TieringManager:
         if transfer.kind is JobKind.STORE:
             self.host.complete_load(transfer.keys)
             return
-        self.host.complete_store(done, success=True)
+        by_priority: dict[int, list[ChunkKey]] = {}
+        for key in done:
+            kept = max(self.priorities.get(key, transfer.priority), transfer.priority)
+            by_priority.setdefault(kept, []).append(key)
+        for priority, keys in by_priority.items():
+            self.host.complete_store(keys, success=True, priority=priority)
         self.host.complete_store(failed, success=False)
         self._claimed.difference_update(failed)
         hold = [k for k in done if k in self._claimed]
         self._claimed.difference_update(hold)
         if hold and self.host.prepare_load(hold) is not None:
             self._held.update(hold)
-        if done:
-            self.cascade(done, skip=transfer.tier)
+        for priority, keys in by_priority.items():
+            self.cascade(keys, priority, skip=transfer.tier)
 
     def release(self, keys: Sequence[ChunkKey]) -> None:
         """Release the hold a promotion puts on each of `keys` (keys without one are ignored).
@@ -323,7 +337,9 @@ class TieringManager:
     def in_flight(self) -> int:
         return len(self._transfers)
 
-    def _job(self, tier: str, kind: JobKind, keys: Sequence[ChunkKey], slots: Sequence[int]) -> Job:
+    def _job(
+        self, tier: str, kind: JobKind, keys: Sequence[ChunkKey], slots: Sequence[int], priority: int
+    ) -> Job:
         job = Job(next(self._job_ids), kind, tuple(keys), tuple(slots))
-        self._transfers[job.job_id] = _Transfer(tier, kind, job.keys)
+        self._transfers[job.job_id] = _Transfer(tier, kind, job.keys, priority)
         return job

@@ -121,6 +121,17 @@ def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> Non
     assert [sched.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
 
 
+def test_stores_carry_the_request_priority_and_reuse_raises_it(sched: KVTierScheduler) -> None:
+    low = FakeRequest("a", PROMPT, kv_transfer_params={"kvtier": {"priority": 10}})
+    compute_prompt(sched, low, [0, 1, 2, 3])
+    keys = sched.hasher.keys(PROMPT)
+    assert [sched.manager.host.priority_of(k) for k in keys] == [10, 10, 10]
+    urgent = FakeRequest("b", PROMPT, priority=-30)  # vLLM serves it first: retention 80
+    assert sched.get_num_new_matched_tokens(urgent, 4) == (8, True)  # type: ignore[arg-type]
+    sched.update_state_after_alloc(urgent, FakeBlocks([0, 11, 12, 13]), 8)  # type: ignore[arg-type]
+    assert [sched.manager.host.priority_of(k) for k in keys] == [10, 80, 80]
+
+
 def test_chunks_filled_during_decode_are_stored_when_computed(sched: KVTierScheduler) -> None:
     req = FakeRequest("a", PROMPT[:6])  # one full chunk, then decode
     sched.test_blocks["a"] = [4, 2]  # type: ignore[attr-defined]

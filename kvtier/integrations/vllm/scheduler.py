@@ -172,7 +172,7 @@ class KVTierScheduler:
             return 0, False
         # One promotion per request: once it ran, the request takes what it brought.
         found = self.manager.lookup_prefix(
-            keys, state.options.load_tiers, promote=not state.promoted_from
+            keys, state.options.load_tiers, promote=not state.promoted_from, priority=state.priority
         )
         for i, tier in enumerate(found.promoting, start + found.ready):
             state.promoted_from.setdefault(i, tier)
@@ -212,6 +212,7 @@ class KVTierScheduler:
             slots = []
         else:
             self._loading[request.request_id] = keys
+            self.manager.host.raise_priority(keys, state.priority)
         job = ChunkCopy(next(self._job_ids), request.request_id, tuple(keys), chunks, tuple(slots))
         if slots:
             self._loads[job.job_id] = _Load(req_id=request.request_id, sources=sources)
@@ -298,7 +299,7 @@ class KVTierScheduler:
                     continue
                 del self._stores[job_id]
                 self.accounting.copied("store", len(store.keys), store.seconds, store.ok)
-                host.complete_store(store.keys, success=store.ok)
+                host.complete_store(store.keys, success=store.ok, priority=store.priority)
                 if store.ok:
                     self.manager.cascade(store.keys, store.priority)
         for req_id in output.finished_recving or ():
