@@ -10,7 +10,7 @@ from kvtier.errors import KVTierError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier import __version__
+    from kvtier import __version__, ctl
     from kvtier.bench import demo, tier_bench
     from kvtier.bench.multiturn import cli as multiturn_cli
     from kvtier.integrations.vllm.serve import add_parser as add_serve_parser
@@ -25,6 +25,7 @@ def build_parser() -> argparse.ArgumentParser:
     demo.add_parser(sub)
     add_serve_parser(sub)
     multiturn_cli.add_parser(sub)
+    ctl.add_parser(sub)
     return parser
 
 

@@ -14,6 +14,7 @@ from typing import Any
 
 from kvtier.chunks import HOST
 from kvtier.errors import ConfigError, unknown_name_message
+from kvtier.guard import SLOGuardConfig
 from kvtier.policies.base import AdmissionPolicy, AdmissionSettings, AdmitAll, EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.registry import resolve_admission, resolve_eviction
@@ -56,6 +57,9 @@ class KVTierConfig:
     tier_restart_backoff_s: float = 1.0
     tier_lookup_wait_s: float = 0.01
     shm_dir: str = "/dev/shm"
+    slo_guard: SLOGuardConfig | None = None
+    control_dir: str | None = None
+    """Where the control socket for `kvtier ctl` is made (None: `control.default_control_dir()`)."""
     eviction_class: type[EvictionPolicy[Any]] = field(default=LRUPolicy, compare=False, repr=False)
     """The class `eviction_policy` names, resolved once when the config is parsed."""
     admission_classes: tuple[type[AdmissionPolicy], ...] = field(
@@ -107,6 +111,8 @@ class KVTierConfig:
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
             tier_lookup_wait_s=_float(raw, "tier_lookup_wait_s", 0.01, minimum=0.0),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
+            control_dir=_optional_string(raw, "control_dir"),
+            slo_guard=None if raw.get("slo_guard") is None else SLOGuardConfig.from_dict(raw["slo_guard"]),
             eviction_class=resolve_eviction(policy, policy_mp),
             admission_classes=admission_classes,
         )

@@ -101,6 +101,9 @@ class TieringManager:
         self.region: HostRegion | None = None
         self.priorities = RememberedPriorities()
         """The priority each chunk was cascaded with: a promoted chunk gets it back."""
+        self._disabled: set[str] = set()
+        for name in self.tiers:
+            self.metrics.set("tier_enabled", 1.0, name)
 
     @classmethod
     def from_config(
@@ -183,7 +186,7 @@ class TieringManager:
     ) -> tuple[list[str], bool]:
         """The source tier of each of the leading keys some tier holds, and whether the run stopped
         on a key whose presence is not known yet."""
-        names = [n for n in self.tiers if tiers is None or n in tiers]
+        names = [n for n in self.tiers if (tiers is None or n in tiers) and n not in self._disabled]
         answers = {n: self.tiers[n].lookup(keys) for n in names}
         asking = [n for n in names if LookupResult.RETRY in answers[n]]
         if asking and self.lookup_wait_s > 0:
@@ -260,7 +263,7 @@ class TieringManager:
         """Copy host-resident `keys` to every secondary tier (but `skip`) that admits them."""
         self.priorities.remember(keys, priority)
         for name, tier in self.tiers.items():
-            if name == skip:
+            if name == skip or name in self._disabled:
                 continue
             admitted = self.admit(keys, name, priority)
             resident = [k for k in admitted if self.host.contains(k)]
@@ -268,6 +271,26 @@ class TieringManager:
             slots = self.host.prepare_load(resident) if resident else None
             if slots is not None:
                 tier.submit_store(self._job(name, JobKind.STORE, resident, slots, priority))
+
+    # -- switching tiers ------------------------------------------------------------------------
+
+    def tier_names(self) -> list[str]:
+        """The secondary tiers in configured order (the newest last)."""
+        return list(self.tiers)
+
+    def is_enabled(self, name: str) -> bool:
+        return name in self.tiers and name not in self._disabled
+
+    def set_enabled(self, name: str, enabled: bool) -> None:
+        """Let tier `name` take loads and stores, or stop it (it keeps its data; its jobs in flight
+        finish). Raises KeyError for an unknown name."""
+        if name not in self.tiers:
+            raise KeyError(f"no secondary tier named {name!r}; known: {', '.join(self.tiers)}")
+        if enabled:
+            self._disabled.discard(name)
+        else:
+            self._disabled.add(name)
+        self.metrics.set("tier_enabled", 1.0 if enabled else 0.0, name)
 
     # -- completions ---------------------------------------------------------------------------
 

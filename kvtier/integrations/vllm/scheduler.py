@@ -42,6 +42,7 @@ from kvtier.integrations.vllm.accounting import Accounting, RequestHits
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.operations import Operations
 from kvtier.integrations.vllm.options import RequestOptions, retention_priority
 from kvtier.keys import ChunkHasher
 from kvtier.manager import TieringManager
@@ -135,6 +136,11 @@ class KVTierScheduler:
         self._stores: dict[int, _Store] = {}
         self._loads: dict[int, _Load] = {}
         self._job_ids = itertools.count(1)
+        try:
+            self.ops = Operations(config, self.manager)
+        except BaseException:
+            self.manager.shutdown()
+            raise
 
     @property
     def region_name(self) -> str:
@@ -176,6 +182,7 @@ class KVTierScheduler:
         )
         for i, tier in enumerate(found.promoting, start + found.ready):
             state.promoted_from.setdefault(i, tier)
+        self.ops.lookup_answered(request.request_id, found.pending, state.promoted_from.values())
         if found.pending:
             return None, False
         state.load_from = start
@@ -228,6 +235,7 @@ class KVTierScheduler:
         """
         self.manager.poll()
         self.accounting.step()
+        self.ops.step(s.request for s in self._requests.values())
         stores: list[ChunkCopy] = []
         speculative = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -330,6 +338,7 @@ class KVTierScheduler:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return None
+        self.ops.finished(request)
         self._release_promoted(state)
         return self.accounting.finish(request.request_id, state.hits)
 
@@ -361,7 +370,9 @@ class KVTierScheduler:
         return True
 
     def shutdown(self) -> None:
-        """Stop the secondary tiers and remove the host region. Idempotent."""
+        """Close the control socket, stop the secondary tiers and remove the host region.
+        Idempotent."""
+        self.ops.shutdown()
         self.manager.shutdown()
 
     def _state(self, request: Request) -> _Request | None:
