@@ -10,7 +10,7 @@ from kvtier.errors import KVTierError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier import __version__
+    from kvtier import __version__, ctl
     from kvtier.bench import demo, tier_bench
     from kvtier.bench.multiturn import cli as multiturn_cli
     from kvtier.integrations.vllm import trace_record
@@ -29,6 +29,7 @@ def build_parser() -> argparse.ArgumentParser:
     multiturn_cli.add_parser(sub)
     plan_commands.add_parser(sub)
     trace_record.add_parser(sub)
+    ctl.add_parser(sub)
     return parser
 
 

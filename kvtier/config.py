@@ -12,13 +12,19 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from kvtier.chunks import HOST
 from kvtier.errors import ConfigError, unknown_name_message
-from kvtier.policies.base import AdmissionPolicy, AdmitAll, EvictionPolicy
+from kvtier.guard import SLOGuardConfig
+from kvtier.policies.base import AdmissionPolicy, AdmissionSettings, AdmitAll, EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.registry import resolve_admission, resolve_eviction
 from kvtier.tiers.registry import check_tier_options, resolve_tier
 
 HASH_ALGORITHMS = ("sha256", "blake3")
+SECONDARY_MIN_PRIORITY = 35
+"""A secondary tier's default `min_retention_priority` (TensorRT-LLM's default cut-off)."""
+TIER_KEYS = ("type", "module_path", "name", "min_retention_priority")
+"""The keys of a `secondary_tiers` entry that kvtier reads; the others are the tier's options."""
 
 
 @dataclass(frozen=True)
@@ -29,6 +35,8 @@ class TierConfig:
     name: str
     module_path: str | None = None
     options: dict[str, Any] = field(default_factory=dict)
+    min_retention_priority: int = SECONDARY_MIN_PRIORITY
+    """The lowest request retention priority the `priority` admission policy admits here."""
 
 
 @dataclass(frozen=True)
@@ -39,8 +47,10 @@ class KVTierConfig:
     blocks_per_chunk: int = 1
     eviction_policy: str = "lru"
     eviction_policy_module_path: str | None = None
-    admission_policy: str = "all"
+    admission_policy: tuple[str, ...] = ("all",)
     admission_policy_module_path: str | None = None
+    admission_min_seen: int = 2
+    host_min_retention_priority: int = 0
     hash_algorithm: str = "sha256"
     secondary_tiers: tuple[TierConfig, ...] = ()
     tier_job_timeout_s: float = 60.0
@@ -54,15 +64,26 @@ class KVTierConfig:
     """Each finished request appends a record here (`kvtier.trace.writer`); None: no trace."""
     trace_max_bytes: int = 256 << 20
     """The trace file is rotated to `trace_path.1` at this size."""
+    slo_guard: SLOGuardConfig | None = None
+    control_dir: str | None = None
+    """Where the control socket for `kvtier ctl` is made (None: `control.default_control_dir()`)."""
     eviction_class: type[EvictionPolicy[Any]] = field(default=LRUPolicy, compare=False, repr=False)
     """The class `eviction_policy` names, resolved once when the config is parsed."""
-    admission_class: type[AdmissionPolicy] = field(default=AdmitAll, compare=False, repr=False)
-    """The class `admission_policy` names, resolved once when the config is parsed."""
+    admission_classes: tuple[type[AdmissionPolicy], ...] = field(
+        default=(AdmitAll,), compare=False, repr=False
+    )
+    """The classes `admission_policy` names, resolved once when the config is parsed."""
+
+    def admission_settings(self) -> AdmissionSettings:
+        """The settings every admission policy is built with (per-tier priority minimums)."""
+        minimums = {HOST: self.host_min_retention_priority}
+        minimums.update((t.name, t.min_retention_priority) for t in self.secondary_tiers)
+        return AdmissionSettings(min_seen=self.admission_min_seen, min_retention_priority=minimums)
 
     @classmethod
     def field_names(cls) -> list[str]:
         """The JSON keys (every field but the resolved classes)."""
-        return [f.name for f in fields(cls) if not f.name.endswith("_class")]
+        return [f.name for f in fields(cls) if not f.name.endswith(("_class", "_classes"))]
 
     @classmethod
     def from_dict(cls, raw: Mapping[str, Any]) -> KVTierConfig:
@@ -77,8 +98,8 @@ class KVTierConfig:
             raise ConfigError("cpu_bytes_to_use", None, "required: the host region size in bytes")
         policy = _string(raw, "eviction_policy", "lru")
         policy_mp = _optional_string(raw, "eviction_policy_module_path")
-        admission = _string(raw, "admission_policy", "all")
         admission_mp = _optional_string(raw, "admission_policy_module_path")
+        admission, admission_classes = _admission(raw.get("admission_policy", "all"), admission_mp)
         hash_algorithm = _string(raw, "hash_algorithm", "sha256")
         if hash_algorithm not in HASH_ALGORITHMS:
             raise ConfigError("hash_algorithm", hash_algorithm, f"one of {HASH_ALGORITHMS}")
@@ -89,6 +110,8 @@ class KVTierConfig:
             eviction_policy_module_path=policy_mp,
             admission_policy=admission,
             admission_policy_module_path=admission_mp,
+            admission_min_seen=_int(raw, "admission_min_seen", 2, minimum=1),
+            host_min_retention_priority=_priority(raw, "host_min_retention_priority", 0),
             hash_algorithm=hash_algorithm,
             secondary_tiers=_tiers(raw.get("secondary_tiers", [])),
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
@@ -98,9 +121,36 @@ class KVTierConfig:
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
             trace_path=_optional_string(raw, "trace_path"),
             trace_max_bytes=_int(raw, "trace_max_bytes", 256 << 20, minimum=4096),
+            control_dir=_optional_string(raw, "control_dir"),
+            slo_guard=None if raw.get("slo_guard") is None else SLOGuardConfig.from_dict(raw["slo_guard"]),
             eviction_class=resolve_eviction(policy, policy_mp),
-            admission_class=resolve_admission(admission, admission_mp),
+            admission_classes=admission_classes,
         )
+
+
+def _admission(
+    value: object, module_path: str | None
+) -> tuple[tuple[str, ...], tuple[type[AdmissionPolicy], ...]]:
+    """`admission_policy`: one name or a non-empty list of names (all must admit)."""
+    names = [value] if isinstance(value, str) else value
+    if not isinstance(names, list) or not names:
+        raise ConfigError("admission_policy", value, "must be a policy name or a non-empty list of them")
+    if isinstance(value, str):
+        keys = ["admission_policy"]
+    else:
+        keys = [f"admission_policy[{i}]" for i in range(len(names))]
+    classes = tuple(resolve_admission(k, n, module_path) for k, n in zip(keys, names, strict=True))
+    if len(set(names)) != len(names):
+        raise ConfigError("admission_policy", value, "names a policy twice")
+    return tuple(names), classes
+
+
+def _priority(raw: Mapping[str, Any], key: str, default: int, prefix: str = "") -> int:
+    """A retention priority: an integer from 0 to 100."""
+    value = raw.get(key, default)
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+        raise ConfigError(prefix + key, value, "must be an integer from 0 to 100")
+    return value
 
 
 def _int(raw: Mapping[str, Any], key: str, default: int | None, *, minimum: int) -> int:
@@ -157,7 +207,7 @@ def _tiers(value: object) -> tuple[TierConfig, ...]:
             raise ConfigError(key, entry, 'must be an object such as {"type": "fs", ...}')
         if "type" not in entry:
             raise ConfigError(f"{key}.type", None, "required: the tier type")
-        options = {k: v for k, v in entry.items() if k not in ("type", "module_path", "name")}
+        options = {k: v for k, v in entry.items() if k not in TIER_KEYS}
         cls = resolve_tier(key, entry["type"], entry.get("module_path"))
         check_tier_options(key, cls, options)
         name = entry.get("name", entry["type"])
@@ -166,5 +216,6 @@ def _tiers(value: object) -> tuple[TierConfig, ...]:
         if name in names:
             raise ConfigError(f"{key}.name", name, "tier names must be unique; set a distinct name")
         names.add(name)
-        tiers.append(TierConfig(entry["type"], name, entry.get("module_path"), options))
+        minimum = _priority(entry, "min_retention_priority", SECONDARY_MIN_PRIORITY, f"{key}.")
+        tiers.append(TierConfig(entry["type"], name, entry.get("module_path"), options, minimum))
     return tuple(tiers)

@@ -25,7 +25,9 @@ from kvtier.config import KVTierConfig
 from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
 from kvtier.metrics import KVTierMetrics
-from kvtier.policies.base import AdmissionPolicy, AdmitAll
+from kvtier.policies.admission import AdmissionChain
+from kvtier.policies.base import DEFAULT_PRIORITY, AdmitAll
+from kvtier.policies.remembered import RememberedPriorities
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
 from kvtier.tiers.process import TierProcess, TierSpec
 
@@ -69,6 +71,7 @@ class _Transfer:
     tier: str
     kind: JobKind
     keys: tuple[ChunkKey, ...]
+    priority: int
 
 
 class TieringManager:
@@ -78,7 +81,7 @@ class TieringManager:
         self,
         host: HostTier,
         tiers: Sequence[TierHandle],
-        admission: AdmissionPolicy | None = None,
+        admission: AdmissionChain | None = None,
         metrics: KVTierMetrics | None = None,
         lookup_wait_s: float = 0.0,
     ) -> None:
@@ -86,7 +89,7 @@ class TieringManager:
         self.tiers = {t.name: t for t in tiers}
         if len(self.tiers) != len(tiers) or HOST in self.tiers:
             raise ValueError(f"tier names must be unique and not {HOST!r}")
-        self.admission = admission or AdmitAll()
+        self.admission = admission or AdmissionChain([AdmitAll()])
         self._job_ids = itertools.count(1)
         self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
@@ -99,6 +102,11 @@ class TieringManager:
         self.metrics = metrics or KVTierMetrics()
         """Where every transfer, failure and refusal of this manager is counted."""
         self.region: HostRegion | None = None
+        self.priorities = RememberedPriorities()
+        """The priority each chunk was cascaded with: a promoted chunk gets it back."""
+        self._disabled: set[str] = set()
+        for name in self.tiers:
+            self.metrics.set("tier_enabled", 1.0, name)
 
     @classmethod
     def from_config(
@@ -131,9 +139,9 @@ class TieringManager:
                 started.append(proc)
             for proc in started:
                 proc.wait_ready()
-            manager = cls(
-                host, started, config.admission_class(), lookup_wait_s=config.tier_lookup_wait_s
-            )
+            settings = config.admission_settings()
+            admission = AdmissionChain([c(settings) for c in config.admission_classes])
+            manager = cls(host, started, admission, lookup_wait_s=config.tier_lookup_wait_s)
         except BaseException:
             for proc in reversed(started):
                 proc.shutdown()
@@ -154,7 +162,7 @@ class TieringManager:
 
     def lookup_prefix(
         self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True,
-        stream: bool = False,
+        stream: bool = False, priority: int = DEFAULT_PRIORITY,
     ) -> PrefixLookup:
         """How many leading `keys` are ready in the host tier; promote what follows if found.
 
@@ -162,7 +170,9 @@ class TieringManager:
         False the answer is what the host tier holds now (and the promotions in flight): a caller
         whose promotion already ran takes what it brought rather than evicting to promote again.
         The chunks found that do not fit in the host tier now are refused (counted), or with
-        `stream` reported in `beyond` for the caller to `promote` once room is freed.
+        `stream` reported in `beyond` for the caller to `promote` once room is freed. A promoted
+        chunk gets the retention priority it was cascaded with, or the caller's `priority` when
+        higher (or when that is not remembered).
         """
         ready = self.host.lookup(keys)
         rest = keys[ready:]
@@ -174,30 +184,29 @@ class TieringManager:
         if sources and not pending:
             # Only a fully known run is promoted: the caller promotes once per request, so a
             # promotion started on a partial answer would cap the hit at its first chunks.
-            fitted = self._promote(keys[:ready], rest[: len(sources)], sources)
+            fitted = self._promote(keys[:ready], rest[: len(sources)], sources, priority)
             promoting = tuple(sources[:fitted])
             if stream:
                 beyond = tuple(sources[fitted:])
             else:
                 self.metrics.inc("promotion_refused_chunks", len(sources) - fitted)
             pending = fitted > 0
-        if not pending:
-            # Counted once per request, not on every "ask again" while a promotion runs.
-            for key in keys:
-                self.admission.record_access(key)
         return PrefixLookup(ready, pending, promoting, beyond)
 
-    def promote(self, keys: Sequence[ChunkKey], sources: Sequence[str]) -> int:
-        """Start promoting the leading `keys` that fit in the host tier, chunk i from `sources[i]`;
-        how many started (0: no room now). Each is held once loaded, until `release`d."""
-        return self._promote((), keys, sources)
+    def promote(
+        self, keys: Sequence[ChunkKey], sources: Sequence[str], priority: int = DEFAULT_PRIORITY
+    ) -> int:
+        """Start promoting the leading `keys` that fit in the host tier, chunk i from `sources[i]`
+        (retention priority as `lookup_prefix`); how many fitted (0: no room now). Each is held
+        once loaded, until `release`d."""
+        return self._promote((), keys, sources, priority)
 
     def _find(
         self, keys: Sequence[ChunkKey], tiers: Collection[str] | None
     ) -> tuple[list[str], bool]:
         """The source tier of each of the leading keys some tier holds, and whether the run stopped
         on a key whose presence is not known yet."""
-        names = [n for n in self.tiers if tiers is None or n in tiers]
+        names = [n for n in self.tiers if (tiers is None or n in tiers) and n not in self._disabled]
         answers = {n: self.tiers[n].lookup(keys) for n in names}
         asking = [n for n in names if LookupResult.RETRY in answers[n]]
         if asking and self.lookup_wait_s > 0:
@@ -217,7 +226,8 @@ class TieringManager:
         return sources, False
 
     def _promote(
-        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str]
+        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str],
+        priority: int,
     ) -> int:
         """Allocate host slots for the leading `keys` that fit and load each from its source tier;
         returns how many fitted (READY or WRITING afterwards).
@@ -233,24 +243,72 @@ class TieringManager:
             if key in slots:
                 by_tier.setdefault(source, []).append(key)
         for name, tier_keys in by_tier.items():
-            job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys])
+            job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys], priority)
             self._claimed.update(tier_keys)
             self.tiers[name].submit_load(job)
         return fitted
 
-    # -- cascades ------------------------------------------------------------------------------
+    # -- admission and cascades ----------------------------------------------------------------
 
-    def cascade(self, keys: Sequence[ChunkKey], priority: int = 0, skip: str | None = None) -> None:
+    def record_request(self, keys: Sequence[ChunkKey]) -> None:
+        """A request whose prompt has these chunk keys arrived: called once per request, for the
+        admission policies that count sightings."""
+        for key in keys:
+            self.admission.record_access(key)
+
+    def admit(self, keys: Sequence[ChunkKey], tier: str, priority: int) -> list[ChunkKey]:
+        """The `keys` the admission policies let into `tier` ("host" or a secondary tier's name)
+        for a request of retention `priority`, in order; admitted and rejected chunks are counted."""
+        if self.admission.admits_all:
+            admitted = list(keys)
+        else:
+            admitted = []
+            rejected: dict[str, int] = {}
+            for key in keys:
+                reason = self.admission.rejected_by(key, tier, priority)
+                if reason is None:
+                    admitted.append(key)
+                else:
+                    rejected[reason] = rejected.get(reason, 0) + 1
+            for reason, count in rejected.items():
+                self.metrics.inc("rejected_chunks", count, tier, reason)
+        self.metrics.inc("admitted_chunks", len(admitted), tier)
+        return admitted
+
+    def cascade(
+        self, keys: Sequence[ChunkKey], priority: int = DEFAULT_PRIORITY, skip: str | None = None
+    ) -> None:
         """Copy host-resident `keys` to every secondary tier (but `skip`) that admits them."""
+        self.priorities.remember(keys, priority)
         for name, tier in self.tiers.items():
-            if name == skip:
+            if name == skip or name in self._disabled:
                 continue
-            admitted = [k for k in keys if self.admission.admit(k, name, priority)]
+            admitted = self.admit(keys, name, priority)
             resident = [k for k in admitted if self.host.contains(k)]
             self.metrics.inc("cascade_skipped_chunks", len(admitted) - len(resident), name)
             slots = self.host.prepare_load(resident) if resident else None
             if slots is not None:
-                tier.submit_store(self._job(name, JobKind.STORE, resident, slots))
+                tier.submit_store(self._job(name, JobKind.STORE, resident, slots, priority))
+
+    # -- switching tiers ------------------------------------------------------------------------
+
+    def tier_names(self) -> list[str]:
+        """The secondary tiers in configured order (the newest last)."""
+        return list(self.tiers)
+
+    def is_enabled(self, name: str) -> bool:
+        return name in self.tiers and name not in self._disabled
+
+    def set_enabled(self, name: str, enabled: bool) -> None:
+        """Let tier `name` take loads and stores, or stop it (it keeps its data; its jobs in flight
+        finish). Raises KeyError for an unknown name."""
+        if name not in self.tiers:
+            raise KeyError(f"no secondary tier named {name!r}; known: {', '.join(self.tiers)}")
+        if enabled:
+            self._disabled.discard(name)
+        else:
+            self._disabled.add(name)
+        self.metrics.set("tier_enabled", 1.0 if enabled else 0.0, name)
 
     # -- completions ---------------------------------------------------------------------------
 
@@ -273,15 +331,20 @@ class TieringManager:
         if transfer.kind is JobKind.STORE:
             self.host.complete_load(transfer.keys)
             return
-        self.host.complete_store(done, success=True)
+        by_priority: dict[int, list[ChunkKey]] = {}
+        for key in done:
+            kept = max(self.priorities.get(key, transfer.priority), transfer.priority)
+            by_priority.setdefault(kept, []).append(key)
+        for priority, keys in by_priority.items():
+            self.host.complete_store(keys, success=True, priority=priority)
         self.host.complete_store(failed, success=False)
         self._claimed.difference_update(failed)
         hold = [k for k in done if k in self._claimed]
         self._claimed.difference_update(hold)
         if hold and self.host.prepare_load(hold) is not None:
             self._held.update(hold)
-        if done:
-            self.cascade(done, skip=transfer.tier)
+        for priority, keys in by_priority.items():
+            self.cascade(keys, priority, skip=transfer.tier)
 
     def release(self, keys: Sequence[ChunkKey]) -> None:
         """Release the hold a promotion puts on each of `keys` (keys without one are ignored).
@@ -315,7 +378,9 @@ class TieringManager:
     def in_flight(self) -> int:
         return len(self._transfers)
 
-    def _job(self, tier: str, kind: JobKind, keys: Sequence[ChunkKey], slots: Sequence[int]) -> Job:
+    def _job(
+        self, tier: str, kind: JobKind, keys: Sequence[ChunkKey], slots: Sequence[int], priority: int
+    ) -> Job:
         job = Job(next(self._job_ids), kind, tuple(keys), tuple(slots))
-        self._transfers[job.job_id] = _Transfer(tier, kind, job.keys)
+        self._transfers[job.job_id] = _Transfer(tier, kind, job.keys, priority)
         return job

@@ -1,7 +1,9 @@
 """kvtier's Prometheus metrics, declared in one place (`METRICS`), all named `kvtier_*`.
 
 Labels are bounded: `tier` is "host" or a configured secondary tier's name; `op` is "store" or
-"load"; `source` is "device", "host", a secondary tier's name, or "recomputed". For the host tier,
+"load"; `reason` is a configured admission policy's name; `config_info` carries the configuration
+(one series per engine); `source` is "device", "host", a
+secondary tier's name, or "recomputed". For the host tier,
 "store" is a device → host copy and "load" a host → device copy; for a secondary tier, "store" is
 a cascade (host → tier) and "load" a promotion (tier → host).
 
@@ -43,6 +45,8 @@ class MetricSpec:
 
 
 _T, _O, _S = ("tier",), ("tier", "op"), ("source",)
+CONFIG_LABELS = ("eviction_policy", "admission_policy", "tiers", "cpu_bytes_to_use", "blocks_per_chunk")
+"""`config_info`'s labels: one series per engine, set once at start."""
 METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("used_bytes", "gauge", "Bytes of KV chunks held by the tier", _T),
     MetricSpec("used_chunks", "gauge", "KV chunks held by the tier", _T),
@@ -61,6 +65,20 @@ METRICS: tuple[MetricSpec, ...] = (
                "Chunks not promoted because the host tier had no room for them (they are recomputed)"),
     MetricSpec("cascade_skipped_chunks", "counter",
                "Chunks not copied to the tier because their host rows could not be pinned", _T),
+    MetricSpec("admitted_chunks", "counter", "Chunks the admission policies let into the tier", _T),
+    MetricSpec("rejected_chunks", "counter",
+               "Chunks kept out of the tier, by the admission policy that refused them", ("tier", "reason")),
+    MetricSpec("tier_enabled", "gauge",
+               "1 while the secondary tier takes loads and stores, 0 once disabled (guard or operator)", _T),
+    MetricSpec("slo_rollbacks", "counter", "Secondary tiers the SLO guard disabled"),
+    MetricSpec("slo_alerts", "counter", "Sustained SLO budget overruns the guard only reported"),
+    MetricSpec("slo_over_budget", "gauge", "1 while a latency p99 the SLO guard watches is over budget"),
+    MetricSpec("promotion_wait_seconds", "histogram",
+               "Time a request waited for its promotion ('ask again' steps), by source tier", _T),
+    MetricSpec("tier_up", "gauge", "1 while the secondary tier's process is up, 0 while it is down", _T),
+    MetricSpec("tier_restarts", "gauge", "Times the secondary tier's process was restarted", _T),
+    MetricSpec("config_info", "gauge", "1, labelled with the configuration that produced these metrics",
+               CONFIG_LABELS),
 )
 SPECS = {spec.name: spec for spec in METRICS}
 

@@ -4,14 +4,14 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvtier.metrics import METRICS, PREFIX, KVTierMetrics, apply_delta, new_metric
+from kvtier.metrics import CONFIG_LABELS, METRICS, PREFIX, KVTierMetrics, apply_delta, new_metric
 
 
 def test_every_metric_has_the_prefix_and_bounded_labels() -> None:
     assert len({spec.name for spec in METRICS}) == len(METRICS)
     for spec in METRICS:
         assert spec.full_name.startswith(PREFIX)
-        assert set(spec.labels) <= {"tier", "op", "source"}
+        assert set(spec.labels) <= {"tier", "op", "source", "reason", *CONFIG_LABELS}
 
 
 def test_two_instances_in_one_process_do_not_collide() -> None:

@@ -7,6 +7,10 @@ Every entry is in one of two states:
 - READY: published, readable, indexed by the eviction policy. `prepare_load` pins it (a reference
   count); `complete_load` releases it. Only READY entries with no pin are eviction candidates.
 
+Every READY entry has a retention priority (0-100, given at `complete_store`, raised by
+`raise_priority`): eviction takes lower priorities first, and the configured policy orders the
+entries within one priority (`policies/classes.py`).
+
 Holds after every call: each slot is free, WRITING or READY, exactly one of them, and
 free + WRITING + READY == capacity; the READY index and the policy hold the same key → slot pairs;
 pins exist only on READY keys and are >= 1. `check()` verifies all of it.
@@ -25,7 +29,8 @@ from itertools import takewhile
 
 from kvtier.chunks import TierEvent, TierEventKind
 from kvtier.errors import KVTierError
-from kvtier.policies.base import EvictionPolicy
+from kvtier.policies.base import DEFAULT_PRIORITY, EvictionPolicy
+from kvtier.policies.classes import PriorityClasses
 
 
 class HostTierError(KVTierError, RuntimeError):
@@ -86,7 +91,7 @@ class HostTier:
         self._buf = buf
         self.row_bytes = row_bytes
         self.num_slots = num_slots
-        self._policy = policy
+        self._policy = PriorityClasses(policy, DEFAULT_PRIORITY)
         self._ready: dict[bytes, int] = {}
         self._writing: dict[bytes, int] = {}
         self._pins: Counter[bytes] = Counter()
@@ -131,7 +136,8 @@ class HostTier:
             protected: Container[bytes] = (
                 _Protected(self._pins, present) if present else self._pins
             )
-            victims = self._policy.evict(shortfall, protected)
+            held = [*self._pins, *present] if present else self._pins
+            victims = self._policy.evict(shortfall, protected, held)
             if victims is None:
                 return None
             evicted = [key for key, _ in victims]
@@ -169,15 +175,18 @@ class HostTier:
             done += step
         return slots, done
 
-    def complete_store(self, keys: Sequence[bytes], success: bool) -> None:
-        """Publish (success) or roll back the WRITING entries among `keys`; others are ignored."""
+    def complete_store(
+        self, keys: Sequence[bytes], success: bool, priority: int = DEFAULT_PRIORITY
+    ) -> None:
+        """Publish (success) or roll back the WRITING entries among `keys`; others are ignored.
+        Published entries get retention `priority`."""
         writing = self._writing
         take = writing.pop
         done = {key: take(key) for key in keys if key in writing}
         if not done:
             return
         if success:
-            self._policy.insert_many(done)
+            self._policy.insert_many(done, priority)
             self._ready.update(done)
             self._events.append(TierEvent(TierEventKind.STORED, tuple(done)))
         else:
@@ -199,6 +208,16 @@ class HostTier:
         for key in keys:
             touch(key)
         return slots
+
+    def raise_priority(self, keys: Sequence[bytes], priority: int) -> int:
+        """A request of retention `priority` reuses `keys`: READY keys of a lower priority move up
+        to it (others are left alone). Returns how many moved."""
+        lift = self._policy.raise_priority
+        return sum(lift(key, priority) for key in keys)
+
+    def priority_of(self, key: bytes) -> int | None:
+        """The retention priority of a READY key, or None."""
+        return self._policy.priority(key)
 
     def complete_load(self, keys: Sequence[bytes]) -> None:
         """Release one pin per key named (twice for a key named twice).
@@ -284,6 +303,10 @@ class HostTier:
             if count < 1:
                 raise HostTierError(f"key {key.hex()} holds a pin count of {count}")
         policy = self._policy
+        try:
+            policy.check()
+        except RuntimeError as e:
+            raise HostTierError(str(e)) from e
         if len(policy) != len(ready):
             raise HostTierError(f"policy holds {len(policy)} keys, READY index {len(ready)}")
         for key, slot in ready.items():

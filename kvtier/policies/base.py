@@ -8,7 +8,8 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Container, Mapping
-from typing import Generic, TypeVar
+from dataclasses import dataclass, field
+from typing import ClassVar, Generic, TypeVar
 
 V = TypeVar("V")
 
@@ -61,19 +62,49 @@ class EvictionPolicy(ABC, Generic[V]):
         return isinstance(key, bytes) and self.get(key) is not None
 
 
+DEFAULT_PRIORITY = 50
+"""The retention priority of a request that names none (priorities run from 0 to 100)."""
+
+
+@dataclass(frozen=True)
+class AdmissionSettings:
+    """What the built-in admission policies are configured with.
+
+    `min_seen`: sightings before `frequency` admits a chunk. `min_retention_priority`: per tier
+    ("host" or a secondary tier's name), the lowest priority `priority` admits (absent: 0).
+    """
+
+    min_seen: int = 2
+    min_retention_priority: Mapping[str, int] = field(default_factory=dict)
+
+
 class AdmissionPolicy(ABC):
-    """Decides whether a chunk deserves a slot in a tier."""
+    """Decides whether a chunk deserves a slot in a tier.
+
+    Asked at both gates: device → host store (`tier` is "host") and host → each secondary tier
+    (cascade). `name` labels the chunks it rejects in `kvtier_rejected_chunks{reason}`. Built with
+    the config's `AdmissionSettings`; called on the scheduler thread only.
+    """
+
+    name: ClassVar[str] = "custom"
+
+    def __init__(self, settings: AdmissionSettings | None = None) -> None:
+        self.settings = settings or AdmissionSettings()
 
     @abstractmethod
-    def admit(self, key: bytes, tier: str, priority: int = 0) -> bool:
-        """Whether `key` may be stored in `tier` ("host" or a secondary tier's name)."""
+    def admit(self, key: bytes, tier: str, priority: int = DEFAULT_PRIORITY) -> bool:
+        """Whether `key` may be stored in `tier` ("host" or a secondary tier's name), for a request
+        of retention `priority` (0-100)."""
 
     def record_access(self, key: bytes) -> None:
-        """A lookup asked for `key`. Optional hook for frequency-based policies."""
+        """A request with `key` in its prompt arrived (once per request). Optional hook for
+        frequency-based policies."""
 
 
 class AdmitAll(AdmissionPolicy):
     """The default: every chunk is admitted everywhere."""
 
-    def admit(self, key: bytes, tier: str, priority: int = 0) -> bool:
+    name = "all"
+
+    def admit(self, key: bytes, tier: str, priority: int = DEFAULT_PRIORITY) -> bool:
         return True

@@ -13,6 +13,8 @@ BUILTIN_EVICTION: dict[str, str] = {
 }
 BUILTIN_ADMISSION: dict[str, str] = {
     "all": "kvtier.policies.base:AdmitAll",
+    "frequency": "kvtier.policies.admission:FrequencyAdmission",
+    "priority": "kvtier.policies.admission:PriorityAdmission",
 }
 
 
@@ -21,6 +23,12 @@ def resolve_eviction(name: str, module_path: str | None = None) -> type[Eviction
     return resolve_plugin("eviction_policy", name, module_path, BUILTIN_EVICTION, EvictionPolicy)
 
 
-def resolve_admission(name: str, module_path: str | None = None) -> type[AdmissionPolicy]:
-    """The admission policy class for a config name (or a class name in `module_path`)."""
-    return resolve_plugin("admission_policy", name, module_path, BUILTIN_ADMISSION, AdmissionPolicy)
+def resolve_admission(
+    key: str, name: str, module_path: str | None = None
+) -> type[AdmissionPolicy]:
+    """The admission policy class for a config name: a built-in, else a class name in
+    `module_path` (when given). `key` names the entry in errors (`admission_policy[1]`)."""
+    builtin = name in BUILTIN_ADMISSION
+    return resolve_plugin(
+        key, name, None if builtin else module_path, BUILTIN_ADMISSION, AdmissionPolicy
+    )

@@ -49,6 +49,7 @@ class FakeRequest:
     cache_salt: str | None = None
     output_token_ids: list[int] = field(default_factory=list)
     kv_transfer_params: dict[str, Any] | None = None
+    priority: int = 0
 
     @property
     def all_token_ids(self) -> list[int]:

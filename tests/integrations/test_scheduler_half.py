@@ -9,8 +9,9 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
-from kvtier.integrations.vllm.options import RequestOptions
+from kvtier.integrations.vllm.options import RequestOptions, retention_priority
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.policies.base import DEFAULT_PRIORITY
 from tests.integrations.halves import (
     ROW_BYTES,
     FakeBlocks,
@@ -120,6 +121,17 @@ def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> Non
     assert [sched.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
 
 
+def test_stores_carry_the_request_priority_and_reuse_raises_it(sched: KVTierScheduler) -> None:
+    low = FakeRequest("a", PROMPT, kv_transfer_params={"kvtier": {"priority": 10}})
+    compute_prompt(sched, low, [0, 1, 2, 3])
+    keys = sched.hasher.keys(PROMPT)
+    assert [sched.manager.host.priority_of(k) for k in keys] == [10, 10, 10]
+    urgent = FakeRequest("b", PROMPT, priority=-30)  # vLLM serves it first: retention 80
+    assert sched.get_num_new_matched_tokens(urgent, 4) == (8, True)  # type: ignore[arg-type]
+    sched.update_state_after_alloc(urgent, FakeBlocks([0, 11, 12, 13]), 8)  # type: ignore[arg-type]
+    assert [sched.manager.host.priority_of(k) for k in keys] == [10, 80, 80]
+
+
 def test_chunks_filled_during_decode_are_stored_when_computed(sched: KVTierScheduler) -> None:
     req = FakeRequest("a", PROMPT[:6])  # one full chunk, then decode
     sched.test_blocks["a"] = [4, 2]  # type: ignore[attr-defined]
@@ -155,6 +167,41 @@ def test_malformed_options_fall_back_to_defaults() -> None:
     assert RequestOptions.from_params("r", {"kvtier": ["skip_load"]}) == RequestOptions()
     assert RequestOptions.from_params("r", None) == RequestOptions()
     assert RequestOptions.from_params("r", {"kvtier": {"priority": 3}}).priority == 3
+    for bad in (-1, 101, 50.0):
+        assert RequestOptions.from_params("r", {"kvtier": {"priority": bad}}).priority is None
+
+
+def test_retention_priority_from_the_option_else_vllms_priority() -> None:
+    assert retention_priority(RequestOptions(priority=7), vllm_priority=-20) == 7
+    assert retention_priority(RequestOptions(), vllm_priority=0) == DEFAULT_PRIORITY == 50
+    assert retention_priority(RequestOptions(), vllm_priority=-20) == 70  # served first: kept longer
+    assert retention_priority(RequestOptions(), vllm_priority=10) == 40
+    assert retention_priority(RequestOptions(), vllm_priority=-500) == 100
+    assert retention_priority(RequestOptions(), vllm_priority=500) == 0
+
+
+def test_host_admission_gate_frequency_and_priority() -> None:
+    config = KVTierConfig.from_dict({
+        "cpu_bytes_to_use": 8 * ROW_BYTES, "admission_policy": ["frequency", "priority"],
+        "host_min_retention_priority": 20})
+    s = KVTierScheduler(config, geometry(), 1)
+    blocks: dict[str, list[int]] = {}
+    s.bind_block_ids(blocks.__getitem__)
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    try:
+        m = s.manager.metrics.value
+        compute_prompt(s, FakeRequest("first", PROMPT), [0, 1, 2, 3])
+        assert s.manager.host.stats().ready == 0  # seen once: not admitted
+        assert m("kvtier_rejected_chunks_total", tier="host", reason="frequency") == 3
+        low = FakeRequest("low", PROMPT, kv_transfer_params={"kvtier": {"priority": 10}})
+        compute_prompt(s, low, [0, 1, 2, 3])
+        assert s.manager.host.stats().ready == 0
+        assert m("kvtier_rejected_chunks_total", tier="host", reason="priority") == 3
+        compute_prompt(s, FakeRequest("third", PROMPT), [0, 1, 2, 3])
+        assert s.manager.host.stats().ready == 3
+        assert m("kvtier_admitted_chunks_total", tier="host") == 3
+    finally:
+        s.shutdown()
 
 
 def test_requests_that_cannot_be_keyed_are_left_alone(sched: KVTierScheduler) -> None:

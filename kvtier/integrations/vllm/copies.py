@@ -10,6 +10,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from kvtier.policies.base import DEFAULT_PRIORITY
+
 
 @dataclass
 class CopyAcks:
@@ -30,7 +32,7 @@ class CopyAcks:
 @dataclass
 class StoreCopy(CopyAcks):
     keys: list[bytes] = field(default_factory=list)
-    priority: int = 0
+    priority: int = DEFAULT_PRIORITY
 
 
 @dataclass

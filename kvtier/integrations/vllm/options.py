@@ -8,7 +8,9 @@ OpenAI-compatible request:
 - `skip_store` (bool): do not store this request's chunks.
 - `load_tiers` (list of tier names): the secondary tiers allowed to serve its prefix (the host tier
   always may); absent: all of them.
-- `priority` (int): retention priority handed to admission when its chunks are cascaded.
+- `priority` (int, 0-100): the retention priority of its chunks, for admission (each tier's
+  `min_retention_priority`) and host-tier eviction (lower priorities leave first). Absent: vLLM's
+  own request priority mapped onto 0-100 (`retention_priority`).
 
 Parsed once per request on the scheduler thread, when the request is first seen. A malformed option
 never fails the request: it is logged and the default is used.
@@ -20,6 +22,8 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+
+from kvtier.policies.base import DEFAULT_PRIORITY
 
 log = logging.getLogger("kvtier.vllm.options")
 
@@ -34,7 +38,7 @@ class RequestOptions:
     skip_load: bool = False
     skip_store: bool = False
     load_tiers: frozenset[str] | None = None
-    priority: int = 0
+    priority: int | None = None
 
     @classmethod
     def from_params(cls, req_id: str, params: Mapping[str, Any] | None) -> RequestOptions:
@@ -51,8 +55,29 @@ class RequestOptions:
             skip_load=_typed(req_id, raw, "skip_load", bool, False),
             skip_store=_typed(req_id, raw, "skip_store", bool, False),
             load_tiers=_tiers(req_id, raw.get("load_tiers")),
-            priority=_typed(req_id, raw, "priority", int, 0),
+            priority=_priority(req_id, raw.get("priority")),
         )
+
+
+def retention_priority(options: RequestOptions, vllm_priority: int) -> int:
+    """The request's retention priority (0-100): its kvtier `priority` option, else vLLM's request
+    priority mapped so that vLLM's default 0 gives 50 (`DEFAULT_PRIORITY`) and each step more
+    urgent (vLLM serves lower values first) gives one more, clamped to 0-100."""
+    if options.priority is not None:
+        return options.priority
+    return min(max(DEFAULT_PRIORITY - vllm_priority, 0), 100)
+
+
+def _priority(req_id: str, value: object) -> int | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value <= 100:
+        log.warning(
+            "request %s: kvtier option priority=%r is not an integer from 0 to 100, ignored",
+            req_id, value,
+        )
+        return None
+    return value
 
 
 def _typed(req_id: str, raw: Mapping[str, Any], key: str, kind: type[Any], default: Any) -> Any:

@@ -45,7 +45,8 @@ from kvtier.integrations.vllm.copies import LoadCopy, StoreCopy
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.options import RequestOptions
+from kvtier.integrations.vllm.operations import Operations
+from kvtier.integrations.vllm.options import RequestOptions, retention_priority
 from kvtier.integrations.vllm.streams import LoadStreams, Part
 from kvtier.integrations.vllm.tracing import RequestTracer
 from kvtier.keys import ChunkHasher
@@ -72,8 +73,13 @@ class _Request:
     lora: str | None
     options: RequestOptions
     hits: RequestHits
+    priority: int
     load_from: int = 0
     stored: int = 0
+    asked: int = 0
+    """Chunks before this index were put to the host tier's admission (device → host gate)."""
+    refused: set[int] = field(default_factory=set)
+    """Indices of the chunks the host tier's admission refused: never stored for this request."""
     looked_up: int = 0
     promoted_from: dict[int, str] = field(default_factory=dict)
     streamed: range = range(0)
@@ -111,6 +117,11 @@ class KVTierScheduler:
         self._job_ids = itertools.count(1)
         self.stream_promotions = config.stream_promotions
         self.streams = LoadStreams(self.manager, self._job_ids)
+        try:
+            self.ops = Operations(config, self.manager)
+        except BaseException:
+            self.manager.shutdown()
+            raise
 
     @property
     def region_name(self) -> str:
@@ -149,7 +160,7 @@ class KVTierScheduler:
         # One promotion per request: once it ran, the request takes what it brought.
         found = self.manager.lookup_prefix(
             keys, state.options.load_tiers, promote=not state.promoted_from,
-            stream=self.stream_promotions,
+            stream=self.stream_promotions, priority=state.priority,
         )
         for i, tier in enumerate((*found.promoting, *found.beyond), start + found.ready):
             state.promoted_from.setdefault(i, tier)
@@ -157,6 +168,7 @@ class KVTierScheduler:
             at = start + found.ready + len(found.promoting)
             state.streamed = range(at, at + len(found.beyond))
         self.tracer.looked_up(request.request_id, found.pending)
+        self.ops.lookup_answered(request.request_id, found.pending, state.promoted_from.values())
         if found.pending:
             return None, False
         if state.streamed.start != start + found.ready:
@@ -201,7 +213,8 @@ class KVTierScheduler:
             return
         if streamed:
             self.streams.start(req_id, state.keys[first + len(head) : first + count],
-                               sources[len(head):], chunks[len(head):], head_in_flight=bool(head))
+                               sources[len(head):], chunks[len(head):], state.priority,
+                               head_in_flight=bool(head))
         if head and slots is not None:
             copy = ChunkCopy(next(self._job_ids), req_id, tuple(head), tuple(chunks[: len(head)]),
                              tuple(slots), last=not streamed)
@@ -213,6 +226,9 @@ class KVTierScheduler:
         when it ends, and its `sources` are counted then (none: a failed load)."""
         if keys:
             self._loading[copy.req_id] = keys
+            state = self._requests.get(copy.req_id)
+            if state is not None:
+                self.manager.host.raise_priority(keys, state.priority)
         if copy.slots and sources is not None:
             self._loads[copy.job_id] = LoadCopy(req_id=copy.req_id, sources=sources, last=copy.last)
         self._loads_to_send.append(copy)
@@ -239,6 +255,7 @@ class KVTierScheduler:
         self.accounting.step()
         self._send_parts(self.streams.parts())
         self.tracer.step()
+        self.ops.step(s.request for s in self._requests.values())
         stores: list[ChunkCopy] = []
         speculative = scheduler_output.scheduled_spec_decode_tokens
         for req_id, num_new in scheduler_output.num_scheduled_tokens.items():
@@ -270,22 +287,27 @@ class KVTierScheduler:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
         if done <= state.stored or state.options.skip_store or self._block_ids_of is None:
             return None
-        first = state.stored
-        keys = state.keys[first:done]
+        if done > state.asked:
+            asked = state.keys[state.asked : done]
+            admitted = set(self.manager.admit(asked, HOST, state.priority))
+            state.refused.update(c for c, k in enumerate(asked, state.asked) if k not in admitted)
+            state.asked = done
+        wanted = [c for c in range(state.stored, done) if c not in state.refused]
+        keys = [state.keys[c] for c in wanted]
         slots, fitted = self.manager.host.prepare_store_prefix(keys)
         # Chunks that found no room (rows pinned by copies in flight) are tried again at the
         # request's next step; a later chunk is never stored before them.
-        state.stored = first + fitted
+        state.stored = wanted[fitted] if fitted < len(wanted) else done
         if fitted < len(keys):
             self.accounting.store_rejected(len(keys) - fitted)
-        new = [(c, key) for c, key in enumerate(keys, first) if key in slots]
+        new = [(c, key) for c, key in zip(wanted[:fitted], keys, strict=False) if key in slots]
         if not new:
             return None
         ids = self._block_ids_of(state.request.request_id)
         bpc = self.geometry.blocks_per_chunk
         chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c, _ in new)
         job_id = next(self._job_ids)
-        self._stores[job_id] = StoreCopy(keys=[key for _, key in new], priority=state.options.priority)
+        self._stores[job_id] = StoreCopy(keys=[key for _, key in new], priority=state.priority)
         req_id = state.request.request_id
         new_keys = tuple(key for _, key in new)
         return ChunkCopy(job_id, req_id, new_keys, chunks, tuple(slots[k] for k in new_keys))
@@ -306,7 +328,7 @@ class KVTierScheduler:
                     continue
                 del self._stores[job_id]
                 self.accounting.copied("store", len(store.keys), store.seconds, store.ok)
-                host.complete_store(store.keys, success=store.ok)
+                host.complete_store(store.keys, success=store.ok, priority=store.priority)
                 if store.ok:
                     self.manager.cascade(store.keys, store.priority)
         for req_id in output.finished_recving or ():
@@ -342,10 +364,11 @@ class KVTierScheduler:
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return None
+        self.ops.finished(request)
         self._release_promoted(state)
         self.streams.drop(request.request_id)
         params = self.accounting.finish(request.request_id, state.hits)
-        self.tracer.finished(request, state.keys, params["kvtier"]["tokens"], state.options.priority)
+        self.tracer.finished(request, state.keys, params["kvtier"]["tokens"], state.priority)
         return params
 
     def _release_promoted(self, state: _Request) -> None:
@@ -376,7 +399,9 @@ class KVTierScheduler:
         return True
 
     def shutdown(self) -> None:
-        """Stop the secondary tiers and remove the host region, then the trace writer. Idempotent."""
+        """Close the control socket, stop the secondary tiers and remove the host region, then the
+        trace writer. Idempotent."""
+        self.ops.shutdown()
         self.manager.shutdown()
         self.tracer.close()
 
@@ -391,7 +416,10 @@ class KVTierScheduler:
         lora = request.lora_request.lora_name if request.lora_request else None
         keys = self.hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
         options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
-        state = _Request(request, keys, lora, options, RequestHits(request.num_prompt_tokens))
+        priority = retention_priority(options, request.priority)
+        hits = RequestHits(request.num_prompt_tokens)
+        state = _Request(request, keys, lora, options, hits, priority)
+        self.manager.record_request(keys)
         if self.events is not None:
             self.events.remember(keys, request.prompt_token_ids)
         self._requests[request.request_id] = state

@@ -1,0 +1,142 @@
+"""Real vLLM (CPU, float32, in-process) with a plug-in tier, loaded by `module_path`, whose loads
+each take seconds: a promotion from it drives p99 TTFT over the SLO guard's budget, the guard
+disables the tier within `sustain_s`, and serving goes on without it with identical outputs."""
+
+from __future__ import annotations
+
+import json
+import logging
+import re
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.cli import main
+from tests.integrations.conftest import BLOCK_SIZE, connector_halves
+from tests.integrations.prompts import PROMPTS
+from tests.integrations.test_vllm_tiers import generate, settle
+
+pytestmark = pytest.mark.slow
+
+CHUNK = BLOCK_SIZE  # one block per chunk: prompts of one chunk keep a normal TTFT short
+ROW_BYTES = 30 * 2 * 3 * CHUNK * 64 * 4  # SmolLM2: 30 layers, 3 KV heads, head_dim 64, float32
+HOST_SLOTS = 4
+DELAY_S = 12.0
+BUDGET_S = 6.0  # far above the TTFT of a one-chunk prompt, even on a busy machine
+SUSTAIN_S = 2.0
+WINDOW_S = 4.0
+FILLERS = ("library", "birds", "railway", "chess")
+
+
+@pytest.fixture(scope="module")
+def control_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("ctl")
+
+
+@pytest.fixture(scope="module")
+def llm(make_llm: Callable[..., Any], control_dir: Path) -> Any:
+    slow = {"type": "SlowLoadTier", "module_path": "tests.integrations.slow_tier", "name": "slow",
+            "delay_s": DELAY_S}
+    guard = {"ttft_p99_s": BUDGET_S, "window_s": WINDOW_S, "sustain_s": SUSTAIN_S,
+             "cooldown_s": 3600}
+    llm = make_llm({"cpu_bytes_to_use": HOST_SLOTS * ROW_BYTES, "blocks_per_chunk": 1,
+                    "secondary_tiers": [slow], "slo_guard": guard,
+                    "control_dir": str(control_dir)}, dtype="float32")
+    # The engine's first request is slow (warm-up, seconds on a busy machine): let its TTFT leave
+    # the window (no engine step meanwhile, so the guard's rule never sees it sustained).
+    generate(llm, tokens(llm, "garden"), max_tokens=1, skip_store=True)
+    time.sleep(WINDOW_S + 0.5)
+    return llm
+
+
+def tokens(llm: Any, name: str) -> list[int]:
+    """One chunk of the prompt plus one token (vLLM never offers the last prompt token)."""
+    ids: list[int] = llm.get_tokenizer().encode(PROMPTS[name])
+    return ids[: CHUNK + 1]
+
+
+def evict_host(llm: Any, keys: list[bytes]) -> None:
+    scheduler, _ = connector_halves(llm)
+    for filler in FILLERS:
+        settle(scheduler)
+        if not any(scheduler.manager.host.contains(k) for k in keys):
+            break
+        generate(llm, tokens(llm, filler), max_tokens=1)
+    settle(scheduler)
+    assert not any(scheduler.manager.host.contains(k) for k in keys)
+    assert llm.reset_prefix_cache()
+
+
+def test_slow_tier_is_rolled_back_within_sustain_s(
+    llm: Any, caplog: pytest.LogCaptureFixture
+) -> None:
+    scheduler, _ = connector_halves(llm)
+    guard, value = scheduler.ops.guard, scheduler.manager.metrics.value
+    slow_prompt, other = tokens(llm, "lighthouse"), tokens(llm, "bread")
+    hit = CHUNK
+    recomputed = generate(llm, other).outputs[0].token_ids
+    generate(llm, slow_prompt)
+    ref = generate(llm, slow_prompt)  # vLLM's own device prefix cache, at kvtier's hit length
+    assert ref.num_cached_tokens == hit
+    assert guard.rollbacks == 0 and value("kvtier_tier_enabled", tier="slow") == 1
+    evict_host(llm, scheduler.hasher.keys(slow_prompt) + scheduler.hasher.keys(other))
+
+    with caplog.at_level(logging.WARNING, logger="kvtier.guard"):
+        slow = generate(llm, slow_prompt)
+        over = time.monotonic()
+        assert slow.kv_transfer_params["kvtier"]["tokens"]["slow"] == hit
+        assert slow.outputs[0].token_ids == ref.outputs[0].token_ids
+        while scheduler.manager.is_enabled("slow"):
+            assert time.monotonic() - over < SUSTAIN_S + 3.0, "the guard did not act"
+            generate(llm, tokens(llm, "chess")[:8], max_tokens=1)
+    assert value("kvtier_tier_enabled", tier="slow") == 0
+    assert value("kvtier_slo_rollbacks_total") == 1
+    # The signals: the request's wait for its promotion, by source tier; health; configuration.
+    assert value("kvtier_promotion_wait_seconds_count", tier="slow") == 1
+    assert value("kvtier_promotion_wait_seconds_sum", tier="slow") >= DELAY_S * 0.9
+    assert value("kvtier_tier_up", tier="slow") == 1
+    assert value("kvtier_config_info", eviction_policy="lru", admission_policy="all",
+                 tiers="slow:SlowLoadTier", cpu_bytes_to_use=str(HOST_SLOTS * ROW_BYTES),
+                 blocks_per_chunk="1") == 1
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.guard"]
+    seen = re.search(r"ttft p99 ([0-9.]+) s > budget", line)
+    assert seen is not None and float(seen.group(1)) > DELAY_S and "disabled tier 'slow'" in line
+
+    # Serving goes on without the tier: its chunks are recomputed, with the same answer.
+    evict_host(llm, scheduler.hasher.keys(other))
+    again = generate(llm, other)
+    assert again.kv_transfer_params["kvtier"]["tokens"]["slow"] == 0
+    assert again.outputs[0].token_ids == recomputed
+    assert guard.state()["disabled"][0]["tier"] == "slow"
+
+
+def ctl(control_dir: Path, capsys: pytest.CaptureFixture[str], *args: str) -> str:
+    capsys.readouterr()
+    assert main(["ctl", "--dir", str(control_dir), *args]) == 0
+    return capsys.readouterr().out
+
+
+def test_kvtier_ctl_lists_switches_and_shows_the_guard(
+    llm: Any, control_dir: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    scheduler, _ = connector_halves(llm)
+    manager = scheduler.manager
+    settle(scheduler)
+    assert "tier slow: disabled" in ctl(control_dir, capsys, "disable", "slow")
+    generate(llm, tokens(llm, "chess")[:8], max_tokens=1)  # an engine step applies it
+    assert not manager.is_enabled("slow")
+    rows = {line.split()[0]: line.split() for line in ctl(control_dir, capsys, "list").splitlines()[1:]}
+    assert rows["slow"][1] == "disabled" and rows["host"][1] == "enabled"
+    assert int(rows["slow"][2]) > 0  # its chunks are kept
+    assert int(rows["host"][2]) == manager.host.stats().ready
+
+    ctl(control_dir, capsys, "enable", "slow")
+    generate(llm, tokens(llm, "chess")[:8], max_tokens=1)
+    assert manager.is_enabled("slow")
+    assert manager.metrics.value("kvtier_tier_enabled", tier="slow") == 1
+    state = json.loads(ctl(control_dir, capsys, "guard"))
+    assert state["config"]["ttft_p99_s"] == BUDGET_S
+    assert state["disabled"] == []  # an operator's switch is not the guard's to undo
