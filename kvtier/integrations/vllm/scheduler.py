@@ -35,18 +35,17 @@ from __future__ import annotations
 import itertools
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 from kvtier.chunks import HOST
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.accounting import Accounting, RequestHits
+from kvtier.integrations.vllm.accounting import Accounting
 from kvtier.integrations.vllm.copies import LoadCopy, StoreCopy
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.operations import Operations
-from kvtier.integrations.vllm.options import RequestOptions, retention_priority
+from kvtier.integrations.vllm.request_state import RequestState
 from kvtier.integrations.vllm.streams import LoadStreams, Part
 from kvtier.integrations.vllm.tracing import RequestTracer
 from kvtier.keys import ChunkHasher
@@ -61,30 +60,6 @@ if TYPE_CHECKING:
 log = logging.getLogger("kvtier.vllm.scheduler")
 
 BlockIdsFn = Callable[[str], list[int]]
-
-
-@dataclass
-class _Request:
-    """A live request: the keys of its full chunks known so far (the prompt's, then those its
-    decode fills), and how far loads and stores have got."""
-
-    request: Request
-    keys: list[bytes]
-    lora: str | None
-    options: RequestOptions
-    hits: RequestHits
-    priority: int
-    load_from: int = 0
-    stored: int = 0
-    asked: int = 0
-    """Chunks before this index were put to the host tier's admission (device → host gate)."""
-    refused: set[int] = field(default_factory=set)
-    """Indices of the chunks the host tier's admission refused: never stored for this request."""
-    looked_up: int = 0
-    promoted_from: dict[int, str] = field(default_factory=dict)
-    streamed: range = range(0)
-    """The chunks found in secondary tiers that did not fit in the host tier: streamed."""
-    released: bool = False
 
 
 class KVTierScheduler:
@@ -109,7 +84,7 @@ class KVTierScheduler:
         self.tracer = RequestTracer.make(config, geometry)
         self.world_size = world_size
         self._block_ids_of: BlockIdsFn | None = None
-        self._requests: dict[str, _Request] = {}
+        self._requests: dict[str, RequestState] = {}
         self._loads_to_send: list[ChunkCopy] = []
         self._loading: dict[str, list[bytes]] = {}
         self._stores: dict[int, StoreCopy] = {}
@@ -272,7 +247,7 @@ class KVTierScheduler:
         loads, self._loads_to_send = tuple(self._loads_to_send), []
         return KVTierMetadata(self.region_name, self.shm_dir, loads, tuple(stores))
 
-    def _extend_keys(self, state: _Request, computed: int) -> None:
+    def _extend_keys(self, state: RequestState, computed: int) -> None:
         """Key the full chunks that decode filled up to `computed` tokens."""
         if computed // self.geometry.chunk_tokens <= len(state.keys):
             return
@@ -283,7 +258,7 @@ class KVTierScheduler:
         if self.events is not None:
             self.events.remember(state.keys, tokens, first)
 
-    def _plan_store(self, state: _Request, computed: int) -> ChunkCopy | None:
+    def _plan_store(self, state: RequestState, computed: int) -> ChunkCopy | None:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
         if done <= state.stored or state.options.skip_store or self._block_ids_of is None:
             return None
@@ -371,7 +346,7 @@ class KVTierScheduler:
         self.tracer.finished(request, state.keys, params["kvtier"]["tokens"], state.priority)
         return params
 
-    def _release_promoted(self, state: _Request) -> None:
+    def _release_promoted(self, state: RequestState) -> None:
         """Release the holds on the chunks promoted for this request (once): its own load has
         pinned the rows it needs, or it no longer needs them."""
         if state.promoted_from and not state.released:
@@ -405,23 +380,12 @@ class KVTierScheduler:
         self.manager.shutdown()
         self.tracer.close()
 
-    def _state(self, request: Request) -> _Request | None:
-        """The request's state, keyed on first sight; None when it cannot be cached (multimodal
-        inputs or prompt embeddings are not hashed yet)."""
+    def _state(self, request: Request) -> RequestState | None:
+        """The request's state, keyed on first sight (None: it cannot be cached)."""
         state = self._requests.get(request.request_id)
-        if state is not None:
-            return state
-        if request.prompt_token_ids is None or request.mm_features:
-            return None
-        lora = request.lora_request.lora_name if request.lora_request else None
-        keys = self.hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
-        options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
-        priority = retention_priority(options, request.priority)
-        hits = RequestHits(request.num_prompt_tokens)
-        state = _Request(request, keys, lora, options, hits, priority)
-        self.manager.record_request(keys)
-        if self.events is not None:
-            self.events.remember(keys, request.prompt_token_ids)
-        self._requests[request.request_id] = state
+        if state is None and (state := RequestState.of(request, self.hasher)) is not None:
+            self.manager.record_request(state.keys)
+            if self.events is not None and request.prompt_token_ids is not None:
+                self.events.remember(state.keys, request.prompt_token_ids)
+            self._requests[request.request_id] = state
         return state
-

@@ -1,0 +1,51 @@
+"""One live request as the scheduler half tracks it: the keys of its full chunks known so far (the
+prompt's, then those its decode fills), its options and retention priority, where its prompt
+tokens came from, and how far its loads and stores have got."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from kvtier.integrations.vllm.accounting import RequestHits
+from kvtier.integrations.vllm.options import RequestOptions, retention_priority
+from kvtier.keys import ChunkHasher
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
+
+
+@dataclass
+class RequestState:
+    """A live request: the keys of its full chunks known so far (the prompt's, then those its
+    decode fills), and how far loads and stores have got."""
+
+    request: Request
+    keys: list[bytes]
+    lora: str | None
+    options: RequestOptions
+    hits: RequestHits
+    priority: int
+    load_from: int = 0
+    stored: int = 0
+    asked: int = 0
+    """Chunks before this index were put to the host tier's admission (device → host gate)."""
+    refused: set[int] = field(default_factory=set)
+    """Indices of the chunks the host tier's admission refused: never stored for this request."""
+    looked_up: int = 0
+    promoted_from: dict[int, str] = field(default_factory=dict)
+    streamed: range = range(0)
+    """The chunks found in secondary tiers that did not fit in the host tier: streamed."""
+    released: bool = False
+
+    @classmethod
+    def of(cls, request: Request, hasher: ChunkHasher) -> RequestState | None:
+        """A new request's state, its prompt keyed; None when it cannot be cached (multimodal
+        inputs or prompt embeddings are not hashed yet)."""
+        if request.prompt_token_ids is None or request.mm_features:
+            return None
+        lora = request.lora_request.lora_name if request.lora_request else None
+        keys = hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
+        options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
+        priority = retention_priority(options, request.priority)
+        return cls(request, keys, lora, options, RequestHits(request.num_prompt_tokens), priority)
