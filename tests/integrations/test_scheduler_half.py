@@ -121,6 +121,26 @@ def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> Non
     assert [sched.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
 
 
+def test_one_off_prompts_do_not_evict_a_hot_prefix_under_frequency_admission() -> None:
+    config = KVTierConfig.from_dict({"cpu_bytes_to_use": 4 * ROW_BYTES, "admission_policy": "frequency"})
+    s = KVTierScheduler(config, geometry(), 1)
+    blocks: dict[str, list[int]] = {}
+    s.bind_block_ids(blocks.__getitem__)
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    try:
+        hot = s.hasher.keys(PROMPT)
+        for i in range(2):  # the second sighting is admitted
+            compute_prompt(s, FakeRequest(f"hot{i}", PROMPT), [0, 1, 2, 3])
+        assert s.manager.host.lookup(hot) == 3
+        for i in range(20):  # one-off prompts: never admitted, so they evict nothing
+            compute_prompt(s, FakeRequest(f"once{i}", [1000 + i, *PROMPT[1:]]), [4, 5, 6, 7])
+        assert s.manager.host.lookup(hot) == 3
+        m = s.manager.metrics.value
+        assert m("kvtier_rejected_chunks_total", tier="host", reason="frequency") == 3 + 20 * 3
+    finally:
+        s.shutdown()
+
+
 def test_stores_carry_the_request_priority_and_reuse_raises_it(sched: KVTierScheduler) -> None:
     low = FakeRequest("a", PROMPT, kv_transfer_params={"kvtier": {"priority": 10}})
     compute_prompt(sched, low, [0, 1, 2, 3])
