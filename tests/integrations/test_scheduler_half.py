@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
@@ -307,3 +308,27 @@ def test_reset_cache_empties_the_host_tier(sched: KVTierScheduler) -> None:
     assert sched.reset_cache() is True
     assert sched.manager.host.stats().ready == 0
     assert sched.get_num_new_matched_tokens(FakeRequest("b", PROMPT), 0) == (0, False)  # type: ignore[arg-type]
+
+
+def test_operator_signals_each_step(tmp_path: Path) -> None:
+    config = KVTierConfig.from_dict({
+        "cpu_bytes_to_use": 8 * ROW_BYTES, "secondary_tiers": [{"type": "memory", "name": "mem"}],
+        "control_dir": str(tmp_path / "ctl")})
+    s = KVTierScheduler(config, geometry(), 1)
+    blocks: dict[str, list[int]] = {}
+    s.bind_block_ids(blocks.__getitem__)
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    try:
+        compute_prompt(s, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+        s.build_connector_meta(FakeSchedulerOutput({}))
+        m = s.manager.metrics.value
+        assert m("kvtier_tier_up", tier="mem") == 1 and m("kvtier_tier_restarts", tier="mem") == 0
+        assert m("kvtier_tier_enabled", tier="mem") == 1
+        assert m("kvtier_jobs_in_flight", tier="mem") == s.manager.jobs_in_flight()["mem"]
+        assert m("kvtier_host_pinned_chunks") == s.manager.host.stats().pinned
+        assert m("kvtier_config_info", eviction_policy="lru", admission_policy="all",
+                 tiers="mem:memory", cpu_bytes_to_use=str(8 * ROW_BYTES), blocks_per_chunk="1") == 1
+        assert s.ops.control.path.parent == tmp_path / "ctl"
+    finally:
+        s.shutdown()
+    assert not list((tmp_path / "ctl").glob("*.sock"))  # the socket goes with the engine
