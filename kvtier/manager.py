@@ -378,6 +378,13 @@ class TieringManager:
     def in_flight(self) -> int:
         return len(self._transfers)
 
+    def jobs_in_flight(self) -> dict[str, int]:
+        """Jobs submitted and not finished, per secondary tier (every tier named)."""
+        counts = dict.fromkeys(self.tiers, 0)
+        for transfer in self._transfers.values():
+            counts[transfer.tier] += 1
+        return counts
+
     def _job(
         self, tier: str, kind: JobKind, keys: Sequence[ChunkKey], slots: Sequence[int], priority: int
     ) -> Job:

@@ -77,6 +77,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Time a request waited for its promotion ('ask again' steps), by source tier", _T),
     MetricSpec("tier_up", "gauge", "1 while the secondary tier's process is up, 0 while it is down", _T),
     MetricSpec("tier_restarts", "gauge", "Times the secondary tier's process was restarted", _T),
+    MetricSpec("jobs_in_flight", "gauge", "Store and load jobs submitted to the tier and not finished", _T),
+    MetricSpec("host_pinned_chunks", "gauge", "Host-tier chunks pinned by copies in flight (not evictable)"),
     MetricSpec("config_info", "gauge", "1, labelled with the configuration that produced these metrics",
                CONFIG_LABELS),
 )

@@ -32,37 +32,45 @@ class FrequencySketch:
         self.sample_size = sample_size if sample_size is not None else 10 * width
         if self.sample_size < 1:
             raise ValueError(f"sample_size must be >= 1, got {self.sample_size}")
-        self._table = np.zeros((depth, width), dtype=np.uint8)
-        self._rows = np.arange(depth)
+        self._table = bytearray(depth * width)
+        self._halve = np.frombuffer(self._table, dtype=np.uint8)
+        """A numpy view of the table, for aging in place."""
         self._added = 0
         self.agings = 0
         """How many times the counters were halved."""
 
-    def _columns(self, key: bytes) -> np.ndarray:
-        """One counter index per row, from 4 bytes each of the key's digest (chunk keys are
-        already cryptographic hashes, but any key is re-hashed so short keys spread too)."""
+    def _cells(self, key: bytes) -> list[int]:
+        """One counter index per row (row `i` at offset `i * width`), from 4 bytes each of the
+        key's digest (chunk keys are already cryptographic hashes, but any key is re-hashed so
+        short keys spread too)."""
         digest = hashlib.blake2b(key, digest_size=4 * self.depth).digest()
-        words = np.frombuffer(digest, dtype="<u4")
-        return (words & np.uint32(self.width - 1)).astype(np.intp)
+        mask, width = self.width - 1, self.width
+        return [
+            row * width + (int.from_bytes(digest[4 * row : 4 * row + 4], "little") & mask)
+            for row in range(self.depth)
+        ]
 
     def add(self, key: bytes) -> None:
         """Count one sighting of `key`; ages the sketch every `sample_size` sightings."""
-        cols = self._columns(key)
-        cells = self._table[self._rows, cols]
+        table = self._table
+        cells = self._cells(key)
         # Conservative update: raise only the counters at the current minimum.
-        low = cells.min()
+        low = min(table[c] for c in cells)
         if low < COUNTER_MAX:
-            self._table[self._rows, cols] = np.where(cells == low, low + 1, cells)
+            for c in cells:
+                if table[c] == low:
+                    table[c] = low + 1
         self._added += 1
         if self._added >= self.sample_size:
-            self._table >>= 1
+            self._halve >>= 1
             self._added = 0
             self.agings += 1
 
     def estimate(self, key: bytes) -> int:
         """How many times `key` was seen recently (an upper bound, saturating at 15)."""
-        return int(self._table[self._rows, self._columns(key)].min())
+        table = self._table
+        return min(table[c] for c in self._cells(key))
 
     @property
     def nbytes(self) -> int:
-        return int(self._table.nbytes)
+        return len(self._table)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 from vllm.v1.outputs import KVConnectorOutput
@@ -119,6 +120,26 @@ def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> Non
     assert sched.build_connector_meta(FakeSchedulerOutput({})).loads == ()
     sched.update_connector_output(KVConnectorOutput(finished_recving={"b"}))
     assert [sched.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
+
+
+def test_one_off_prompts_do_not_evict_a_hot_prefix_under_frequency_admission() -> None:
+    config = KVTierConfig.from_dict({"cpu_bytes_to_use": 4 * ROW_BYTES, "admission_policy": "frequency"})
+    s = KVTierScheduler(config, geometry(), 1)
+    blocks: dict[str, list[int]] = {}
+    s.bind_block_ids(blocks.__getitem__)
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    try:
+        hot = s.hasher.keys(PROMPT)
+        for i in range(2):  # the second sighting is admitted
+            compute_prompt(s, FakeRequest(f"hot{i}", PROMPT), [0, 1, 2, 3])
+        assert s.manager.host.lookup(hot) == 3
+        for i in range(20):  # one-off prompts: never admitted, so they evict nothing
+            compute_prompt(s, FakeRequest(f"once{i}", [1000 + i, *PROMPT[1:]]), [4, 5, 6, 7])
+        assert s.manager.host.lookup(hot) == 3
+        m = s.manager.metrics.value
+        assert m("kvtier_rejected_chunks_total", tier="host", reason="frequency") == 3 + 20 * 3
+    finally:
+        s.shutdown()
 
 
 def test_stores_carry_the_request_priority_and_reuse_raises_it(sched: KVTierScheduler) -> None:
@@ -287,3 +308,27 @@ def test_reset_cache_empties_the_host_tier(sched: KVTierScheduler) -> None:
     assert sched.reset_cache() is True
     assert sched.manager.host.stats().ready == 0
     assert sched.get_num_new_matched_tokens(FakeRequest("b", PROMPT), 0) == (0, False)  # type: ignore[arg-type]
+
+
+def test_operator_signals_each_step(tmp_path: Path) -> None:
+    config = KVTierConfig.from_dict({
+        "cpu_bytes_to_use": 8 * ROW_BYTES, "secondary_tiers": [{"type": "memory", "name": "mem"}],
+        "control_dir": str(tmp_path / "ctl")})
+    s = KVTierScheduler(config, geometry(), 1)
+    blocks: dict[str, list[int]] = {}
+    s.bind_block_ids(blocks.__getitem__)
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    try:
+        compute_prompt(s, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+        s.build_connector_meta(FakeSchedulerOutput({}))
+        m = s.manager.metrics.value
+        assert m("kvtier_tier_up", tier="mem") == 1 and m("kvtier_tier_restarts", tier="mem") == 0
+        assert m("kvtier_tier_enabled", tier="mem") == 1
+        assert m("kvtier_jobs_in_flight", tier="mem") == s.manager.jobs_in_flight()["mem"]
+        assert m("kvtier_host_pinned_chunks") == s.manager.host.stats().pinned
+        assert m("kvtier_config_info", eviction_policy="lru", admission_policy="all",
+                 tiers="mem:memory", cpu_bytes_to_use=str(8 * ROW_BYTES), blocks_per_chunk="1") == 1
+        assert s.ops.control.path.parent == tmp_path / "ctl"
+    finally:
+        s.shutdown()
+    assert not list((tmp_path / "ctl").glob("*.sock"))  # the socket goes with the engine

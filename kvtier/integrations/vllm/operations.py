@@ -72,10 +72,14 @@ class Operations:
                 self.manager.metrics.observe("promotion_wait_seconds", now - since, tier)
 
     def _health(self) -> None:
+        """Tier health and host saturation, once per step."""
         m = self.manager.metrics
         for name, tier in self.manager.tiers.items():
             m.set("tier_up", 1.0 if getattr(tier, "is_up", True) else 0.0, name)
             m.set("tier_restarts", float(getattr(tier, "restarts", 0)), name)
+        for name, jobs in self.manager.jobs_in_flight().items():
+            m.set("jobs_in_flight", float(jobs), name)
+        m.set("host_pinned_chunks", float(self.manager.host.stats().pinned))
 
     def _switch(self, tier: str, enabled: bool) -> None:
         """An operator's switch: applied, and no longer the guard's to undo."""
