@@ -1,17 +1,19 @@
 """A burst of promotions (real vLLM, CPU, float32): many requests whose prefixes are only in the fs
 tier arrive at once, with a host tier far smaller than their prefixes together.
 
-Each request's prefix must go fs → host → device, and the host tier holds an eighth of them: most
-promotions do not fit while others hold their rows, so those requests recompute the rest of their
-prefix. Nothing may deadlock (the burst completes in bounded time), every request gets the answer
-of a full compute, no host row stays pinned once the tier jobs are done, and the host tier's
-invariants hold (`check()`).
+Each request's prefix must go fs → host → device, and the host tier holds an eighth of them: the
+prefixes stream through it a batch at a time, each waiting for the rows the others release (a
+stream starved of room gives up the rest of its prefix, which is recomputed). Nothing may deadlock
+(the burst completes in bounded time), every request gets the answer of a full compute, more comes
+back from fs than the host tier holds at once, no host row stays pinned once the tier jobs are done,
+and the host tier's invariants hold (`check()`).
 """
 
 from __future__ import annotations
 
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -68,21 +70,28 @@ def test_a_burst_of_fs_promotions_into_a_small_host_tier(llm: Any) -> None:
     assert scheduler.reset_cache() and llm.reset_prefix_cache()  # the prefixes are only in fs now
 
     outs: list[Any] = []
-    burst = threading.Thread(target=lambda: outs.extend(
-        llm.generate(requests, params, use_tqdm=False)), daemon=True)
+    errors: list[BaseException] = []
+
+    def serve() -> None:
+        try:
+            outs.extend(llm.generate(requests, params, use_tqdm=False))
+        except BaseException as e:  # the engine's own failure, reported below
+            errors.append(e)
+
+    burst = threading.Thread(target=serve, daemon=True)
     start = time.monotonic()
     burst.start()
     burst.join(BURST_TIMEOUT_S)
     assert not burst.is_alive(), f"the burst did not finish in {BURST_TIMEOUT_S} s"
     took = time.monotonic() - start
+    assert not errors, traceback.format_exception(errors[0])
 
     assert [o.outputs[0].token_ids for o in outs] == [c.outputs[0].token_ids for c in computed]
     splits = [o.kv_transfer_params["kvtier"]["tokens"] for o in outs]
     promoted = sum(s["fs"] for s in splits)
     assert promoted > 0, splits
-    # Each prompt's last token is always computed; beyond those, some prefix chunk was recomputed.
-    assert sum(s["recomputed"] for s in splits) > len(requests), "every promotion fit"
-    assert metrics.value("kvtier_transfer_chunks_total", tier="fs", op="load") > fs_loads
+    assert promoted > 2 * HOST_SLOTS * CHUNK, splits  # streamed: more than fits at once
+    assert metrics.value("kvtier_transfer_chunks_total", tier="fs", op="load") - fs_loads >= promoted // CHUNK
     settle(scheduler)
     assert manager.host.stats().pinned == 0
     manager.host.check()

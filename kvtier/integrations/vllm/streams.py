@@ -11,7 +11,9 @@ A chunk whose promotion or copy fails ends the stream: the rest of the prefix go
 part without host rows, which the worker fails, and vLLM recomputes from the first failed block
 (kvtier's configs set `kv_load_failure_policy` to "recompute"). A batch that finds no room now
 (rows pinned by copies in flight) is tried again on a later step: the parts in flight release
-their rows when they end.
+their rows when they end. Rows held for requests vLLM has not scheduled yet are released only when
+it does, and it may be waiting for device blocks that streaming requests hold: a stream that finds
+no room for `STARVED_S` gives up the rest of its prefix (recomputed), so a burst always ends.
 
 Runs on the scheduler thread, once per step (`parts`) and when a part ends (`part_done`); never
 blocks.
@@ -19,11 +21,15 @@ blocks.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 from kvtier.integrations.vllm.metadata import ChunkCopy
 from kvtier.manager import TieringManager
+
+STARVED_S = 2.0
+"""How long a stream may find no host room for its next batch before it gives up the rest."""
 
 
 @dataclass
@@ -41,6 +47,8 @@ class _Stream:
     """A part of this request's load is being copied to the device."""
     failed: bool = False
     """A promotion or copy failed: the rest goes out as a failed last part."""
+    no_room_since: float | None = None
+    """When the stream last found no room for its next batch (None: it found room)."""
 
 
 @dataclass(frozen=True)
@@ -104,7 +112,12 @@ class LoadStreams:
         if not stream.promoting:
             stream.promoting = self.manager.promote(stream.keys, stream.sources, stream.priority)
             if not stream.promoting:
-                return None
+                now = time.monotonic()
+                stream.no_room_since = stream.no_room_since or now
+                if now - stream.no_room_since < STARVED_S:
+                    return None
+                return self._part(req_id, stream, 0, ())
+            stream.no_room_since = None
         host = self.manager.host
         batch = stream.keys[: stream.promoting]
         if any(host.is_pending(key) for key in batch):
