@@ -85,6 +85,10 @@ class Trace:
     t: np.ndarray
     prompt: np.ndarray
     priority: np.ndarray
+    device: np.ndarray
+    """Prompt tokens the engine's own prefix cache served (`src.device`; 0 when not recorded)."""
+    ttft: np.ndarray
+    """Seconds from arrival to the first token (`ttft`; 0 when not recorded)."""
     starts: np.ndarray
     counts: np.ndarray
     refs: np.ndarray
@@ -127,6 +131,8 @@ class _Reader:
         self.t: list[float] = []
         self.prompt: list[int] = []
         self.priority: list[int] = []
+        self.device: list[int] = []
+        self.ttft: list[float] = []
         self.counts: list[int] = []
         self.keys: list[bytes] = []
         self.removals = 0
@@ -162,11 +168,14 @@ class _Reader:
             prompt = int(raw.get("prompt", 0))
             priority = int(raw.get("prio", 0))
             sources = {str(k): int(v) for k, v in raw.get("src", {}).items()}
+            ttft = float(raw.get("ttft") or 0.0)
         except (ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{path}:{number}: not a trace record ({e!r})") from None
         self.t.append(t)
         self.prompt.append(prompt)
         self.priority.append(priority)
+        self.device.append(sources.get("device", 0))
+        self.ttft.append(ttft)
         self.counts.append(len(keys) // KEY_BYTES)
         self.keys.append(keys)
         self.sources.update(sources)
@@ -184,6 +193,8 @@ class _Reader:
             header=self.header, t=np.asarray(self.t, dtype=np.float64)[order],
             prompt=np.asarray(self.prompt, dtype=np.int64)[order],
             priority=np.asarray(self.priority, dtype=np.int64)[order],
+            device=np.asarray(self.device, dtype=np.int64)[order],
+            ttft=np.asarray(self.ttft, dtype=np.float64)[order],
             starts=sorted_starts, counts=sorted_counts, refs=refs, removals=self.removals,
             sources=dict(self.sources),
         )
