@@ -12,7 +12,8 @@ Each following line is one record:
   `end` finish time, `prompt` and `output` token counts, `keys` the prompt's chunk keys as one hex
   string (`key_bytes` leading bytes of each key, in prompt order; never token ids or text), `src`
   the prompt tokens by source (`device`, `host`, each tier by name, `recomputed`), `ttft` (null
-  when unknown), `wait` the promotion wait in seconds, `prio` the request's priority, `salt` a short
+  when unknown), `wait` the promotion wait in seconds, `lookup` the seconds from arrival to the
+  lookup its blocks were allocated on (null: none), `prio` the request's priority, `salt` a short
   hash of its `cache_salt` (null without one);
 - a stored batch (`kvtier trace record` from vLLM's KV events): `t` and `keys` only; every key is a
   chunk the engine computed at `t`;
@@ -89,6 +90,9 @@ class Trace:
     """Prompt tokens the engine's own prefix cache served (`src.device`; 0 when not recorded)."""
     ttft: np.ndarray
     """Seconds from arrival to the first token (`ttft`; 0 when not recorded)."""
+    lookup: np.ndarray
+    """Seconds from arrival to the lookup the request was served on (`lookup`; 0 when not
+    recorded)."""
     starts: np.ndarray
     counts: np.ndarray
     refs: np.ndarray
@@ -133,6 +137,7 @@ class _Reader:
         self.priority: list[int] = []
         self.device: list[int] = []
         self.ttft: list[float] = []
+        self.lookup: list[float] = []
         self.counts: list[int] = []
         self.keys: list[bytes] = []
         self.removals = 0
@@ -169,6 +174,7 @@ class _Reader:
             priority = int(raw.get("prio", 0))
             sources = {str(k): int(v) for k, v in raw.get("src", {}).items()}
             ttft = float(raw.get("ttft") or 0.0)
+            lookup = float(raw.get("lookup") or 0.0)
         except (ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{path}:{number}: not a trace record ({e!r})") from None
         self.t.append(t)
@@ -176,6 +182,7 @@ class _Reader:
         self.priority.append(priority)
         self.device.append(sources.get("device", 0))
         self.ttft.append(ttft)
+        self.lookup.append(lookup)
         self.counts.append(len(keys) // KEY_BYTES)
         self.keys.append(keys)
         self.sources.update(sources)
@@ -195,6 +202,7 @@ class _Reader:
             priority=np.asarray(self.priority, dtype=np.int64)[order],
             device=np.asarray(self.device, dtype=np.int64)[order],
             ttft=np.asarray(self.ttft, dtype=np.float64)[order],
+            lookup=np.asarray(self.lookup, dtype=np.float64)[order],
             starts=sorted_starts, counts=sorted_counts, refs=refs, removals=self.removals,
             sources=dict(self.sources),
         )

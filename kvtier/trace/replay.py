@@ -4,10 +4,10 @@ A miss-ratio curve treats every chunk reference as a host lookup. Behind a devic
 host tier sees something else, and kvtier's host tier (`kvtier.host.tier`) does this with it,
 which the replay copies per request:
 
-- at the request's arrival, its leading `src.device` tokens came from the device: their chunks are
-  not looked up (nor refreshed) in the host tier; past them the host is asked chunk by chunk until
-  the first chunk it lacks (a lookup is a prefix): each found chunk is a host hit and becomes most
-  recently used;
+- at its lookup (arrival + `lookup`: the lookup its blocks were allocated on), the request's
+  leading `src.device` tokens came from the device: their chunks are not looked up (nor refreshed)
+  in the host tier; past them the host is asked chunk by chunk until the first chunk it lacks (a
+  lookup is a prefix): each found chunk is a host hit and becomes most recently used;
 - when its prefill ends (arrival + `ttft`), every prompt chunk the host lacks is stored (the engine
   computed it, or the device held it) as most recently used, evicting the least recently used;
   chunks it holds are left in place.
@@ -37,7 +37,7 @@ def host_hit_ratios(trace: Trace, sizes: Sequence[int]) -> list[float]:
     starts, counts = trace.starts.tolist(), trace.counts.tolist()
     device = (trace.device // trace.header.chunk_tokens).tolist()
     n = trace.records
-    times = np.concatenate([trace.t, trace.t + trace.ttft])
+    times = np.concatenate([trace.t + trace.lookup, trace.t + np.maximum(trace.ttft, trace.lookup)])
     kinds = np.repeat([LOOKUP, STORE], n)
     order = np.lexsort((kinds, times))
     events = [(int(kinds[i]), int(i % n)) for i in order]
