@@ -10,7 +10,8 @@ Each following line is one record:
 
 - a request (the connector's trace, one per finished request): `t` arrival time (Unix seconds),
   `end` finish time, `prompt` and `output` token counts, `keys` the prompt's chunk keys as one hex
-  string (`key_bytes` leading bytes of each key, in prompt order; never token ids or text), `src`
+  string (`key_bytes` leading bytes of each key, in prompt order; never token ids or text), `dkeys`
+  the keys of the chunks its decode filled (stored, not looked up), `src`
   the prompt tokens by source (`device`, `host`, each tier by name, `recomputed`), `ttft` (null
   when unknown), `wait` the promotion wait in seconds, `lookup` the seconds from arrival to the
   lookup its blocks were allocated on (null: none), `prio` the request's priority, `salt` a short
@@ -90,6 +91,9 @@ class Trace:
     """Prompt tokens the engine's own prefix cache served (`src.device`; 0 when not recorded)."""
     ttft: np.ndarray
     """Seconds from arrival to the first token (`ttft`; 0 when not recorded)."""
+    decode_counts: np.ndarray
+    """Chunks each record's decode filled (`dkeys`); their keys are `decode_refs`, in order."""
+    decode_refs: np.ndarray
     lookup: np.ndarray
     """Seconds from arrival to the lookup the request was served on (`lookup`; 0 when not
     recorded)."""
@@ -138,6 +142,7 @@ class _Reader:
         self.device: list[int] = []
         self.ttft: list[float] = []
         self.lookup: list[float] = []
+        self.dkeys: list[bytes] = []
         self.counts: list[int] = []
         self.keys: list[bytes] = []
         self.removals = 0
@@ -175,6 +180,9 @@ class _Reader:
             sources = {str(k): int(v) for k, v in raw.get("src", {}).items()}
             ttft = float(raw.get("ttft") or 0.0)
             lookup = float(raw.get("lookup") or 0.0)
+            dkeys = bytes.fromhex(raw.get("dkeys", ""))
+            if len(dkeys) % KEY_BYTES:
+                raise ValueError(f"dkeys is not a whole number of {KEY_BYTES}-byte keys")
         except (ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{path}:{number}: not a trace record ({e!r})") from None
         self.t.append(t)
@@ -183,6 +191,7 @@ class _Reader:
         self.device.append(sources.get("device", 0))
         self.ttft.append(ttft)
         self.lookup.append(lookup)
+        self.dkeys.append(dkeys)
         self.counts.append(len(keys) // KEY_BYTES)
         self.keys.append(keys)
         self.sources.update(sources)
@@ -203,6 +212,8 @@ class _Reader:
             device=np.asarray(self.device, dtype=np.int64)[order],
             ttft=np.asarray(self.ttft, dtype=np.float64)[order],
             lookup=np.asarray(self.lookup, dtype=np.float64)[order],
+            decode_counts=np.asarray([len(self.dkeys[i]) // KEY_BYTES for i in order], dtype=np.int64),
+            decode_refs=np.frombuffer(b"".join(self.dkeys[i] for i in order), dtype=">u8").astype(np.uint64),
             starts=sorted_starts, counts=sorted_counts, refs=refs, removals=self.removals,
             sources=dict(self.sources),
         )

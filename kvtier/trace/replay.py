@@ -10,13 +10,12 @@ which the replay copies per request:
   lookup is a prefix): each found chunk is a host hit and becomes most recently used;
 - when its prefill ends (arrival + `ttft`), every prompt chunk the host lacks is stored (the engine
   computed it, or the device held it) as most recently used, evicting the least recently used;
-  chunks it holds are left in place.
+  chunks it holds are left in place; then the chunks its decode filled (`dkeys`) likewise.
 
 Lookups and stores of all requests are replayed in time order (a lookup first at equal times), so
 requests that run together look up before each other's stores, as they do in the engine. The device
 hits are taken as recorded: the replay assumes they do not depend on the host size (the device
-cache is the same whatever the host holds). Chunks filled during decode are not in the trace (a
-later turn's prompt meets them as new). Cost: O(references) per size.
+cache is the same whatever the host holds). Cost: O(references) per size.
 """
 
 from __future__ import annotations
@@ -36,6 +35,9 @@ def host_hit_ratios(trace: Trace, sizes: Sequence[int]) -> list[float]:
     refs = trace.refs.tolist()
     starts, counts = trace.starts.tolist(), trace.counts.tolist()
     device = (trace.device // trace.header.chunk_tokens).tolist()
+    decoded = trace.decode_refs.tolist()
+    dcounts = trace.decode_counts.tolist()
+    dstarts = np.concatenate(([0], np.cumsum(trace.decode_counts)[:-1])).tolist()
     n = trace.records
     times = np.concatenate([trace.t + trace.lookup, trace.t + np.maximum(trace.ttft, trace.lookup)])
     kinds = np.repeat([LOOKUP, STORE], n)
@@ -54,6 +56,7 @@ def host_hit_ratios(trace: Trace, sizes: Sequence[int]) -> list[float]:
                     hits += 1
                     cache.move_to_end(key)
                 continue
+            keys = keys + decoded[dstarts[r] : dstarts[r] + dcounts[r]]
             for key in keys if size > 0 else ():
                 if key not in cache:
                     if len(cache) >= size:

@@ -209,3 +209,17 @@ def test_replay_of_the_host_tier_behind_the_device(tmp_path: Path) -> None:
     assert host_hit_ratios(trace, [0, 3, 6]) == [0.0, 1 / 12, 2 / 12]
     report = plan(trace, host_bytes_per_s=1e9, at=[3000, 6000]).report
     assert [p["host_hit_ratio"] for p in report["predict"]] == [1 / 12, 2 / 12]
+
+
+def test_replay_stores_the_chunks_decode_filled(tmp_path: Path) -> None:
+    records = [
+        {"t": 0.0, "ttft": 1.0, "keys": [A], "dkeys": [B], "prompt": 20, "src": {"device": 0}},
+        {"t": 2.0, "ttft": 1.0, "keys": [A, B], "prompt": 40, "src": {"device": 0}},
+        {"t": 4.0, "ttft": 1.0, "keys": [C], "dkeys": [D, E], "prompt": 20, "src": {"device": 0}},
+        {"t": 6.0, "ttft": 1.0, "keys": [A], "prompt": 20, "src": {"device": 0}},
+    ]
+    trace = read_traces([write_trace(tmp_path / "t.jsonl", records)])
+    assert list(trace.decode_counts) == [1, 0, 2, 0] and list(trace.decode_refs) == [B, D, E]
+    # B, stored by the first request's decode, serves the second; D and E (never asked for) push
+    # A out of a 4-chunk host before the last request, not out of a 5-chunk one.
+    assert host_hit_ratios(trace, [4, 5]) == [2 / 5, 3 / 5]

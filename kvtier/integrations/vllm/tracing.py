@@ -116,6 +116,7 @@ class RequestTracer(NoTracer):
             "t": request.arrival_time, "end": now, "prompt": prompt,
             "output": request.num_output_tokens,
             "keys": encode_keys(keys[: prompt // self.chunk_tokens]),
+            "dkeys": encode_keys(keys[prompt // self.chunk_tokens :]),
             "src": dict(split), "ttft": first - request.arrival_time if times.prefilled else None,
             "wait": times.wait_s, "prio": priority,
             "lookup": None if times.lookup is None else times.lookup - request.arrival_time,
