@@ -10,9 +10,11 @@ Each following line is one record:
 
 - a request (the connector's trace, one per finished request): `t` arrival time (Unix seconds),
   `end` finish time, `prompt` and `output` token counts, `keys` the prompt's chunk keys as one hex
-  string (`key_bytes` leading bytes of each key, in prompt order; never token ids or text), `src`
+  string (`key_bytes` leading bytes of each key, in prompt order; never token ids or text), `dkeys`
+  the keys of the chunks its decode filled (stored, not looked up), `src`
   the prompt tokens by source (`device`, `host`, each tier by name, `recomputed`), `ttft` (null
-  when unknown), `wait` the promotion wait in seconds, `prio` the request's priority, `salt` a short
+  when unknown), `wait` the promotion wait in seconds, `lookup` the seconds from arrival to the
+  lookup its blocks were allocated on (null: none), `prio` the request's priority, `salt` a short
   hash of its `cache_salt` (null without one);
 - a stored batch (`kvtier trace record` from vLLM's KV events): `t` and `keys` only; every key is a
   chunk the engine computed at `t`;
@@ -85,6 +87,16 @@ class Trace:
     t: np.ndarray
     prompt: np.ndarray
     priority: np.ndarray
+    device: np.ndarray
+    """Prompt tokens the engine's own prefix cache served (`src.device`; 0 when not recorded)."""
+    ttft: np.ndarray
+    """Seconds from arrival to the first token (`ttft`; 0 when not recorded)."""
+    decode_counts: np.ndarray
+    """Chunks each record's decode filled (`dkeys`); their keys are `decode_refs`, in order."""
+    decode_refs: np.ndarray
+    lookup: np.ndarray
+    """Seconds from arrival to the lookup the request was served on (`lookup`; 0 when not
+    recorded)."""
     starts: np.ndarray
     counts: np.ndarray
     refs: np.ndarray
@@ -127,6 +139,10 @@ class _Reader:
         self.t: list[float] = []
         self.prompt: list[int] = []
         self.priority: list[int] = []
+        self.device: list[int] = []
+        self.ttft: list[float] = []
+        self.lookup: list[float] = []
+        self.dkeys: list[bytes] = []
         self.counts: list[int] = []
         self.keys: list[bytes] = []
         self.removals = 0
@@ -162,11 +178,20 @@ class _Reader:
             prompt = int(raw.get("prompt", 0))
             priority = int(raw.get("prio", 0))
             sources = {str(k): int(v) for k, v in raw.get("src", {}).items()}
+            ttft = float(raw.get("ttft") or 0.0)
+            lookup = float(raw.get("lookup") or 0.0)
+            dkeys = bytes.fromhex(raw.get("dkeys", ""))
+            if len(dkeys) % KEY_BYTES:
+                raise ValueError(f"dkeys is not a whole number of {KEY_BYTES}-byte keys")
         except (ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{path}:{number}: not a trace record ({e!r})") from None
         self.t.append(t)
         self.prompt.append(prompt)
         self.priority.append(priority)
+        self.device.append(sources.get("device", 0))
+        self.ttft.append(ttft)
+        self.lookup.append(lookup)
+        self.dkeys.append(dkeys)
         self.counts.append(len(keys) // KEY_BYTES)
         self.keys.append(keys)
         self.sources.update(sources)
@@ -184,6 +209,11 @@ class _Reader:
             header=self.header, t=np.asarray(self.t, dtype=np.float64)[order],
             prompt=np.asarray(self.prompt, dtype=np.int64)[order],
             priority=np.asarray(self.priority, dtype=np.int64)[order],
+            device=np.asarray(self.device, dtype=np.int64)[order],
+            ttft=np.asarray(self.ttft, dtype=np.float64)[order],
+            lookup=np.asarray(self.lookup, dtype=np.float64)[order],
+            decode_counts=np.asarray([len(self.dkeys[i]) // KEY_BYTES for i in order], dtype=np.int64),
+            decode_refs=np.frombuffer(b"".join(self.dkeys[i] for i in order), dtype=">u8").astype(np.uint64),
             starts=sorted_starts, counts=sorted_counts, refs=refs, removals=self.removals,
             sources=dict(self.sources),
         )

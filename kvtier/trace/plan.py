@@ -10,8 +10,8 @@ capturing q of it is the smallest LRU cache whose hit ratio reaches q times that
 
 Observed and predicted: `observed_hit_ratio` is the trace's recorded token sources (device, host,
 each tier, recomputed) over the chunk references' tokens; `predict` (sizes given with `--at`)
-gives, per host size, the LRU hit ratio and the host tier's share behind the recorded device hits
-(the LRU hit ratio less the observed device share: a chunk the device serves never reaches host).
+gives, per host size, the LRU hit ratio and the host tier's own hit ratio behind the recorded
+device hits (`replay.py`: what kvtier's host tier would serve at that size).
 
 Recommendations: `cpu_bytes_to_use` captures 90% of the reachable reuse and `max_bytes` (the
 secondary tier) 99%, each with the hit ratio it buys; `blocks_per_chunk` is the largest chunk
@@ -29,11 +29,11 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.chunks import DEVICE
 from kvtier.policies.arc import ARCPolicy
 from kvtier.trace import analysis
 from kvtier.trace.format import Trace, TraceError
 from kvtier.trace.mrc import lru_hit_ratios, sample_rate, simulate, stack_distances
+from kvtier.trace.replay import host_hit_ratios
 
 LRU_POINTS = 64
 ARC_POINTS = 16
@@ -96,14 +96,15 @@ def _observed(trace: Trace) -> dict[str, float]:
     return {k: v / tokens for k, v in trace.sources.items()} if tokens else {}
 
 
-def _predict(distances: np.ndarray, observed: dict[str, float], at: Sequence[int],
+def _predict(trace: Trace, distances: np.ndarray, at: Sequence[int],
              chunk_bytes: int) -> list[dict[str, Any]]:
-    """Hit ratios of host tiers of `at` bytes: the LRU curve's, and the share the host would serve
-    behind the recorded device hits (the device's share taken out)."""
-    device = observed.get(DEVICE, 0.0)
-    lru = lru_hit_ratios(distances, [b // chunk_bytes for b in at])
-    return [{"bytes": b, "lru_hit_ratio": h, "host_hit_ratio": max(h - device, 0.0)}
-            for b, h in zip(at, lru, strict=True)]
+    """Hit ratios of host tiers of `at` bytes: the LRU curve's, and the host tier's own behind the
+    recorded device hits (`replay.py`)."""
+    sizes = [b // chunk_bytes for b in at]
+    lru = lru_hit_ratios(distances, sizes)
+    host = host_hit_ratios(trace, sizes)
+    return [{"bytes": b, "lru_hit_ratio": h, "host_hit_ratio": r}
+            for b, h, r in zip(at, lru, host, strict=True)]
 
 
 def plan(trace: Trace, chunk_bytes: int | None = None,
@@ -174,5 +175,5 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
         },
     }
     if at:
-        report["predict"] = _predict(distances, report["observed_hit_ratio"], at, chunk_bytes)
+        report["predict"] = _predict(trace, distances, at, chunk_bytes)
     return Plan(report, samples)

@@ -72,6 +72,8 @@ def test_trace_of_a_run_and_its_plan(llm: Any, trace_path: Path, capsys: pytest.
         assert sum(rec["src"].values()) == prompt
         assert start <= rec["t"] < rec["t"] + rec["ttft"] <= rec["end"] <= time.time()
         assert rec["wait"] == 0.0 and rec["prio"] == 0
+        assert 0 <= rec["lookup"] <= rec["ttft"]  # the lookup it was allocated on, after arrival
+        assert len(rec["dkeys"]) == ((prompt + 2) // BLOCK_SIZE - prompt // BLOCK_SIZE) * KEY_BYTES * 2
         assert "token" not in json.dumps(rec)  # keys only: no token ids, no text
     full = (len(a) - 1) // BLOCK_SIZE
     assert recs[0]["keys"] == b"".join(k[:KEY_BYTES] for k in keys).hex()

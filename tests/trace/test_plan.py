@@ -14,6 +14,7 @@ from kvtier.policies.arc import ARCPolicy
 from kvtier.trace.format import TraceError, read_traces
 from kvtier.trace.mrc import lru_hit_ratios, previous_reference, simulate, stack_distances
 from kvtier.trace.plan import plan
+from kvtier.trace.replay import host_hit_ratios
 from tests.trace.traces import write_trace
 
 A, B, C, D, E, F, G, H, J = range(1, 10)
@@ -188,5 +189,37 @@ def test_observed_and_predicted_host_hit_ratios(tmp_path: Path, capsys: pytest.C
         {"device": 32 / 224, "host": 48 / 224, "recomputed": 144 / 224})
     four, six = report["predict"]
     assert (four["bytes"], six["bytes"]) == (4000, 6000)
-    assert four == pytest.approx({"bytes": 4000, "lru_hit_ratio": 4 / 14, "host_hit_ratio": 2 / 14})
-    assert six == pytest.approx({"bytes": 6000, "lru_hit_ratio": 5 / 14, "host_hit_ratio": 3 / 14})
+    assert (four["lru_hit_ratio"], six["lru_hit_ratio"]) == pytest.approx((4 / 14, 5 / 14))
+    # Behind the device: at t=10 A, B come from the device and the host stores E, F; with 4 slots
+    # that evicts A, B (the device hit did not refresh them), so t=30 finds nothing; with 6 the
+    # host serves A, B, C.
+    assert (four["host_hit_ratio"], six["host_hit_ratio"]) == pytest.approx((0.0, 3 / 14))
+
+
+def test_replay_of_the_host_tier_behind_the_device(tmp_path: Path) -> None:
+    records = [  # 16-token chunks; ttft puts each request's stores after its prefill
+        {"t": 0.0, "ttft": 1.0, "keys": [A, B], "prompt": 33, "src": {"device": 0}},
+        {"t": 0.5, "ttft": 1.0, "keys": [A, B, C], "prompt": 49, "src": {"device": 0}},  # before A, B stored
+        {"t": 2.0, "ttft": 1.0, "keys": [A, B, C], "prompt": 49, "src": {"device": 32}},  # A, B from device
+        {"t": 3.0, "ttft": 1.0, "keys": [D, E, F], "prompt": 49, "src": {"device": 0}},
+        {"t": 5.0, "ttft": 1.0, "keys": [A], "prompt": 17, "src": {"device": 0}},
+    ]
+    trace = read_traces([write_trace(tmp_path / "t.jsonl", records)])
+    # C hits at t=2; at t=5, A is still there with 6 slots, evicted by D, E, F with 3.
+    assert host_hit_ratios(trace, [0, 3, 6]) == [0.0, 1 / 12, 2 / 12]
+    report = plan(trace, host_bytes_per_s=1e9, at=[3000, 6000]).report
+    assert [p["host_hit_ratio"] for p in report["predict"]] == [1 / 12, 2 / 12]
+
+
+def test_replay_stores_the_chunks_decode_filled(tmp_path: Path) -> None:
+    records = [
+        {"t": 0.0, "ttft": 1.0, "keys": [A], "dkeys": [B], "prompt": 20, "src": {"device": 0}},
+        {"t": 2.0, "ttft": 1.0, "keys": [A, B], "prompt": 40, "src": {"device": 0}},
+        {"t": 4.0, "ttft": 1.0, "keys": [C], "dkeys": [D, E], "prompt": 20, "src": {"device": 0}},
+        {"t": 6.0, "ttft": 1.0, "keys": [A], "prompt": 20, "src": {"device": 0}},
+    ]
+    trace = read_traces([write_trace(tmp_path / "t.jsonl", records)])
+    assert list(trace.decode_counts) == [1, 0, 2, 0] and list(trace.decode_refs) == [B, D, E]
+    # B, stored by the first request's decode, serves the second; D and E (never asked for) push
+    # A out of a 4-chunk host before the last request, not out of a 5-chunk one.
+    assert host_hit_ratios(trace, [4, 5]) == [2 / 5, 3 / 5]

@@ -21,6 +21,8 @@ def write_trace(path: Path, records: Sequence[dict], block_size: int = 16, block
     for r in records:
         rec = dict(r)
         rec["keys"] = b"".join(key(k) for k in r["keys"]).hex()
+        if "dkeys" in r:
+            rec["dkeys"] = b"".join(key(k) for k in r["dkeys"]).hex()
         lines.append(json.dumps(rec))
     path.write_text("\n".join(lines) + "\n")
     return path

@@ -6,7 +6,8 @@ The scheduler half calls a `RequestTracer` on its scheduler thread at four point
 runs from the first such answer to the next answer), each step (`step`, then `scheduled` for every
 scheduled request), and `finished`. The first token is taken to exist at the start of the step
 after the one that computed the last prompt token (its forward pass is over then), or at finish if
-that comes first; TTFT runs from the request's arrival to that time. Without `trace_path` the
+that comes first; TTFT runs from the request's arrival to that time. `lookup` is when the last
+answered lookup (the one the request's blocks were allocated on) came, after arrival. Without `trace_path` the
 scheduler holds a `NoTracer`, whose hooks do nothing.
 """
 
@@ -49,6 +50,7 @@ class NoTracer:
 
 @dataclass
 class _Times:
+    lookup: float | None = None
     wait_since: float | None = None
     wait_s: float = 0.0
     prefilled: bool = False
@@ -84,9 +86,11 @@ class RequestTracer(NoTracer):
         now = time.time()
         if pending and times.wait_since is None:
             times.wait_since = now
-        elif not pending and times.wait_since is not None:
-            times.wait_s += now - times.wait_since
-            times.wait_since = None
+        elif not pending:
+            times.lookup = now
+            if times.wait_since is not None:
+                times.wait_s += now - times.wait_since
+                times.wait_since = None
 
     def step(self) -> None:
         if self._prefilled:
@@ -112,8 +116,10 @@ class RequestTracer(NoTracer):
             "t": request.arrival_time, "end": now, "prompt": prompt,
             "output": request.num_output_tokens,
             "keys": encode_keys(keys[: prompt // self.chunk_tokens]),
+            "dkeys": encode_keys(keys[prompt // self.chunk_tokens :]),
             "src": dict(split), "ttft": first - request.arrival_time if times.prefilled else None,
             "wait": times.wait_s, "prio": priority,
+            "lookup": None if times.lookup is None else times.lookup - request.arrival_time,
             "salt": hashlib.sha256(salt.encode()).hexdigest()[:16] if salt else None,
         })
 
