@@ -197,3 +197,9 @@ def test_a_batch_mixing_a_reload_and_a_miss(llm: Any) -> None:
     garden = scheduler.hasher.keys(list(outs[1].prompt_token_ids))
     settle(scheduler)
     assert all(scheduler.manager.host.contains(k) for k in garden)
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_on(llm: Any) -> None:
+    """kvtier supports HMA, so vLLM does not switch it off for kvtier's sake."""
+    config = llm.llm_engine.vllm_config
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False

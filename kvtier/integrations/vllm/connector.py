@@ -23,6 +23,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorRole,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -54,8 +55,13 @@ HIT_SOURCE = {
 }
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """Tiered KV-cache offloading for vLLM: host memory first, then secondary tiers."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """Tiered KV-cache offloading for vLLM: host memory first, then secondary tiers.
+
+    It supports vLLM's hybrid KV cache manager (`SupportsHMA`), so vLLM keeps it on and the device
+    cache keeps its full capacity; the KV cache groups kvtier cannot hold are refused at
+    construction (`geometry.engine_geometry`), before the engine serves.
+    """
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -160,6 +166,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Without the hybrid manager (the user disabled it): one group's blocks."""
+        return False, self._sched().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """With the hybrid manager: called once per request, before the blocks of every group are
+        freed. No block is held past it (stores end in their step, see `scheduler.py`)."""
         return False, self._sched().request_finished(request)
 
     def get_external_cache_hit_sources(
