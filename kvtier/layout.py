@@ -17,6 +17,15 @@ Tensor parallelism follows vLLM's `QKVParallelLinear`: with `tp <= H` rank r hol
 r holds head `r // (tp/H)`. Only the first replica (`r % (tp/H) == 0`) writes a replicated head to
 host memory, so each canonical head is written exactly once; every rank reads.
 
+Hybrid models: every layer keeps its page in the row, identified by its model layer index (never by
+an engine's grouping of layers). `layer_kinds` names what each layer's page holds ("attention" for
+full attention, "sliding_window:W" for a layer that attends to the last W tokens); the page format
+is the same for both, and the kinds are in the layout fingerprint, so two models whose layers
+differ in kind never share rows. An engine that groups layers (each group with its own block ids)
+gives a `CopyPlan` the group of each layer; each chunk's block ids are then group by group, and
+`SKIP_BLOCK` stands for a block a group does not hold (a sliding-window block outside the window):
+a load leaves that page unread, a store refuses it.
+
 Copy plans hold no state: concurrent calls are safe when their slots and blocks are disjoint.
 """
 
@@ -35,6 +44,8 @@ import torch
 from kvtier.errors import ConfigError
 
 ROW_ALIGN = 4096
+SKIP_BLOCK = -1
+FULL_ATTENTION = "attention"
 _LAYOUT_TAG = b"kvtier.canonical-layout.v1"
 
 
@@ -47,6 +58,7 @@ class CanonicalLayout:
     head_dim: int
     chunk_tokens: int
     dtype: torch.dtype
+    layer_kinds: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
@@ -55,6 +67,14 @@ class CanonicalLayout:
                 raise ConfigError(f"layout.{name}", value, "a positive integer")
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError("layout.dtype", self.dtype, "a torch.dtype")
+        if self.layer_kinds and len(self.layer_kinds) != self.num_layers:
+            kinds, expected = self.layer_kinds, f"one kind per layer ({self.num_layers})"
+            raise ConfigError("layout.layer_kinds", kinds, expected)
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's kind; every layer is full attention when `layer_kinds` is empty."""
+        return self.layer_kinds or (FULL_ATTENTION,) * self.num_layers
 
     @property
     def itemsize(self) -> int:
@@ -85,6 +105,9 @@ class CanonicalLayout:
         )
         name = str(self.dtype).encode()
         desc += struct.pack("<I", len(name)) + name
+        if set(self.kinds) != {FULL_ATTENTION}:  # plain models keep their fingerprint
+            kinds = ",".join(self.kinds).encode()
+            desc += struct.pack("<I", len(kinds)) + kinds
         return hashlib.sha256(desc).digest()[:16].hex()
 
     def page_view(self, rows: torch.Tensor, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -180,17 +203,28 @@ class CopyPlan:
     """
 
     def __init__(
-        self, layout: CanonicalLayout, engine: EngineLayout, shard: TPShard, block_size: int
+        self,
+        layout: CanonicalLayout,
+        engine: EngineLayout,
+        shard: TPShard,
+        block_size: int,
+        layer_groups: Sequence[int] = (),
     ) -> None:
+        """`layer_groups[l]`: the block-id group of layer l (default: one group for all layers)."""
         if block_size <= 0 or layout.chunk_tokens % block_size:
             raise ConfigError("block_size", block_size, f"must divide chunk_tokens={layout.chunk_tokens}")
         if shard.num_kv_heads != layout.num_kv_heads:
             raise ConfigError("tp", shard.num_kv_heads, f"shard of {layout.num_kv_heads} KV heads expected")
+        groups = tuple(layer_groups) or (0,) * layout.num_layers
+        if len(groups) != layout.num_layers or sorted(set(groups)) != list(range(max(groups) + 1)):
+            raise ConfigError("layer_groups", groups, f"{layout.num_layers} group indices 0..n-1, each used")
         self.layout = layout
         self.engine = engine
         self.shard = shard
         self.block_size = block_size
         self.blocks_per_chunk = layout.chunk_tokens // block_size
+        self.layer_groups = groups
+        self.num_groups = max(groups) + 1
 
     def engine_to_host(
         self,
@@ -199,7 +233,8 @@ class CopyPlan:
         host_rows: torch.Tensor,
         slots: Sequence[int],
     ) -> None:
-        """Write this rank's heads of chunk i (blocks `block_ids_per_chunk[i]`) to `slots[i]`."""
+        """Write this rank's heads of chunk i (blocks `block_ids_per_chunk[i]`: `blocks_per_chunk`
+        per group, group by group) to `slots[i]`."""
         self._copy(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host=True)
 
     def host_to_engine(
@@ -209,7 +244,8 @@ class CopyPlan:
         host_rows: torch.Tensor,
         slots: Sequence[int],
     ) -> None:
-        """Write this rank's heads of row `slots[i]` into blocks `block_ids_per_chunk[i]`."""
+        """Write this rank's heads of row `slots[i]` into blocks `block_ids_per_chunk[i]` (group
+        by group; a `SKIP_BLOCK` leaves that group's page of that block unread)."""
         self._copy(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host=False)
 
     def _copy(
@@ -225,13 +261,15 @@ class CopyPlan:
         pairs = self._pairs(layer_tensors, block_ids_per_chunk, host_rows, slots)
         if to_host and len(set(slots)) != len(slots):
             raise ValueError(f"slots must be distinct, got {list(slots)}")
-        if not to_host and len({block for _, _, block in pairs}) != len(pairs):
+        if to_host and any(len(group) != len(slots) * self.blocks_per_chunk for group in pairs):
+            raise ValueError(f"a store needs every block of every chunk, got {list(block_ids_per_chunk)}")
+        if not to_host and any(len({b for _, _, b in group}) != len(group) for group in pairs):
             raise ValueError("destination block ids must be distinct")
         if to_host and not self.shard.writes:
             return
         for layer, kv in enumerate(layer_tensors):
             for engine, host in self._views(kv, host_rows, layer):
-                for slot, j, block in pairs:
+                for slot, j, block in pairs[self.layer_groups[layer]]:
                     if to_host:
                         host[slot, j].copy_(engine[block])
                     else:
@@ -270,25 +308,31 @@ class CopyPlan:
         block_ids_per_chunk: Sequence[Sequence[int]],
         host_rows: torch.Tensor,
         slots: Sequence[int],
-    ) -> list[tuple[int, int, int]]:
-        """(slot, block index within the chunk, engine block) for every block, all validated."""
+    ) -> list[list[tuple[int, int, int]]]:
+        """Per group, (slot, block index within the chunk, engine block) for every block the group
+        holds (`SKIP_BLOCK`s left out), all validated."""
         if len(layer_tensors) != self.layout.num_layers:
             raise ValueError(
                 f"{len(layer_tensors)} layer tensors, layout has {self.layout.num_layers} layers"
             )
         if len(block_ids_per_chunk) != len(slots):
             raise ValueError(f"{len(block_ids_per_chunk)} chunks of blocks for {len(slots)} slots")
-        if any(len(ids) != self.blocks_per_chunk for ids in block_ids_per_chunk):
-            raise ValueError(f"every chunk needs exactly {self.blocks_per_chunk} block ids")
+        bpc = self.blocks_per_chunk
+        if any(len(ids) != bpc * self.num_groups for ids in block_ids_per_chunk):
+            raise ValueError(f"every chunk needs exactly {bpc * self.num_groups} block ids")
         check_rows(self.layout, host_rows)
         num_blocks = min(self.engine_views(kv)[0].shape[0] for kv in layer_tensors)
         if any(not 0 <= s < len(host_rows) for s in slots):
             raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
         pairs = [
-            (slot, j, block)
-            for slot, ids in zip(slots, block_ids_per_chunk, strict=True)
-            for j, block in enumerate(ids)
+            [
+                (slot, j, block)
+                for slot, ids in zip(slots, block_ids_per_chunk, strict=True)
+                for j, block in enumerate(ids[g * bpc : (g + 1) * bpc])
+                if block != SKIP_BLOCK
+            ]
+            for g in range(self.num_groups)
         ]
-        if any(not 0 <= block < num_blocks for _, _, block in pairs):
+        if any(not 0 <= block < num_blocks for group in pairs for _, _, block in group):
             raise ValueError(f"block ids must lie in [0, {num_blocks})")
         return pairs

@@ -145,7 +145,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched().bind_block_ids(lambda req_id: kv_cache_manager.get_block_ids(req_id)[0])
+        self._sched().bind_block_ids(kv_cache_manager.get_block_ids)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int

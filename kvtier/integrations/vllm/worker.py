@@ -69,7 +69,8 @@ class KVTierWorker:
             raise ValueError(f"kvtier: no KV cache tensor for layers {missing}")
         tensors = [kv_caches[name] for name in self.geometry.layer_names]
         layout = self._engine_layout(tensors[0])
-        plan = CopyPlan(self.geometry.layout, layout, self.shard, self.geometry.block_size)
+        geometry = self.geometry
+        plan = CopyPlan(geometry.layout, layout, self.shard, geometry.block_size, geometry.layer_groups)
         for name, kv in zip(self.geometry.layer_names, tensors, strict=True):
             self._check(name, plan, kv)
         self.transfer = self._transfer_factory(plan, tensors)
