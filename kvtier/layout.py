@@ -17,6 +17,11 @@ Tensor parallelism follows vLLM's `QKVParallelLinear`: with `tp <= H` rank r hol
 r holds head `r // (tp/H)`. Only the first replica (`r % (tp/H) == 0`) writes a replicated head to
 host memory, so each canonical head is written exactly once; every rank reads.
 
+MLA (multi-head latent attention): a layer caches one latent row per token (`kv_lora_rank + rope`
+values), the same on every TP rank. A `latent` layout's page is that row for each token of the
+chunk, `[1, chunk_tokens, head_dim]` (num_kv_heads 1, no V); the first rank writes it, every rank
+reads it.
+
 Hybrid models: every layer keeps its page in the row, identified by its model layer index (never by
 an engine's grouping of layers). `layer_kinds` names what each layer's page holds ("attention" for
 full attention, "sliding_window:W" for a layer that attends to the last W tokens); the page format
@@ -59,6 +64,7 @@ class CanonicalLayout:
     chunk_tokens: int
     dtype: torch.dtype
     layer_kinds: tuple[str, ...] = ()
+    latent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
@@ -70,6 +76,8 @@ class CanonicalLayout:
         if self.layer_kinds and len(self.layer_kinds) != self.num_layers:
             kinds, expected = self.layer_kinds, f"one kind per layer ({self.num_layers})"
             raise ConfigError("layout.layer_kinds", kinds, expected)
+        if self.latent and self.num_kv_heads != 1:
+            raise ConfigError("layout.num_kv_heads", self.num_kv_heads, "1 for a latent (MLA) layout")
 
     @property
     def kinds(self) -> tuple[str, ...]:
@@ -81,9 +89,14 @@ class CanonicalLayout:
         return self.dtype.itemsize
 
     @property
+    def parts(self) -> int:
+        """Tensors per page: K and V (2), or the latent alone (1)."""
+        return 1 if self.latent else 2
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one layer's K and V for one chunk."""
-        return 2 * self.num_kv_heads * self.chunk_tokens * self.head_dim * self.itemsize
+        """Bytes of one layer's K and V (or latent) for one chunk."""
+        return self.parts * self.num_kv_heads * self.chunk_tokens * self.head_dim * self.itemsize
 
     @property
     def row_bytes(self) -> int:
@@ -105,18 +118,18 @@ class CanonicalLayout:
         )
         name = str(self.dtype).encode()
         desc += struct.pack("<I", len(name)) + name
-        if set(self.kinds) != {FULL_ATTENTION}:  # plain models keep their fingerprint
+        if set(self.kinds) != {FULL_ATTENTION} or self.latent:  # plain models keep their fingerprint
             kinds = ",".join(self.kinds).encode()
-            desc += struct.pack("<I", len(kinds)) + kinds
+            desc += struct.pack("<I?", len(kinds), self.latent) + kinds
         return hashlib.sha256(desc).digest()[:16].hex()
 
     def page_view(self, rows: torch.Tensor, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """`[num_slots, 2, num_kv_heads, chunk_tokens, head_dim]` view of `layer`'s pages in
+        """`[num_slots, parts, num_kv_heads, chunk_tokens, head_dim]` view of `layer`'s pages in
         `rows` (uint8 `[num_slots, row_bytes]`), sharing its memory."""
         check_rows(self, rows)
         off = self.page_offset(layer)
         page = rows[:, off : off + self.page_bytes].view(dtype or self.dtype)
-        return page.view(len(rows), 2, self.num_kv_heads, self.chunk_tokens, self.head_dim)
+        return page.view(len(rows), self.parts, self.num_kv_heads, self.chunk_tokens, self.head_dim)
 
 
 def check_rows(layout: CanonicalLayout, rows: torch.Tensor) -> None:
@@ -184,11 +197,13 @@ class EngineLayout(ABC):
     """How one engine backend lays out one layer's KV cache tensor."""
 
     name: ClassVar[str]
+    latent: ClassVar[bool] = False  # True: a layer holds one latent per token (MLA), not K and V
 
     @abstractmethod
-    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `kv` as views `[num_blocks, H_local, block_size, head_dim]` sharing its
-        memory; ValueError when `kv` does not have this layout."""
+    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
+        """K and V of `kv` (or its latent alone, for an MLA layout) as views `[num_blocks,
+        H_local, block_size, head_dim]` sharing its memory; ValueError when `kv` does not have
+        this layout."""
 
 
 class CopyPlan:
@@ -215,6 +230,8 @@ class CopyPlan:
             raise ConfigError("block_size", block_size, f"must divide chunk_tokens={layout.chunk_tokens}")
         if shard.num_kv_heads != layout.num_kv_heads:
             raise ConfigError("tp", shard.num_kv_heads, f"shard of {layout.num_kv_heads} KV heads expected")
+        if engine.latent != layout.latent:
+            raise ConfigError("engine_layout", engine.name, f"a layout with latent={layout.latent}")
         groups = tuple(layer_groups) or (0,) * layout.num_layers
         if len(groups) != layout.num_layers or sorted(set(groups)) != list(range(max(groups) + 1)):
             raise ConfigError("layer_groups", groups, f"{layout.num_layers} group indices 0..n-1, each used")
@@ -275,32 +292,36 @@ class CopyPlan:
                     else:
                         engine[block].copy_(host[slot, j])
 
-    def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V block views `[num_blocks, H_local, block_size, D]` of one layer tensor;
-        ValueError when its shape, head count, block size or dtype width do not fit this plan."""
-        k, v = self.engine.kv_views(kv, self.layout.head_dim)
+    def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """K and V (or latent) block views `[num_blocks, H_local, block_size, D]` of one layer
+        tensor; ValueError when its shape, head count, block size or dtype width do not fit."""
+        views = self.engine.kv_views(kv, self.layout.head_dim)
+        if len(views) != self.layout.parts:
+            parts = self.layout.parts
+            raise ValueError(f"{self.engine.name}: {len(views)} views per layer, the layout has {parts}")
+        k = views[0]
         expected = (self.shard.num_heads, self.block_size, self.layout.head_dim)
-        if tuple(k.shape[1:]) != expected or k.shape != v.shape:
+        if tuple(k.shape[1:]) != expected or any(v.shape != k.shape for v in views):
             raise ValueError(
                 f"{self.engine.name}: layer tensor {tuple(kv.shape)} holds K/V blocks "
                 f"[H, block_size, D] = {tuple(k.shape[1:])}, expected {expected}"
             )
         if kv.dtype.itemsize != self.layout.itemsize:
             raise ValueError(f"layer dtype {kv.dtype} does not match layout {self.layout.dtype}")
-        return k, v
+        return views
 
     def _views(
         self, kv: torch.Tensor, rows: torch.Tensor, layer: int
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """(engine, host) view pairs for K and V: engine `[num_blocks, H_local, block_size, D]`,
-        host `[num_slots, blocks_per_chunk, H_local, block_size, D]` (this rank's heads)."""
+        """(engine, host) view pairs for K and V (or the latent): engine `[num_blocks, H_local,
+        block_size, D]`, host `[num_slots, blocks_per_chunk, H_local, block_size, D]` (this rank's
+        heads)."""
         page = self.layout.page_view(rows, layer, kv.dtype)
         heads = page[:, :, self.shard.head_start : self.shard.head_end]
-        s, _, h, _, d = heads.shape
-        split = heads.view(s, 2, h, self.blocks_per_chunk, self.block_size, d)
+        s, parts, h, _, d = heads.shape
+        split = heads.view(s, parts, h, self.blocks_per_chunk, self.block_size, d)
         host = split.permute(1, 0, 3, 2, 4, 5)
-        k, v = self.engine_views(kv)
-        return (k, host[0]), (v, host[1])
+        return tuple(zip(self.engine_views(kv), host, strict=True))
 
     def _pairs(
         self,

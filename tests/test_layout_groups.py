@@ -65,3 +65,35 @@ def test_layer_kinds_change_the_fingerprint_only_when_some_layer_is_not_full_att
     assert len({plain.fingerprint, hybrid.fingerprint, other.fingerprint}) == 3
     with pytest.raises(ConfigError, match="layer_kinds"):
         CanonicalLayout(3, HEADS, DIM, BLOCK, torch.float32, layer_kinds=KINDS[:2])
+
+
+def test_an_mla_latent_page_is_one_row_per_token_written_once_whatever_the_tp_degree() -> None:
+    from kvtier.integrations.vllm.layouts import VllmMlaLayout, engine_layout_name
+
+    dim, block = 12, 4
+    layout = CanonicalLayout(
+        2, 1, dim, 2 * block, torch.float32, layer_kinds=("mla_latent:12",) * 2, latent=True
+    )
+    assert layout.page_bytes == 2 * block * dim * 4
+    gen = torch.Generator().manual_seed(1)
+    src = [torch.randn(6, 1, block, dim, generator=gen) for _ in range(2)]
+    chunk = (5, 2)
+    rows = {}
+    for tp in (1, 2):
+        for rank in range(tp):
+            plan = CopyPlan(layout, VllmMlaLayout(), TPShard(1, tp, rank), block)
+            buf = host_rows(memoryview(bytearray(layout.row_bytes)), layout.row_bytes, 1)
+            plan.engine_to_host(src, [chunk], buf, [0])
+            rows[(tp, rank)] = buf
+    assert not rows[(2, 1)].any()  # a replica writes nothing
+    assert torch.equal(rows[(1, 0)], rows[(2, 0)])
+    page = layout.page_view(rows[(1, 0)], 1)  # [slots, 1 part, 1 head, tokens, dim]
+    assert torch.equal(page[0, 0, 0], torch.cat([src[1][5, 0], src[1][2, 0]]))
+    dst = [torch.zeros(6, block, dim) for _ in range(2)]  # 3-D, as MLACommonBackend's shape
+    CopyPlan(layout, VllmMlaLayout(), TPShard(1, 2, 1), block).host_to_engine(
+        dst, [(0, 3)], rows[(1, 0)], [0]
+    )
+    assert torch.equal(dst[0][3], src[0][2, 0]) and torch.equal(dst[0][0], src[0][5, 0])
+    assert engine_layout_name("cpu", (6, 1, block, dim), latent=True) == "vllm_mla"
+    plain = CanonicalLayout(2, 1, dim, 2 * block, torch.float32)
+    assert plain.fingerprint != CanonicalLayout(2, 1, dim, 2 * block, torch.float32, latent=True).fingerprint

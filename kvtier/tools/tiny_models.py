@@ -9,6 +9,8 @@ needs. Head sizes are ones vLLM's CPU attention supports (64).
 
 - ``gemma3``: Gemma3 text, 4 layers, sliding window 64 on layers 0-2, full attention on layer 3.
 - ``mistral-sliding``: Mistral with ``sliding_window`` 64 on every layer, 2 layers.
+- ``deepseek-v2``: DeepSeek-V2 with MLA (kv_lora_rank 512, rope dim 64: what vLLM's CPU_MLA
+  backend needs), 2 dense layers.
 
 Run as ``python -m kvtier.tools.tiny_models NAME...``.
 """
@@ -61,6 +63,24 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
     "mistral-sliding": (
         "MistralForCausalLM",
         {**_COMMON, "model_type": "mistral", "num_hidden_layers": 2, "sliding_window": SLIDING_WINDOW},
+        "float32",
+    ),
+    "deepseek-v2": (
+        "DeepseekV2ForCausalLM",
+        {
+            **_COMMON,
+            "model_type": "deepseek_v2",
+            "num_hidden_layers": 2,
+            "kv_lora_rank": 512,
+            "q_lora_rank": None,
+            "qk_rope_head_dim": 64,
+            "qk_nope_head_dim": 64,
+            "v_head_dim": 64,
+            "first_k_dense_replace": 2,
+            "n_routed_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+        },
         "float32",
     ),
 }

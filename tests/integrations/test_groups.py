@@ -1,6 +1,6 @@
 """vLLM's KV cache groups as kvtier layers (`groups.layer_groups`), from real vLLM spec objects:
-layers in model order whatever the group order, each with its group and kind; a group kvtier
-cannot hold is refused with a ConfigError naming the spec and its layers."""
+layers in model order whatever the group order, each with its group and kind; MLA groups are
+latent; a group kvtier cannot hold is refused with a ConfigError naming the spec and its layers."""
 
 from __future__ import annotations
 
@@ -41,9 +41,11 @@ def test_layers_are_in_model_order_with_their_group_and_kind() -> None:
 
 
 def test_groups_kvtier_cannot_hold_are_refused_by_name() -> None:
-    mla = MLAAttentionSpec(block_size=16, num_kv_heads=1, head_size=576, dtype=torch.float32)
-    with pytest.raises(ConfigError, match=r"MLAAttentionSpec layers \['model.layers.0"):
-        layer_groups(config(([0], mla)))
+    mla = MLAAttentionSpec(block_size=32, num_kv_heads=1, head_size=576, dtype=torch.float32)
+    found = layer_groups(config(([0, 1], mla)))
+    assert found.latent and found.layer_kinds == ("mla_latent:576",) * 2
+    with pytest.raises(ConfigError, match="MLA-only"):
+        layer_groups(config(([0], mla), ([1], FullAttentionSpec(**GEOMETRY))))  # type: ignore[arg-type]
     mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
     full = FullAttentionSpec(**GEOMETRY)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"MambaSpec .* not supported yet"):

@@ -1,14 +1,19 @@
 """Real vLLM (CPU backend, in-process) with vLLM's hybrid KV cache manager on, on tiny random-weight
-sliding-window models built locally (`kvtier.tools.tiny_models`, float32, window 64 = 2 blocks):
+models built locally (`kvtier.tools.tiny_models`, float32):
 
-- ``gemma3``: three sliding-window layers and one full-attention layer (four KV cache groups);
-- ``mistral-sliding``: every layer slides (one sliding-window group).
+- ``gemma3``: three sliding-window layers (window 64 = 2 blocks) and one full-attention layer (four
+  KV cache groups);
+- ``mistral-sliding``: every layer slides (one sliding-window group);
+- ``deepseek-v2``: MLA, one latent row of 576 values per token (CPU_MLA: 16-token blocks; vLLM
+  turns its own prefix caching off on CPU, so kvtier's reload is the only reuse).
 
-For each: kvtier leaves the device cache as many blocks as vLLM has without it (HMA stays on); a
-prompt, `reset_prefix_cache()`, then a longer prompt sharing its prefix reloads that prefix from
-the host tier, and from fs after host eviction; the reloaded pages are byte-identical to the stored
-ones, sliding-window pages are loaded only for the window before the hit point, and greedy tokens
-(and their logprobs within 1e-4) equal a run computed from scratch by an engine without kvtier.
+For each: a prompt, `reset_prefix_cache()`, then a longer prompt sharing its prefix reloads that
+prefix from the host tier, and from fs after host eviction; the reloaded pages are byte-identical to
+the stored ones, sliding-window pages are loaded only for the window before the hit point, and
+greedy tokens (and their logprobs within 1e-4) equal a run computed from scratch. For gemma3 the
+run from scratch is an engine without kvtier, which also shows kvtier leaves the device cache as
+many blocks (HMA stays on); for the single-group models it is the same engine with kvtier's load
+and store skipped, after a device cache reset.
 """
 
 from __future__ import annotations
@@ -29,18 +34,10 @@ from tests.integrations.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
 
-BLOCK = 32
-HOST_SLOTS = 10
 TAIL = " Answer in one sentence, then stop."
-OPTIONS: dict[str, Any] = {
-    "enforce_eager": True,
-    "block_size": BLOCK,
-    "dtype": "float32",
-    "kv_cache_memory_bytes": 8 << 20,
-    "max_model_len": 512,
-    "max_num_seqs": 2,
-    "seed": 0,
-}
+HOST_TOKENS = 320  # the host tier holds about two and a half prompts
+BLOCK = {"gemma3": 32, "mistral-sliding": 32, "deepseek-v2": 16}
+SCRATCH = {"kvtier": {"skip_load": True, "skip_store": True}}
 
 
 @dataclass(frozen=True)
@@ -53,19 +50,33 @@ class Result:
 
 @dataclass
 class Engine:
-    """A kvtier engine on one tiny model, with what an engine without kvtier computed."""
+    """A kvtier engine on one tiny model, with the runs from scratch of `longer(name)`."""
 
     name: str
     llm: Any
-    reference_blocks: int
     reference: dict[str, Result]
+    reference_blocks: int | None = None
 
 
-def generate(llm: Any, prompt: str, max_tokens: int = 6) -> Result:
-    """Greedy tokens for `prompt`, alone in the engine, with each token's logprob."""
+def options(name: str) -> dict[str, Any]:
+    return {
+        "enforce_eager": True,
+        "block_size": BLOCK[name],
+        "dtype": "float32",
+        "kv_cache_memory_bytes": 8 << 20,
+        "max_model_len": 512,
+        "max_num_seqs": 2,
+        "seed": 0,
+    }
+
+
+def generate(llm: Any, prompt: str, max_tokens: int = 6, scratch: bool = False) -> Result:
+    """Greedy tokens for `prompt`, alone in the engine, with each token's logprob; `scratch`:
+    kvtier neither loads nor stores."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0)
+    extra = {"kv_transfer_params": SCRATCH} if scratch else None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, extra_args=extra)
     done = llm.generate([prompt], params, use_tqdm=False)[0]
     out = done.outputs[0]
     logprobs = [entry[tok].logprob for tok, entry in zip(out.token_ids, out.logprobs, strict=True)]
@@ -80,7 +91,7 @@ def longer(name: str) -> str:
     return PROMPTS[name] + TAIL
 
 
-@pytest.fixture(scope="module", params=["gemma3", "mistral-sliding"])
+@pytest.fixture(scope="module", params=sorted(BLOCK))
 def engine(
     request: pytest.FixtureRequest, vllm_env: Path, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Engine]:
@@ -88,28 +99,35 @@ def engine(
 
     from kvtier.tools.tiny_models import build_tiny_model
 
-    model = str(build_tiny_model(request.param))
-    # The reference engine runs first and alone: vLLM keeps one KV connector per process.
-    plain = LLM(model=model, enable_prefix_caching=False, **OPTIONS)
-    reference = {p: generate(plain, longer(p)) for p in ("lighthouse", "bread")}
-    reference_blocks = num_blocks(plain)
-    plain.llm_engine.engine_core.shutdown()
-    row_bytes = _row_bytes(model)
+    name = request.param
+    model = str(build_tiny_model(name))
+    found = Engine(name, None, {})
+    if name == "gemma3":
+        # The engine without kvtier runs first and alone: vLLM keeps one KV connector per process.
+        plain = LLM(model=model, **options(name))
+        found.reference = {p: generate(plain, longer(p)) for p in ("lighthouse", "bread")}
+        found.reference_blocks = num_blocks(plain)
+        plain.llm_engine.engine_core.shutdown()
     config = {
-        "cpu_bytes_to_use": HOST_SLOTS * row_bytes,
+        "cpu_bytes_to_use": HOST_TOKENS // BLOCK[name] * _row_bytes(model, BLOCK[name]),
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path_factory.mktemp("fs"))}],
     }
-    llm = LLM(model=model, kv_transfer_config=transfer_config(config), **OPTIONS)
-    yield Engine(request.param, llm, reference_blocks, reference)
-    llm.llm_engine.engine_core.shutdown()
+    found.llm = LLM(model=model, kv_transfer_config=transfer_config(config), **options(name))
+    if not found.reference:
+        found.reference = {p: generate(found.llm, longer(p), scratch=True) for p in ("lighthouse", "bread")}
+        found.llm.reset_prefix_cache()
+    yield found
+    found.llm.llm_engine.engine_core.shutdown()
 
 
-def _row_bytes(model: str) -> int:
+def _row_bytes(model: str, block: int) -> int:
     import json
 
     config = json.loads((Path(model) / "config.json").read_text())
+    if "kv_lora_rank" in config:
+        return config["num_hidden_layers"] * block * (config["kv_lora_rank"] + config["qk_rope_head_dim"]) * 4
     layers, heads, dim = config["num_hidden_layers"], config["num_key_value_heads"], config["head_dim"]
-    return layers * 2 * heads * BLOCK * dim * 4
+    return layers * 2 * heads * block * dim * 4
 
 
 class PageSpy:
@@ -148,12 +166,12 @@ class PageSpy:
         mp.setattr(worker, "start_load", spy_load)
 
     def check(self, keys: list[bytes], kinds: tuple[str, ...]) -> None:
-        """Every reloaded page equals the stored one; full-attention pages of every chunk and
-        sliding-window pages of the chunks in the window before the hit point (64 tokens: the
-        last two) were loaded, no other."""
+        """Every reloaded page equals the stored one; the pages of every chunk were loaded, but
+        sliding-window pages only for the chunks in the window before the hit point (64 tokens:
+        the last two chunks)."""
         for i, key in enumerate(keys):
             in_window = i >= len(keys) - 2
-            expected = {layer for layer, kind in enumerate(kinds) if in_window or kind == "attention"}
+            expected = {layer for layer, kind in enumerate(kinds) if in_window or "sliding" not in kind}
             assert set(self.loaded[key]) == expected, (i, kinds)
             assert set(self.stored[key]) == set(range(len(kinds)))
             for layer in expected:
@@ -185,7 +203,8 @@ def reload_check(engine: Engine, spy: PageSpy, name: str, tier: str, evict: tupl
     llm = engine.llm
     scheduler, _ = connector_halves(llm)
     first = generate(llm, PROMPTS[name], max_tokens=1)
-    keys = scheduler.hasher.keys(first.prompt)[: (len(first.prompt) - 1) // BLOCK]
+    chunk = scheduler.geometry.chunk_tokens
+    keys = scheduler.hasher.keys(first.prompt)[: (len(first.prompt) - 1) // chunk]
     assert len(keys) >= 3
     settle(scheduler)
     assert all(scheduler.manager.host.contains(k) for k in keys)
@@ -196,10 +215,10 @@ def reload_check(engine: Engine, spy: PageSpy, name: str, tier: str, evict: tupl
         assert not any(scheduler.manager.host.contains(k) for k in keys), "the fillers did not evict"
     before = loads(scheduler, tier)
 
-    assert llm.reset_prefix_cache()
+    llm.reset_prefix_cache()
     again = generate(llm, longer(name))
 
-    assert again.cached == len(keys) * BLOCK
+    assert again.cached == len(keys) * chunk
     assert loads(scheduler, tier) - before == len(keys)
     ref = engine.reference[name]
     assert again.prompt == ref.prompt
@@ -209,11 +228,19 @@ def reload_check(engine: Engine, spy: PageSpy, name: str, tier: str, evict: tupl
 
 
 def test_the_device_cache_keeps_as_many_blocks_as_without_kvtier(engine: Engine) -> None:
-    assert engine.llm.llm_engine.vllm_config.scheduler_config.disable_hybrid_kv_cache_manager is False
-    assert num_blocks(engine.llm) == engine.reference_blocks
-    kinds = connector_halves(engine.llm)[0].geometry.layout.kinds
-    assert "sliding_window:64" in kinds
-    assert ("attention" in kinds) == (engine.name == "gemma3")
+    config = engine.llm.llm_engine.vllm_config
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False
+    scheduler = connector_halves(engine.llm)[0]
+    kinds, layout = scheduler.geometry.layout.kinds, scheduler.geometry.layout
+    if engine.name == "gemma3":
+        assert num_blocks(engine.llm) == engine.reference_blocks
+        assert kinds == ("sliding_window:64",) * 3 + ("attention",)
+    elif engine.name == "mistral-sliding":
+        assert kinds == ("sliding_window:64",) * 2
+    else:
+        assert kinds == ("mla_latent:576",) * 2 and layout.latent
+        assert layout.row_bytes == 2 * 16 * 576 * 4  # one latent row per token and layer
+        assert config.cache_config.enable_prefix_caching is False  # kvtier is the only reuse
 
 
 def test_a_longer_prompt_reloads_the_prefix_from_the_host_tier(engine: Engine, spy: PageSpy) -> None:

@@ -67,12 +67,13 @@ def engine_geometry(
 ) -> EngineGeometry:
     """Read the geometry from vLLM's config; ConfigError for a cache kvtier cannot hold yet.
 
-    Supported: KV cache groups of full and sliding-window attention (`groups.layer_groups`), K and
-    V of the same head size, an unquantized KV cache (`kv_cache_dtype` "auto" or a float dtype).
+    Supported: KV cache groups of full and sliding-window attention or MLA (`groups.layer_groups`),
+    K and V of the same head size (MLA: one latent), an unquantized KV cache (`kv_cache_dtype`
+    "auto" or a float dtype).
     """
     found = layer_groups(kv_cache_config)
     spec = found.spec
-    if spec.head_size_v != spec.head_size:
+    if spec.head_size_v != spec.head_size and not found.latent:
         raise ConfigError("model", (spec.head_size, spec.head_size_v), "K and V head sizes differ")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
@@ -80,7 +81,7 @@ def engine_geometry(
     model = vllm_config.model_config
     layer_names = found.layer_names
     kinds = found.layer_kinds if found.hybrid else ()
-    num_kv_heads = model.get_total_num_kv_heads()
+    num_kv_heads = 1 if found.latent else model.get_total_num_kv_heads()
     chunk_tokens = spec.block_size * blocks_per_chunk
     fingerprint = ModelFingerprint(
         model=model_name(model.model, model.served_model_name),
@@ -100,6 +101,7 @@ def engine_geometry(
         chunk_tokens=chunk_tokens,
         dtype=spec.dtype,
         layer_kinds=kinds,
+        latent=found.latent,
     )
     return EngineGeometry(
         fingerprint=fingerprint,

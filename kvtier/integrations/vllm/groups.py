@@ -6,9 +6,10 @@ kvtier's canonical row holds one page per model layer in model order (`kvtier.la
 of a layer only says which of a request's block-id lists addresses that layer's blocks. So the
 stored format never depends on vLLM's group order.
 
-What kvtier holds: full attention (`FullAttentionSpec`) and sliding-window attention
+What kvtier holds: full attention (`FullAttentionSpec`), sliding-window attention
 (`SlidingWindowSpec`, or a `FullAttentionSpec` carrying `sliding_window` when the hybrid manager is
-off), all layers with the same KV heads, head size, dtype and block size. Any other group is refused
+off) and MLA latents (`MLAAttentionSpec`, every layer), all layers with the same KV heads, head
+size, dtype and block size. Any other group is refused
 at startup by `layer_groups`, with a ConfigError naming the spec and its layers. With the hybrid
 manager off vLLM merges every layer into one `FullAttentionSpec` carrying the model's window, so
 every layer is then named sliding: such an engine shares chunks only with engines in the same mode.
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
 
 NULL_BLOCK = 0  # vLLM's `BlockPool.null_block.block_id`: the group holds no block there
 SLIDING_WINDOW = "sliding_window"
+MLA_LATENT = "mla_latent"
 
 
 @dataclass(frozen=True)
@@ -43,6 +45,7 @@ class LayerGroups:
     layer_groups: tuple[int, ...]
     layer_kinds: tuple[str, ...]
     spec: AttentionSpec
+    latent: bool = False
 
     @property
     def hybrid(self) -> bool:
@@ -51,7 +54,12 @@ class LayerGroups:
 
 
 def layer_kind(spec: KVCacheSpec) -> str:
-    """kvtier's name for what a layer of `spec` keeps: "attention" or "sliding_window:W"."""
+    """kvtier's name for what a layer of `spec` keeps: "attention", "sliding_window:W" or
+    "mla_latent:D" (D values per token)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec
+
+    if isinstance(spec, MLAAttentionSpec):
+        return f"{MLA_LATENT}:{spec.head_size}"
     window = getattr(spec, "sliding_window", None)
     return FULL_ATTENTION if window is None else f"{SLIDING_WINDOW}:{window}"
 
@@ -66,16 +74,19 @@ def layer_groups(kv_cache_config: KVCacheConfig) -> LayerGroups:
         raise ConfigError("model", "no KV cache groups", "a model with attention layers")
     for group in groups:
         spec = group.kv_cache_spec
-        if isinstance(spec, MLAAttentionSpec) or not isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
+        if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
             raise ConfigError(
                 "model",
                 f"{type(spec).__name__} layers {list(group.layer_names)}",
-                "kvtier holds full-attention and sliding-window KV cache groups only; "
+                "kvtier holds full-attention, sliding-window and MLA KV cache groups only; "
                 f"{type(spec).__name__} is not supported yet",
             )
     first = cast("AttentionSpec", groups[0].kv_cache_spec)
+    latent = isinstance(first, MLAAttentionSpec)
     for group in groups[1:]:
         spec = group.kv_cache_spec
+        if isinstance(spec, MLAAttentionSpec) != latent:
+            raise ConfigError("model", "MLA and other attention layers", "kvtier holds MLA-only models")
         for attr in ("block_size", "num_kv_heads", "head_size", "head_size_v", "dtype"):
             if getattr(spec, attr) != getattr(first, attr):
                 raise ConfigError(
@@ -96,6 +107,7 @@ def layer_groups(kv_cache_config: KVCacheConfig) -> LayerGroups:
         layer_groups=tuple(g for _, g, _ in layers),
         layer_kinds=tuple(kind for _, _, kind in layers),
         spec=first,
+        latent=latent,
     )
 
 

@@ -84,7 +84,7 @@ class KVTierWorker:
             raise ValueError(f"kvtier: layer {name}: {exc}") from exc
 
     def _engine_layout(self, kv: torch.Tensor) -> EngineLayout:
-        return engine_layout(engine_layout_name(kv.device.type, kv.shape))
+        return engine_layout(engine_layout_name(kv.device.type, kv.shape, self.geometry.layout.latent))
 
     def before_forward(self) -> None:
         """Order the coming forward pass after the stores still reading its blocks. Called before
