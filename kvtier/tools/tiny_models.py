@@ -11,6 +11,7 @@ needs. Head sizes are ones vLLM's CPU attention supports (64).
 - ``mistral-sliding``: Mistral with ``sliding_window`` 64 on every layer, 2 layers.
 - ``deepseek-v2``: DeepSeek-V2 with MLA (kv_lora_rank 512, rope dim 64: what vLLM's CPU_MLA
   backend needs), 2 dense layers.
+- ``granite-hybrid``: GraniteMoeHybrid, one Mamba2 layer then one attention layer (dense MLP).
 
 Run as ``python -m kvtier.tools.tiny_models NAME...``.
 """
@@ -80,6 +81,26 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
             "n_routed_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 64,
+        },
+        "float32",
+    ),
+    "granite-hybrid": (
+        "GraniteMoeHybridForCausalLM",
+        {
+            **_COMMON,
+            "model_type": "granitemoehybrid",
+            "num_hidden_layers": 2,
+            "layer_types": ["mamba", "attention"],
+            "num_local_experts": 0,
+            "shared_intermediate_size": 256,
+            "mamba_n_heads": 4,
+            "mamba_d_head": 64,
+            "mamba_d_state": 16,
+            "mamba_n_groups": 1,
+            "mamba_d_conv": 4,
+            "mamba_expand": 2,
+            "mamba_chunk_size": 64,
+            "position_embedding_type": "rope",
         },
         "float32",
     ),
