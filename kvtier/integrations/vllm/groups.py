@@ -9,15 +9,18 @@ stored format never depends on vLLM's group order.
 What kvtier holds: full attention (`FullAttentionSpec`), sliding-window attention
 (`SlidingWindowSpec`, or a `FullAttentionSpec` carrying `sliding_window` when the hybrid manager is
 off) and MLA latents (`MLAAttentionSpec`, every layer), all layers with the same KV heads, head
-size, dtype and block size. Any other group is refused
-at startup by `layer_groups`, with a ConfigError naming the spec and its layers. With the hybrid
+size, dtype and block size. Any other group (Mamba, gated delta net, ...) is refused at startup by
+`layer_groups`, with a ConfigError naming the spec and its layers. With the hybrid
 manager off vLLM merges every layer into one `FullAttentionSpec` carrying the model's window, so
 every layer is then named sliding: such an engine shares chunks only with engines in the same mode.
 
 Sliding-window groups free the blocks that left the window during a request: vLLM replaces them
 with its null block (id 0). A chunk is stored only while every group still holds its blocks (the
 step that completes it); a load leaves the null blocks alone (`SKIP_BLOCK`): vLLM needs only the
-window before the hit point, and allocates blocks for that alone.
+window before the hit point, and allocates blocks for that alone. Lookups stay prefix lookups: a
+hit is the run of chunks past the device hit that the tiers hold whole (every layer), which every
+group can serve. (A model whose layers all slide could be served from the window's chunks alone;
+kvtier still asks for the whole run, and pins chunks it then does not copy.)
 """
 
 from __future__ import annotations
