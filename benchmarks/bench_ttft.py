@@ -2,8 +2,8 @@
 
     python -m benchmarks.bench_ttft --tokens 4096 --prompts 3
 
-One in-process vLLM engine (CPU backend, SmolLM2, float32) with the KVTierConnector, a host tier
-that holds about 1.5 prompts and an fs tier in a temp directory on local disk. Each of `prompts`
+One in-process vLLM engine (CPU backend, SmolLM2 or `--model DIR`, float32) with the KVTierConnector,
+a host tier that holds about 1.5 prompts and an fs tier in a temp directory on local disk. Each of `prompts`
 distinct real-text prompts of exactly `tokens` tokens is served with one output token (its
 generate() time is its TTFT):
 
@@ -93,8 +93,7 @@ def wait_for_cascade(llm: Any, seconds: float) -> None:
         time.sleep(0.05)
 
 
-def run(tokens: int, prompts: int, block_size: int) -> dict[str, Any]:
-    model = model_dir()
+def run(tokens: int, prompts: int, block_size: int, model: Path) -> dict[str, Any]:
     samples: dict[str, list[float]] = {kind: [] for kind in ("first", *KINDS)}
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-ttft-", dir="/var/tmp")))
@@ -122,7 +121,8 @@ def run(tokens: int, prompts: int, block_size: int) -> dict[str, Any]:
         llm.llm_engine.engine_core.shutdown()
     med = {kind: statistics.median(values) for kind, values in samples.items()}
     return {
-        "tokens": tokens, "prompts": prompts, "block_size": block_size, "dtype": "float32",
+        "model": model.name, "tokens": tokens, "prompts": prompts, "block_size": block_size,
+        "dtype": "float32",
         "median_ttft_s": {k: round(v, 4) for k, v in med.items()},
         "ttft_s": {k: [round(x, 4) for x in v] for k, v in samples.items()},
         "host_over_recompute": round(med["host"] / med["recompute"], 4),
@@ -136,9 +136,10 @@ def main() -> int:
     parser.add_argument("--tokens", type=int, default=4096)
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=128)
+    parser.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2)")
     args = parser.parse_args()
     with contextlib.redirect_stdout(sys.stderr):
-        report = run(args.tokens, args.prompts, args.block_size)
+        report = run(args.tokens, args.prompts, args.block_size, args.model or model_dir())
     med = report["median_ttft_s"]
     print(f"{'':10} {'TTFT s':>8} {'/ recompute':>12}")
     for kind in ("recompute", "host", "fs", "first"):

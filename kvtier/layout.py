@@ -17,6 +17,20 @@ Tensor parallelism follows vLLM's `QKVParallelLinear`: with `tp <= H` rank r hol
 r holds head `r // (tp/H)`. Only the first replica (`r % (tp/H) == 0`) writes a replicated head to
 host memory, so each canonical head is written exactly once; every rank reads.
 
+MLA (multi-head latent attention): a layer caches one latent row per token (`kv_lora_rank + rope`
+values), the same on every TP rank. A `latent` layout's page is that row for each token of the
+chunk, `[1, chunk_tokens, head_dim]` (num_kv_heads 1, no V); the first rank writes it, every rank
+reads it.
+
+Hybrid models: every layer keeps its page in the row, identified by its model layer index (never by
+an engine's grouping of layers). `layer_kinds` names what each layer's page holds ("attention" for
+full attention, "sliding_window:W" for a layer that attends to the last W tokens); the page format
+is the same for both, and the kinds are in the layout fingerprint, so two models whose layers
+differ in kind never share rows. An engine that groups layers (each group with its own block ids)
+gives a `CopyPlan` the group of each layer; each chunk's block ids are then group by group, and
+`SKIP_BLOCK` stands for a block a group does not hold (a sliding-window block outside the window):
+a load leaves that page unread, a store refuses it.
+
 Copy plans hold no state: concurrent calls are safe when their slots and blocks are disjoint.
 """
 
@@ -35,6 +49,8 @@ import torch
 from kvtier.errors import ConfigError
 
 ROW_ALIGN = 4096
+SKIP_BLOCK = -1
+FULL_ATTENTION = "attention"
 _LAYOUT_TAG = b"kvtier.canonical-layout.v1"
 
 
@@ -47,6 +63,8 @@ class CanonicalLayout:
     head_dim: int
     chunk_tokens: int
     dtype: torch.dtype
+    layer_kinds: tuple[str, ...] = ()
+    latent: bool = False
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
@@ -55,15 +73,30 @@ class CanonicalLayout:
                 raise ConfigError(f"layout.{name}", value, "a positive integer")
         if not isinstance(self.dtype, torch.dtype):
             raise ConfigError("layout.dtype", self.dtype, "a torch.dtype")
+        if self.layer_kinds and len(self.layer_kinds) != self.num_layers:
+            kinds, expected = self.layer_kinds, f"one kind per layer ({self.num_layers})"
+            raise ConfigError("layout.layer_kinds", kinds, expected)
+        if self.latent and self.num_kv_heads != 1:
+            raise ConfigError("layout.num_kv_heads", self.num_kv_heads, "1 for a latent (MLA) layout")
+
+    @property
+    def kinds(self) -> tuple[str, ...]:
+        """Each layer's kind; every layer is full attention when `layer_kinds` is empty."""
+        return self.layer_kinds or (FULL_ATTENTION,) * self.num_layers
 
     @property
     def itemsize(self) -> int:
         return self.dtype.itemsize
 
     @property
+    def parts(self) -> int:
+        """Tensors per page: K and V (2), or the latent alone (1)."""
+        return 1 if self.latent else 2
+
+    @property
     def page_bytes(self) -> int:
-        """Bytes of one layer's K and V for one chunk."""
-        return 2 * self.num_kv_heads * self.chunk_tokens * self.head_dim * self.itemsize
+        """Bytes of one layer's K and V (or latent) for one chunk."""
+        return self.parts * self.num_kv_heads * self.chunk_tokens * self.head_dim * self.itemsize
 
     @property
     def row_bytes(self) -> int:
@@ -85,15 +118,18 @@ class CanonicalLayout:
         )
         name = str(self.dtype).encode()
         desc += struct.pack("<I", len(name)) + name
+        if set(self.kinds) != {FULL_ATTENTION} or self.latent:  # plain models keep their fingerprint
+            kinds = ",".join(self.kinds).encode()
+            desc += struct.pack("<I?", len(kinds), self.latent) + kinds
         return hashlib.sha256(desc).digest()[:16].hex()
 
     def page_view(self, rows: torch.Tensor, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """`[num_slots, 2, num_kv_heads, chunk_tokens, head_dim]` view of `layer`'s pages in
+        """`[num_slots, parts, num_kv_heads, chunk_tokens, head_dim]` view of `layer`'s pages in
         `rows` (uint8 `[num_slots, row_bytes]`), sharing its memory."""
         check_rows(self, rows)
         off = self.page_offset(layer)
         page = rows[:, off : off + self.page_bytes].view(dtype or self.dtype)
-        return page.view(len(rows), 2, self.num_kv_heads, self.chunk_tokens, self.head_dim)
+        return page.view(len(rows), self.parts, self.num_kv_heads, self.chunk_tokens, self.head_dim)
 
 
 def check_rows(layout: CanonicalLayout, rows: torch.Tensor) -> None:
@@ -161,11 +197,13 @@ class EngineLayout(ABC):
     """How one engine backend lays out one layer's KV cache tensor."""
 
     name: ClassVar[str]
+    latent: ClassVar[bool] = False  # True: a layer holds one latent per token (MLA), not K and V
 
     @abstractmethod
-    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V of `kv` as views `[num_blocks, H_local, block_size, head_dim]` sharing its
-        memory; ValueError when `kv` does not have this layout."""
+    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
+        """K and V of `kv` (or its latent alone, for an MLA layout) as views `[num_blocks,
+        H_local, block_size, head_dim]` sharing its memory; ValueError when `kv` does not have
+        this layout."""
 
 
 class CopyPlan:
@@ -180,17 +218,30 @@ class CopyPlan:
     """
 
     def __init__(
-        self, layout: CanonicalLayout, engine: EngineLayout, shard: TPShard, block_size: int
+        self,
+        layout: CanonicalLayout,
+        engine: EngineLayout,
+        shard: TPShard,
+        block_size: int,
+        layer_groups: Sequence[int] = (),
     ) -> None:
+        """`layer_groups[l]`: the block-id group of layer l (default: one group for all layers)."""
         if block_size <= 0 or layout.chunk_tokens % block_size:
             raise ConfigError("block_size", block_size, f"must divide chunk_tokens={layout.chunk_tokens}")
         if shard.num_kv_heads != layout.num_kv_heads:
             raise ConfigError("tp", shard.num_kv_heads, f"shard of {layout.num_kv_heads} KV heads expected")
+        if engine.latent != layout.latent:
+            raise ConfigError("engine_layout", engine.name, f"a layout with latent={layout.latent}")
+        groups = tuple(layer_groups) or (0,) * layout.num_layers
+        if len(groups) != layout.num_layers or sorted(set(groups)) != list(range(max(groups) + 1)):
+            raise ConfigError("layer_groups", groups, f"{layout.num_layers} group indices 0..n-1, each used")
         self.layout = layout
         self.engine = engine
         self.shard = shard
         self.block_size = block_size
         self.blocks_per_chunk = layout.chunk_tokens // block_size
+        self.layer_groups = groups
+        self.num_groups = max(groups) + 1
 
     def engine_to_host(
         self,
@@ -199,7 +250,8 @@ class CopyPlan:
         host_rows: torch.Tensor,
         slots: Sequence[int],
     ) -> None:
-        """Write this rank's heads of chunk i (blocks `block_ids_per_chunk[i]`) to `slots[i]`."""
+        """Write this rank's heads of chunk i (blocks `block_ids_per_chunk[i]`: `blocks_per_chunk`
+        per group, group by group) to `slots[i]`."""
         self._copy(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host=True)
 
     def host_to_engine(
@@ -209,7 +261,8 @@ class CopyPlan:
         host_rows: torch.Tensor,
         slots: Sequence[int],
     ) -> None:
-        """Write this rank's heads of row `slots[i]` into blocks `block_ids_per_chunk[i]`."""
+        """Write this rank's heads of row `slots[i]` into blocks `block_ids_per_chunk[i]` (group
+        by group; a `SKIP_BLOCK` leaves that group's page of that block unread)."""
         self._copy(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host=False)
 
     def _copy(
@@ -225,44 +278,50 @@ class CopyPlan:
         pairs = self._pairs(layer_tensors, block_ids_per_chunk, host_rows, slots)
         if to_host and len(set(slots)) != len(slots):
             raise ValueError(f"slots must be distinct, got {list(slots)}")
-        if not to_host and len({block for _, _, block in pairs}) != len(pairs):
+        if to_host and any(len(group) != len(slots) * self.blocks_per_chunk for group in pairs):
+            raise ValueError(f"a store needs every block of every chunk, got {list(block_ids_per_chunk)}")
+        if not to_host and any(len({b for _, _, b in group}) != len(group) for group in pairs):
             raise ValueError("destination block ids must be distinct")
         if to_host and not self.shard.writes:
             return
         for layer, kv in enumerate(layer_tensors):
             for engine, host in self._views(kv, host_rows, layer):
-                for slot, j, block in pairs:
+                for slot, j, block in pairs[self.layer_groups[layer]]:
                     if to_host:
                         host[slot, j].copy_(engine[block])
                     else:
                         engine[block].copy_(host[slot, j])
 
-    def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V block views `[num_blocks, H_local, block_size, D]` of one layer tensor;
-        ValueError when its shape, head count, block size or dtype width do not fit this plan."""
-        k, v = self.engine.kv_views(kv, self.layout.head_dim)
+    def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """K and V (or latent) block views `[num_blocks, H_local, block_size, D]` of one layer
+        tensor; ValueError when its shape, head count, block size or dtype width do not fit."""
+        views = self.engine.kv_views(kv, self.layout.head_dim)
+        if len(views) != self.layout.parts:
+            parts = self.layout.parts
+            raise ValueError(f"{self.engine.name}: {len(views)} views per layer, the layout has {parts}")
+        k = views[0]
         expected = (self.shard.num_heads, self.block_size, self.layout.head_dim)
-        if tuple(k.shape[1:]) != expected or k.shape != v.shape:
+        if tuple(k.shape[1:]) != expected or any(v.shape != k.shape for v in views):
             raise ValueError(
                 f"{self.engine.name}: layer tensor {tuple(kv.shape)} holds K/V blocks "
                 f"[H, block_size, D] = {tuple(k.shape[1:])}, expected {expected}"
             )
         if kv.dtype.itemsize != self.layout.itemsize:
             raise ValueError(f"layer dtype {kv.dtype} does not match layout {self.layout.dtype}")
-        return k, v
+        return views
 
     def _views(
         self, kv: torch.Tensor, rows: torch.Tensor, layer: int
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """(engine, host) view pairs for K and V: engine `[num_blocks, H_local, block_size, D]`,
-        host `[num_slots, blocks_per_chunk, H_local, block_size, D]` (this rank's heads)."""
+        """(engine, host) view pairs for K and V (or the latent): engine `[num_blocks, H_local,
+        block_size, D]`, host `[num_slots, blocks_per_chunk, H_local, block_size, D]` (this rank's
+        heads)."""
         page = self.layout.page_view(rows, layer, kv.dtype)
         heads = page[:, :, self.shard.head_start : self.shard.head_end]
-        s, _, h, _, d = heads.shape
-        split = heads.view(s, 2, h, self.blocks_per_chunk, self.block_size, d)
+        s, parts, h, _, d = heads.shape
+        split = heads.view(s, parts, h, self.blocks_per_chunk, self.block_size, d)
         host = split.permute(1, 0, 3, 2, 4, 5)
-        k, v = self.engine_views(kv)
-        return (k, host[0]), (v, host[1])
+        return tuple(zip(self.engine_views(kv), host, strict=True))
 
     def _pairs(
         self,
@@ -270,25 +329,31 @@ class CopyPlan:
         block_ids_per_chunk: Sequence[Sequence[int]],
         host_rows: torch.Tensor,
         slots: Sequence[int],
-    ) -> list[tuple[int, int, int]]:
-        """(slot, block index within the chunk, engine block) for every block, all validated."""
+    ) -> list[list[tuple[int, int, int]]]:
+        """Per group, (slot, block index within the chunk, engine block) for every block the group
+        holds (`SKIP_BLOCK`s left out), all validated."""
         if len(layer_tensors) != self.layout.num_layers:
             raise ValueError(
                 f"{len(layer_tensors)} layer tensors, layout has {self.layout.num_layers} layers"
             )
         if len(block_ids_per_chunk) != len(slots):
             raise ValueError(f"{len(block_ids_per_chunk)} chunks of blocks for {len(slots)} slots")
-        if any(len(ids) != self.blocks_per_chunk for ids in block_ids_per_chunk):
-            raise ValueError(f"every chunk needs exactly {self.blocks_per_chunk} block ids")
+        bpc = self.blocks_per_chunk
+        if any(len(ids) != bpc * self.num_groups for ids in block_ids_per_chunk):
+            raise ValueError(f"every chunk needs exactly {bpc * self.num_groups} block ids")
         check_rows(self.layout, host_rows)
         num_blocks = min(self.engine_views(kv)[0].shape[0] for kv in layer_tensors)
         if any(not 0 <= s < len(host_rows) for s in slots):
             raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
         pairs = [
-            (slot, j, block)
-            for slot, ids in zip(slots, block_ids_per_chunk, strict=True)
-            for j, block in enumerate(ids)
+            [
+                (slot, j, block)
+                for slot, ids in zip(slots, block_ids_per_chunk, strict=True)
+                for j, block in enumerate(ids[g * bpc : (g + 1) * bpc])
+                if block != SKIP_BLOCK
+            ]
+            for g in range(self.num_groups)
         ]
-        if any(not 0 <= block < num_blocks for _, _, block in pairs):
+        if any(not 0 <= block < num_blocks for group in pairs for _, _, block in group):
             raise ValueError(f"block ids must lie in [0, {num_blocks})")
         return pairs

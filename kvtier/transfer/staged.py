@@ -45,6 +45,12 @@ class StagedCopy:
         staging_bytes: int = DEFAULT_STAGING_BYTES,
     ) -> None:
         layers = plan.layout.num_layers
+        if plan.layout.latent:
+            raise NotImplementedError("kvtier's staged (CUDA) copies do not handle MLA latents yet")
+        if plan.num_groups != 1:
+            raise NotImplementedError(
+                f"kvtier's staged (CUDA) copies handle one KV cache group, this model has {plan.num_groups}"
+            )
         if len(layer_tensors) != layers:
             raise ValueError(f"{len(layer_tensors)} layer tensors, layout has {layers} layers")
         self.plan = plan

@@ -28,7 +28,7 @@ PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4
 def sched() -> Iterator[KVTierScheduler]:
     s = KVTierScheduler(KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES}), geometry(), 1)
     blocks: dict[str, list[int]] = {}
-    s.bind_block_ids(blocks.__getitem__)
+    s.bind_block_ids(lambda req_id: (blocks[req_id],))
     s.test_blocks = blocks  # type: ignore[attr-defined]
     yield s
     s.shutdown()
@@ -67,14 +67,14 @@ def test_store_is_published_only_after_the_worker_copied_it(sched: KVTierSchedul
 
 
 def test_failed_store_frees_its_rows(sched: KVTierScheduler) -> None:
-    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3], ok=False)
+    compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3], ok=False)
     assert sched.manager.host.stats().used == 0
     assert host_failures(sched, "store") == 3
 
 
 def test_chunks_without_room_wait_for_the_next_step(sched: KVTierScheduler) -> None:
     a, b = list(range(200, 214)), list(range(300, 314))
-    compute_prompt(sched, FakeRequest("a", a), [0, 1, 2, 3])
+    compute_prompt(sched, FakeRequest("a", a), [4, 1, 2, 3])
     compute_prompt(sched, FakeRequest("b", b), [4, 5, 6, 7])
     host = sched.manager.host
     pinned = sched.hasher.keys(a) + sched.hasher.keys(b)
@@ -97,7 +97,7 @@ def test_chunks_without_room_wait_for_the_next_step(sched: KVTierScheduler) -> N
 def test_lookup_goes_past_the_device_hit_and_never_offers_the_last_token(
     sched: KVTierScheduler,
 ) -> None:
-    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3])
     assert sched.get_num_new_matched_tokens(FakeRequest("b", PROMPT), 0) == (12, True)  # type: ignore[arg-type]
     assert sched.get_num_new_matched_tokens(FakeRequest("c", PROMPT), 4) == (8, True)  # type: ignore[arg-type]
     # 12 tokens: 3 chunks are stored, but the last token must be computed: 2 chunks.
@@ -108,7 +108,7 @@ def test_lookup_goes_past_the_device_hit_and_never_offers_the_last_token(
 
 
 def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> None:
-    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3])
     req = FakeRequest("b", PROMPT)
     keys = sched.hasher.keys(PROMPT)
     assert sched.get_num_new_matched_tokens(req, 4) == (8, True)  # type: ignore[arg-type]
@@ -126,12 +126,12 @@ def test_one_off_prompts_do_not_evict_a_hot_prefix_under_frequency_admission() -
     config = KVTierConfig.from_dict({"cpu_bytes_to_use": 4 * ROW_BYTES, "admission_policy": "frequency"})
     s = KVTierScheduler(config, geometry(), 1)
     blocks: dict[str, list[int]] = {}
-    s.bind_block_ids(blocks.__getitem__)
+    s.bind_block_ids(lambda req_id: (blocks[req_id],))
     s.test_blocks = blocks  # type: ignore[attr-defined]
     try:
         hot = s.hasher.keys(PROMPT)
         for i in range(2):  # the second sighting is admitted
-            compute_prompt(s, FakeRequest(f"hot{i}", PROMPT), [0, 1, 2, 3])
+            compute_prompt(s, FakeRequest(f"hot{i}", PROMPT), [8, 1, 2, 3])
         assert s.manager.host.lookup(hot) == 3
         for i in range(20):  # one-off prompts: never admitted, so they evict nothing
             compute_prompt(s, FakeRequest(f"once{i}", [1000 + i, *PROMPT[1:]]), [4, 5, 6, 7])
@@ -144,7 +144,7 @@ def test_one_off_prompts_do_not_evict_a_hot_prefix_under_frequency_admission() -
 
 def test_stores_carry_the_request_priority_and_reuse_raises_it(sched: KVTierScheduler) -> None:
     low = FakeRequest("a", PROMPT, kv_transfer_params={"kvtier": {"priority": 10}})
-    compute_prompt(sched, low, [0, 1, 2, 3])
+    compute_prompt(sched, low, [4, 1, 2, 3])
     keys = sched.hasher.keys(PROMPT)
     assert [sched.manager.host.priority_of(k) for k in keys] == [10, 10, 10]
     urgent = FakeRequest("b", PROMPT, priority=-30)  # vLLM serves it first: retention 80
@@ -170,7 +170,7 @@ def test_chunks_filled_during_decode_are_stored_when_computed(sched: KVTierSched
 
 
 def test_per_request_options_skip_load_and_store(sched: KVTierScheduler) -> None:
-    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3])
     no_load = FakeRequest("b", PROMPT, kv_transfer_params={"kvtier": {"skip_load": True}})
     assert sched.get_num_new_matched_tokens(no_load, 0) == (0, False)  # type: ignore[arg-type]
     other = [9, *PROMPT[1:]]
@@ -207,18 +207,18 @@ def test_host_admission_gate_frequency_and_priority() -> None:
         "host_min_retention_priority": 20})
     s = KVTierScheduler(config, geometry(), 1)
     blocks: dict[str, list[int]] = {}
-    s.bind_block_ids(blocks.__getitem__)
+    s.bind_block_ids(lambda req_id: (blocks[req_id],))
     s.test_blocks = blocks  # type: ignore[attr-defined]
     try:
         m = s.manager.metrics.value
-        compute_prompt(s, FakeRequest("first", PROMPT), [0, 1, 2, 3])
+        compute_prompt(s, FakeRequest("first", PROMPT), [4, 1, 2, 3])
         assert s.manager.host.stats().ready == 0  # seen once: not admitted
         assert m("kvtier_rejected_chunks_total", tier="host", reason="frequency") == 3
         low = FakeRequest("low", PROMPT, kv_transfer_params={"kvtier": {"priority": 10}})
-        compute_prompt(s, low, [0, 1, 2, 3])
+        compute_prompt(s, low, [4, 1, 2, 3])
         assert s.manager.host.stats().ready == 0
         assert m("kvtier_rejected_chunks_total", tier="host", reason="priority") == 3
-        compute_prompt(s, FakeRequest("third", PROMPT), [0, 1, 2, 3])
+        compute_prompt(s, FakeRequest("third", PROMPT), [4, 1, 2, 3])
         assert s.manager.host.stats().ready == 3
         assert m("kvtier_admitted_chunks_total", tier="host") == 3
     finally:
@@ -243,7 +243,7 @@ def test_chunks_of_two_blocks() -> None:
     config = KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES, "blocks_per_chunk": 2})
     s = KVTierScheduler(config, geometry(blocks_per_chunk=2), 1)
     try:
-        s.bind_block_ids({"a": [6, 1, 8, 3]}.__getitem__)
+        s.bind_block_ids({"a": ([6, 1, 8, 3],)}.__getitem__)
         prompt = list(range(17))  # two full chunks of 8 tokens
         req = FakeRequest("a", prompt)
         assert s.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
@@ -260,7 +260,7 @@ def test_chunks_of_two_blocks() -> None:
 
 
 def test_prompt_tokens_split_by_source_and_metrics(sched: KVTierScheduler) -> None:
-    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3])
     req = FakeRequest("b", PROMPT)
     assert sched.get_num_new_matched_tokens(req, 4) == (8, True)  # type: ignore[arg-type]
     sched.update_state_after_alloc(req, FakeBlocks([0, 11, 12, 13]), 8)  # type: ignore[arg-type]
@@ -287,7 +287,7 @@ def test_prompt_tokens_split_by_source_and_metrics(sched: KVTierScheduler) -> No
 
 
 def test_a_failed_load_is_counted_as_recomputed(sched: KVTierScheduler) -> None:
-    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3])
     req = FakeRequest("b", PROMPT)
     assert sched.get_num_new_matched_tokens(req, 0) == (12, True)  # type: ignore[arg-type]
     sched.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
@@ -303,7 +303,7 @@ def test_a_failed_load_is_counted_as_recomputed(sched: KVTierScheduler) -> None:
 
 
 def test_reset_cache_empties_the_host_tier(sched: KVTierScheduler) -> None:
-    compute_prompt(sched, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+    compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3])
     assert sched.manager.host.stats().ready == 3
     assert sched.reset_cache() is True
     assert sched.manager.host.stats().ready == 0
@@ -316,10 +316,10 @@ def test_operator_signals_each_step(tmp_path: Path) -> None:
         "control_dir": str(tmp_path / "ctl")})
     s = KVTierScheduler(config, geometry(), 1)
     blocks: dict[str, list[int]] = {}
-    s.bind_block_ids(blocks.__getitem__)
+    s.bind_block_ids(lambda req_id: (blocks[req_id],))
     s.test_blocks = blocks  # type: ignore[attr-defined]
     try:
-        compute_prompt(s, FakeRequest("a", PROMPT), [0, 1, 2, 3])
+        compute_prompt(s, FakeRequest("a", PROMPT), [4, 1, 2, 3])
         s.build_connector_meta(FakeSchedulerOutput({}))
         m = s.manager.metrics.value
         assert m("kvtier_tier_up", tier="mem") == 1 and m("kvtier_tier_restarts", tier="mem") == 0

@@ -240,3 +240,9 @@ def test_the_oracle_catches_a_load_that_copies_nothing(
         assert spy.loaded[key] != spy.stored[key]
         assert spy.loaded[key] == pattern * (len(spy.loaded[key]) // len(pattern))
     assert again.tokens != ref.tokens
+
+
+def test_vllm_keeps_its_hybrid_kv_cache_manager_on(llm: Any) -> None:
+    """kvtier supports HMA, so vLLM does not switch it off for kvtier's sake."""
+    config = llm.llm_engine.vllm_config
+    assert config.scheduler_config.disable_hybrid_kv_cache_manager is False

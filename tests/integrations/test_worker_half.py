@@ -3,6 +3,7 @@ region, attached by name (also from another process), and failures reported as v
 
 from __future__ import annotations
 
+import dataclasses
 import multiprocessing
 from collections.abc import Iterator
 
@@ -134,3 +135,19 @@ def test_tp2_ranks_write_one_row_that_tp1_reads_and_back(region: HostRegion) -> 
             assert torch.equal(loaded[name].view(torch.int16), expected.view(torch.int16))
     worker.shutdown()
     tp1.shutdown()
+
+
+def test_with_several_kv_cache_groups_a_failed_load_fails_its_request_with_its_last_part(
+    region: HostRegion,
+) -> None:
+    """vLLM takes no block-level load errors from an engine with several groups (block ids are
+    per group): the request is reported failed, when its last part ends."""
+    worker = KVTierWorker(dataclasses.replace(geometry(), layer_groups=(0, 1)), tp_rank=0)
+    first = ChunkCopy(1, "r1", KEYS[:1], ((4,),), (), last=False)
+    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=(first,)))
+    assert worker.take_finished_loads() == set() and worker.take_failed_loads() == set()
+    rest = ChunkCopy(2, "r1", KEYS[1:], ((6,),), ())
+    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=(rest,)))
+    assert worker.take_finished_loads() == {"r1"} and worker.take_failed_loads() == {"r1"}
+    assert worker.take_load_errors() == set()
+    worker.shutdown()

@@ -117,10 +117,14 @@ PRESETS: dict[str, Preset] = {
 
 
 def kv_bytes_per_token(model: Path, dtype: str) -> int:
-    """KV bytes per token of the model directory `model` in `dtype` (all layers, K and V)."""
+    """KV bytes per token of the model directory `model` in `dtype` (all layers, K and V; for an
+    MLA model, its latent: kv_lora_rank + rope values per layer)."""
     config = json.loads((model / "config.json").read_text())
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
+    if config.get("kv_lora_rank"):
+        latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
+        return int(config["num_hidden_layers"] * latent * itemsize)
     return int(config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * itemsize)
 
 

@@ -23,7 +23,9 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     KVConnectorWorkerMetadata,
+    SupportsHMA,
 )
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
@@ -57,8 +59,13 @@ HIT_SOURCE = {
 }
 
 
-class KVTierConnector(KVConnectorBase_V1):
-    """Tiered KV-cache offloading for vLLM: host memory first, then secondary tiers."""
+class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
+    """Tiered KV-cache offloading for vLLM: host memory first, then secondary tiers.
+
+    It supports vLLM's hybrid KV cache manager (`SupportsHMA`), so vLLM keeps it on and the device
+    cache keeps its full capacity; the KV cache groups kvtier cannot hold are refused at
+    construction (`geometry.engine_geometry`), before the engine serves.
+    """
 
     def __init__(
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
@@ -134,8 +141,12 @@ class KVTierConnector(KVConnectorBase_V1):
     def wait_for_save(self) -> None:
         self._work().save(self._meta())
 
-    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        return None, self._work().take_finished_loads() or None
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        """The requests whose loads ended; a failed one is named again in `failed_recving` when
+        the engine has several KV cache groups (else its blocks are in the load errors)."""
+        worker = self._work()
+        done = worker.take_finished_loads()
+        return KVConnectorTransferResults(finished_recving=done, failed_recving=worker.take_failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
@@ -147,7 +158,7 @@ class KVTierConnector(KVConnectorBase_V1):
 
     def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
-        self._sched().bind_block_ids(lambda req_id: kv_cache_manager.get_block_ids(req_id)[0])
+        self._sched().bind_block_ids(kv_cache_manager.get_block_ids)
 
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
@@ -168,6 +179,14 @@ class KVTierConnector(KVConnectorBase_V1):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
+        """Without the hybrid manager (the user disabled it): one group's blocks."""
+        return False, self._sched().request_finished(request)
+
+    def request_finished_all_groups(
+        self, request: Request, block_ids: tuple[list[int], ...]
+    ) -> tuple[bool, dict[str, Any] | None]:
+        """With the hybrid manager: called once per request, before the blocks of every group are
+        freed. No block is held past it (stores end in their step, see `scheduler.py`)."""
         return False, self._sched().request_finished(request)
 
     def get_external_cache_hit_sources(

@@ -13,6 +13,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.groups import layer_groups
 from kvtier.keys import ModelFingerprint
 from kvtier.layout import CanonicalLayout
 
@@ -25,7 +26,8 @@ if TYPE_CHECKING:
 class EngineGeometry:
     """What kvtier needs to know about the engine's KV cache.
 
-    `layer_names` are the attention layers in model order (canonical page order in a host row).
+    `layer_names` are the attention layers in model order (canonical page order in a host row);
+    `layer_groups[l]` is the vLLM KV cache group whose block ids address layer l (empty: one group).
     """
 
     fingerprint: ModelFingerprint
@@ -34,6 +36,7 @@ class EngineGeometry:
     blocks_per_chunk: int
     layer_names: tuple[str, ...]
     tp_size: int
+    layer_groups: tuple[int, ...] = ()
 
     @property
     def chunk_tokens(self) -> int:
@@ -64,25 +67,21 @@ def engine_geometry(
 ) -> EngineGeometry:
     """Read the geometry from vLLM's config; ConfigError for a cache kvtier cannot hold yet.
 
-    Supported: one KV cache group of full attention, K and V of the same head size, an unquantized
-    KV cache (`kv_cache_dtype` "auto" or a plain float dtype).
+    Supported: KV cache groups of full and sliding-window attention or MLA (`groups.layer_groups`),
+    K and V of the same head size (MLA: one latent), an unquantized KV cache (`kv_cache_dtype`
+    "auto" or a float dtype).
     """
-    from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.v1.kv_cache_interface import FullAttentionSpec
-
-    groups = kv_cache_config.kv_cache_groups
-    if len(groups) != 1 or not isinstance(groups[0].kv_cache_spec, FullAttentionSpec):
-        kinds = [type(g.kv_cache_spec).__name__ for g in groups]
-        raise ConfigError("model", kinds, "kvtier needs one KV cache group of full attention")
-    spec = groups[0].kv_cache_spec
-    if spec.head_size_v != spec.head_size:
+    found = layer_groups(kv_cache_config)
+    spec = found.spec
+    if spec.head_size_v != spec.head_size and not found.latent:
         raise ConfigError("model", (spec.head_size, spec.head_size_v), "K and V head sizes differ")
     cache_dtype = vllm_config.cache_config.cache_dtype
     if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
         raise ConfigError("kv_cache_dtype", cache_dtype, "kvtier does not hold quantized KV yet")
     model = vllm_config.model_config
-    layer_names = tuple(sorted(groups[0].layer_names, key=extract_layer_index))
-    num_kv_heads = model.get_total_num_kv_heads()
+    layer_names = found.layer_names
+    kinds = found.layer_kinds if found.hybrid else ()
+    num_kv_heads = 1 if found.latent else model.get_total_num_kv_heads()
     chunk_tokens = spec.block_size * blocks_per_chunk
     fingerprint = ModelFingerprint(
         model=model_name(model.model, model.served_model_name),
@@ -93,6 +92,7 @@ def engine_geometry(
         num_kv_heads=num_kv_heads,
         head_dim=spec.head_size,
         quantization=str(model.quantization or ""),
+        extra=(("layer_kinds", ",".join(kinds)),) if kinds else (),
     )
     layout = CanonicalLayout(
         num_layers=len(layer_names),
@@ -100,6 +100,8 @@ def engine_geometry(
         head_dim=spec.head_size,
         chunk_tokens=chunk_tokens,
         dtype=spec.dtype,
+        layer_kinds=kinds,
+        latent=found.latent,
     )
     return EngineGeometry(
         fingerprint=fingerprint,
@@ -108,4 +110,5 @@ def engine_geometry(
         blocks_per_chunk=blocks_per_chunk,
         layer_names=layer_names,
         tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        layer_groups=found.layer_groups,
     )

@@ -21,6 +21,11 @@ Read from the installed vLLM 0.32.0 sources:
   `(B, H, N, 2 * D)`, split per token by `kv.transpose(1, 2).split(head_size, dim=-1)`: K is
   `[..., :D]`, V is `[..., D:]`, whatever the physical stride order.
 - Older vLLM FlashAttention: `[2, num_blocks, block_size, H, D]` (K stack, then V stack).
+- vLLM 0.32 MLA: the logical layer view is `[num_blocks, 1, block_size, head_size]` (one "head";
+  `MLACommonBackend.get_kv_cache_shape` gives the same without it), one latent row per token,
+  `kv_c` (kv_lora_rank values) then `k_pe` (rope values): the CPU_MLA backend (`cpu_mla.py`,
+  `do_kv_cache_update`) writes `kv_cache.view(-1, kv_lora_rank + pe_dim)[slot]`. Seen on CPU: a
+  contiguous `[num_blocks, 1, 16, 576]` float32 tensor per layer.
 """
 
 from __future__ import annotations
@@ -82,8 +87,24 @@ class StackedKVLayout(EngineLayout):
         return kv[0].transpose(1, 2), kv[1].transpose(1, 2)
 
 
+class VllmMlaLayout(EngineLayout):
+    """vLLM 0.32 MLA: `[num_blocks, 1, block_size, D]` (or without the 1), one latent row of D
+    values per token."""
+
+    name = "vllm_mla"
+    latent = True
+
+    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
+        latent = kv.unsqueeze(1) if kv.dim() == 3 else kv
+        if latent.dim() != 4 or latent.shape[1] != 1 or latent.shape[3] != head_dim:
+            raise ValueError(
+                f"{self.name}: layer tensor {tuple(kv.shape)} is not [num_blocks, 1, block_size, {head_dim}]"
+            )
+        return (latent,)
+
+
 ENGINE_LAYOUTS: dict[str, type[EngineLayout]] = {
-    cls.name: cls for cls in (VllmCpuLayout, VllmFlashAttnLayout, StackedKVLayout)
+    cls.name: cls for cls in (VllmCpuLayout, VllmFlashAttnLayout, StackedKVLayout, VllmMlaLayout)
 }
 
 
@@ -94,15 +115,18 @@ def engine_layout(name: str) -> EngineLayout:
     return ENGINE_LAYOUTS[name]()
 
 
-def engine_layout_name(device_type: str, shape: Sequence[int]) -> str:
+def engine_layout_name(device_type: str, shape: Sequence[int], latent: bool = False) -> str:
     """The engine layout of a vLLM layer KV tensor of `shape` on `device_type`.
 
     vLLM 0.32 hands every attention backend a logical `[num_blocks, H, block_size, C]` layer view
     (`vllm/v1/kv_cache_layout.py`, whatever the physical stride order). The CPU backend packs K
     transposed into C (`vllm_cpu`); the CUDA backends for a plain KV dtype (FlashAttention,
     FlashInfer, Triton, FlexAttention) split C per token as K | V (`vllm_flash_attn`). A 5-D
-    `[2, num_blocks, block_size, H, D]` tensor is older vLLM's FlashAttention (`stacked_kv`).
+    `[2, num_blocks, block_size, H, D]` tensor is older vLLM's FlashAttention (`stacked_kv`). An MLA
+    model's (`latent`) tensors are latent caches (`vllm_mla`) on either device.
     """
+    if device_type in ("cpu", "cuda") and latent:
+        return "vllm_mla"
     if device_type == "cpu":
         return "vllm_cpu"
     if device_type == "cuda" and len(shape) == 4:

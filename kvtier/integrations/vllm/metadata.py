@@ -20,16 +20,19 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
+from kvtier.layout import SKIP_BLOCK
+
 
 @dataclass(frozen=True)
 class ChunkCopy:
     """One batch of chunk copies for one request, between engine blocks and host slots.
 
-    `block_ids[i]` are the `blocks_per_chunk` engine blocks of chunk i, in token order; `slots[i]`
-    is its host row; `keys[i]` its chunk key (for logs, events and checks: copies need none). A load
-    whose `slots` is empty could not pin its host rows: the worker fails it. A request's load may
-    come in parts, one at a time (`streams.py`): the worker reports the request's load finished
-    when its `last` part ends.
+    `block_ids[i]` are the `blocks_per_chunk` engine blocks of chunk i in token order, for each KV
+    cache group in turn (a load's `SKIP_BLOCK` where a group holds none); `slots[i]` is its host
+    row; `keys[i]` its chunk key (for logs, events and checks: copies need none). A load whose
+    `slots` is empty could not pin its host rows: the worker fails it. A request's load may come
+    in parts, one at a time (`streams.py`): the worker reports the request's load finished when
+    its `last` part ends.
     """
 
     job_id: int
@@ -41,7 +44,7 @@ class ChunkCopy:
 
     @property
     def all_block_ids(self) -> list[int]:
-        return [b for chunk in self.block_ids for b in chunk]
+        return [b for chunk in self.block_ids for b in chunk if b != SKIP_BLOCK]
 
 
 @dataclass

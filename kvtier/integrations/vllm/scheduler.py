@@ -34,7 +34,7 @@ from __future__ import annotations
 
 import itertools
 import logging
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 from kvtier.chunks import HOST
@@ -42,6 +42,7 @@ from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.accounting import Accounting
 from kvtier.integrations.vllm.copies import LoadCopy, StoreCopy
 from kvtier.integrations.vllm.geometry import EngineGeometry
+from kvtier.integrations.vllm.groups import load_blocks, store_blocks
 from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.operations import Operations
@@ -59,7 +60,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.vllm.scheduler")
 
-BlockIdsFn = Callable[[str], list[int]]
+BlockIdsFn = Callable[[str], Sequence[Sequence[int]]]
 
 
 class KVTierScheduler:
@@ -107,7 +108,7 @@ class KVTierScheduler:
 
     def bind_block_ids(self, block_ids_of: BlockIdsFn) -> None:
         """Called once by the connector when vLLM binds its KV cache manager: `block_ids_of(req_id)`
-        gives a running request's block ids (first KV cache group)."""
+        gives a running request's block ids, one list per KV cache group."""
         self._block_ids_of = block_ids_of
 
     # -- loads ---------------------------------------------------------------------------------
@@ -177,8 +178,8 @@ class KVTierScheduler:
         if num_external_tokens == 0:
             return
         bpc = self.geometry.blocks_per_chunk
-        ids = blocks.get_block_ids()[0]
-        chunks = [tuple(ids[c * bpc : (c + 1) * bpc]) for c in range(first, first + count)]
+        ids = blocks.get_block_ids()
+        chunks = [load_blocks(ids, c, bpc) for c in range(first, first + count)]
         req_id = request.request_id
         if not ok:
             # The rows left the host tier since the lookup: these chunks are recomputed.
@@ -267,24 +268,26 @@ class KVTierScheduler:
             admitted = set(self.manager.admit(asked, HOST, state.priority))
             state.refused.update(c for c, k in enumerate(asked, state.asked) if k not in admitted)
             state.asked = done
-        wanted = [c for c in range(state.stored, done) if c not in state.refused]
-        keys = [state.keys[c] for c in wanted]
+        ids = self._block_ids_of(state.request.request_id)
+        bpc = self.geometry.blocks_per_chunk
+        # A chunk whose blocks a sliding-window group already freed can never be stored.
+        held = [(c, b) for c in range(state.stored, done)
+                if c not in state.refused and (b := store_blocks(ids, c, bpc)) is not None]
+        keys = [state.keys[c] for c, _ in held]
         slots, fitted = self.manager.host.prepare_store_prefix(keys)
         # Chunks that found no room (rows pinned by copies in flight) are tried again at the
         # request's next step; a later chunk is never stored before them.
-        state.stored = wanted[fitted] if fitted < len(wanted) else done
+        state.stored = held[fitted][0] if fitted < len(held) else done
         if fitted < len(keys):
             self.accounting.store_rejected(len(keys) - fitted)
-        new = [(c, key) for c, key in zip(wanted[:fitted], keys, strict=False) if key in slots]
+        new = [(c, state.keys[c], b) for c, b in held[:fitted] if state.keys[c] in slots]
         if not new:
             return None
-        ids = self._block_ids_of(state.request.request_id)
-        bpc = self.geometry.blocks_per_chunk
-        chunks = tuple(tuple(ids[c * bpc : (c + 1) * bpc]) for c, _ in new)
+        chunks = tuple(b for _, _, b in new)
         job_id = next(self._job_ids)
-        self._stores[job_id] = StoreCopy(keys=[key for _, key in new], priority=state.priority)
+        self._stores[job_id] = StoreCopy(keys=[key for _, key, _ in new], priority=state.priority)
         req_id = state.request.request_id
-        new_keys = tuple(key for _, key in new)
+        new_keys = tuple(key for _, key, _ in new)
         return ChunkCopy(job_id, req_id, new_keys, chunks, tuple(slots[k] for k in new_keys))
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:

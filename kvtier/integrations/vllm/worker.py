@@ -28,7 +28,7 @@ import torch
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.layouts import engine_layout, engine_layout_name
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.layout import CopyPlan, EngineLayout, TPShard
+from kvtier.layout import SKIP_BLOCK, CopyPlan, EngineLayout, TPShard
 from kvtier.transfer import Transfer, make_transfer
 
 log = logging.getLogger("kvtier.vllm.worker")
@@ -57,6 +57,10 @@ class KVTierWorker:
         self._jobs: dict[int, _Job] = {}
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
+        self._by_request = len(set(geometry.layer_groups)) > 1
+        """Several KV cache groups: failed loads are reported by request, not by block."""
+        self._failing: set[str] = set()
+        self._failed_loads: set[str] = set()
         self._stores: dict[int, tuple[int, bool]] = {}
         self._loads: dict[int, tuple[int, bool]] = {}
         self._seconds: dict[int, float] = {}
@@ -70,7 +74,8 @@ class KVTierWorker:
             raise ValueError(f"kvtier: no KV cache tensor for layers {missing}")
         tensors = [kv_caches[name] for name in self.geometry.layer_names]
         layout = self._engine_layout(tensors[0])
-        plan = CopyPlan(self.geometry.layout, layout, self.shard, self.geometry.block_size)
+        geometry = self.geometry
+        plan = CopyPlan(geometry.layout, layout, self.shard, geometry.block_size, geometry.layer_groups)
         for name, kv in zip(self.geometry.layer_names, tensors, strict=True):
             self._check(name, plan, kv)
         self.transfer = self._transfer_factory(plan, tensors)
@@ -84,7 +89,7 @@ class KVTierWorker:
             raise ValueError(f"kvtier: layer {name}: {exc}") from exc
 
     def _engine_layout(self, kv: torch.Tensor) -> EngineLayout:
-        return engine_layout(engine_layout_name(kv.device.type, kv.shape))
+        return engine_layout(engine_layout_name(kv.device.type, kv.shape, self.geometry.layout.latent))
 
     def before_forward(self) -> None:
         """Order the coming forward pass after the stores still reading its blocks. Called before
@@ -137,20 +142,34 @@ class KVTierWorker:
             self._stores[job_id] = (1, ok)
             return
         if not ok:
-            self._load_errors.update(job.block_ids)
+            if self._by_request:
+                self._failing.add(job.req_id)
+            else:
+                self._load_errors.update(b for b in job.block_ids if b != SKIP_BLOCK)
         self._loads[job_id] = (1, ok)
         if job.last:
             self._finished_loads.add(job.req_id)
+            if job.req_id in self._failing:
+                self._failing.discard(job.req_id)
+                self._failed_loads.add(job.req_id)
 
     def take_finished_loads(self) -> set[str]:
-        """Request ids whose loads ended (successfully or not: their last part) since the last
+        """Request ids whose loads ended (their last part, successfully or not) since the last
         call."""
         self._collect()
         done, self._finished_loads = self._finished_loads, set()
         return done
 
+    def take_failed_loads(self) -> set[str]:
+        """Of the requests `take_finished_loads` returned, those whose load failed and must be
+        recomputed whole: with several KV cache groups, where vLLM takes no block-level errors
+        (block ids are per group). Call right after it."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
     def take_load_errors(self) -> set[int]:
-        """Block ids whose loads failed since the last call; vLLM recomputes them."""
+        """Block ids whose loads failed since the last call (one KV cache group only); vLLM
+        recomputes from the first of a request's."""
         self._collect()
         errors, self._load_errors = self._load_errors, set()
         return errors
