@@ -15,6 +15,10 @@ from kvtier.tiers.base import JobResult, LookupResult, TierContext
 
 pytest_plugins = ["tests.services.redis_server", "tests.services.s3"]
 
+# The suite starts vLLM engines in this process after `kvtier plan` ran here: keep numba (and
+# llvmlite) out of it (see kvtier.trace.mrc); the compiled path is tested in a child process.
+os.environ["KVTIER_NUMBA"] = "0"
+
 ROW_BYTES = 3 * 4096
 SLOTS = 32
 LAYOUT_FP = "00112233445566778899aabbccddeeff"

@@ -4,8 +4,10 @@ LRU: Mattson's stack distances, computed exactly in O(N log N) with a Fenwick tr
 positions (a 1 marks the latest reference of each key; the distance of a reuse is the number of
 distinct keys referenced since its previous reference, plus one). An LRU cache of `c` chunks hits
 exactly the references whose distance is at most `c`. The loop is compiled with numba when numba
-is importable (10 million references in about a second); otherwise it runs in Python (about
-100 times slower; the answer is the same).
+is importable and `KVTIER_NUMBA` is not "0" (10 million references in about a second); otherwise
+it runs in Python (about 100 times slower; the answer is the same). Set `KVTIER_NUMBA=0` in a
+process that will start a vLLM engine afterwards: vLLM 0.32's kernel rebinding scans every loaded
+module and fails on an object llvmlite (numba's backend) leaves in one.
 
 Other policies (ARC) are not stack algorithms: their curve is simulated at each size with the
 policy kvtier runs (`kvtier.policies`), on a spatial sample of the keys when the stream is long
@@ -15,6 +17,7 @@ policy kvtier runs (`kvtier.policies`), on a spatial sample of the keys when the
 from __future__ import annotations
 
 import functools
+import os
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,6 +68,8 @@ def _fenwick_distances(prev: Any, out: Any, tree: Any) -> None:
 
 @functools.cache
 def _compiled() -> Callable[[Any, Any, Any], None] | None:
+    if os.environ.get("KVTIER_NUMBA", "1") == "0":
+        return None
     try:
         import numba
     except ImportError:

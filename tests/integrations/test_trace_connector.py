@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 
 from kvtier.cli import main
+from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.trace.format import KEY_BYTES, read_traces
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
 from tests.integrations.prompts import PROMPTS
@@ -71,7 +72,7 @@ def test_trace_of_a_run_and_its_plan(llm: Any, trace_path: Path, capsys: pytest.
         assert rec["src"] == out.kv_transfer_params["kvtier"]["tokens"]
         assert sum(rec["src"].values()) == prompt
         assert start <= rec["t"] < rec["t"] + rec["ttft"] <= rec["end"] <= time.time()
-        assert rec["wait"] == 0.0 and rec["prio"] == 0
+        assert rec["wait"] == 0.0 and rec["prio"] == DEFAULT_PRIORITY
         assert 0 <= rec["lookup"] <= rec["ttft"]  # the lookup it was allocated on, after arrival
         assert len(rec["dkeys"]) == ((prompt + 2) // BLOCK_SIZE - prompt // BLOCK_SIZE) * KEY_BYTES * 2
         assert "token" not in json.dumps(rec)  # keys only: no token ids, no text

@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -115,10 +119,28 @@ def test_lru_curve_equals_brute_force_lru(seed: int) -> None:
     refs = [rng.randrange(rng.choice([5, 20, 60])) for _ in range(rng.randrange(50, 400))]
     arr = np.array(refs, dtype=np.uint64)
     prev = previous_reference(arr)
-    compiled = stack_distances(prev)
-    assert np.array_equal(compiled, stack_distances(prev, compiled=False))
+    distances = stack_distances(prev)
     sizes = list(range(len(set(refs)) + 2))
-    assert lru_hit_ratios(compiled, sizes) == [_brute_lru(refs, s) if s else 0.0 for s in sizes]
+    assert lru_hit_ratios(distances, sizes) == [_brute_lru(refs, s) if s else 0.0 for s in sizes]
+
+
+def test_the_compiled_stack_distances_equal_the_python_ones() -> None:
+    """In a child process with numba allowed (this one keeps it out, see tests/conftest.py)."""
+    code = (
+        "import numpy as np, random\n"
+        "from kvtier.trace import mrc\n"
+        "assert mrc._compiled() is not None, 'numba is not importable'\n"
+        "rng = random.Random(7)\n"
+        "ids = np.array([rng.randrange(40) for _ in range(3000)], dtype=np.uint64)\n"
+        "prev = mrc.previous_reference(ids)\n"
+        "assert np.array_equal(mrc.stack_distances(prev), mrc.stack_distances(prev, compiled=False))\n"
+    )
+    if importlib.util.find_spec("numba") is None:  # not imported here: see above
+        pytest.skip("numba is not installed")
+    env = {**os.environ, "KVTIER_NUMBA": "1"}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
 
 
 def test_arc_sampled_simulation_stays_close_to_exact() -> None:
