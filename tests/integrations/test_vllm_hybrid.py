@@ -113,6 +113,11 @@ def engine(
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path_factory.mktemp("fs"))}],
     }
     found.llm = LLM(model=model, kv_transfer_config=transfer_config(config), **options(name))
+    # vLLM allocates its KV cache uninitialised, and a block's unwritten slots may still hold what
+    # an earlier engine of this process left there (NaN patterns included), which CPU MLA reads:
+    # start from zeros, as in a fresh process.
+    for kv in connector_halves(found.llm)[1].transfer.layer_tensors:
+        kv.zero_()
     if not found.reference:
         found.reference = {p: generate(found.llm, longer(p), scratch=True) for p in ("lighthouse", "bread")}
         found.llm.reset_prefix_cache()
