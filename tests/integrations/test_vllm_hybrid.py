@@ -18,7 +18,6 @@ and store skipped, after a device cache reset.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +30,7 @@ from kvtier.integrations.vllm.launch import transfer_config
 from kvtier.layout import SKIP_BLOCK
 from tests.integrations.conftest import connector_halves
 from tests.integrations.prompts import PROMPTS
+from tests.integrations.shared_helpers import settle
 
 pytestmark = pytest.mark.slow
 
@@ -188,14 +188,6 @@ def spy(engine: Engine) -> Iterator[PageSpy]:
     with pytest.MonkeyPatch.context() as mp:
         yield PageSpy(connector_halves(engine.llm)[1], mp)
 
-
-def settle(scheduler: Any, timeout_s: float = 20.0) -> None:
-    """Wait until every cascade and promotion finished."""
-    deadline = time.monotonic() + timeout_s
-    while scheduler.manager.in_flight:
-        assert time.monotonic() < deadline, "tier jobs did not finish"
-        time.sleep(0.02)
-        scheduler.manager.poll()
 
 
 def loads(scheduler: Any, tier: str) -> float:

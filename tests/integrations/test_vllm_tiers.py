@@ -20,6 +20,7 @@ import pytest
 
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves, run_child
 from tests.integrations.prompts import PROMPTS
+from tests.integrations.shared_helpers import settle
 
 pytestmark = pytest.mark.slow
 
@@ -70,13 +71,6 @@ def tokens(llm: Any, name: str) -> list[int]:
     ids: list[int] = llm.get_tokenizer().encode(PROMPTS[name])
     return ids[: (len(ids) - 1) // CHUNK * CHUNK + 1]
 
-
-def settle(scheduler: Any, timeout_s: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while scheduler.manager.in_flight:
-        assert time.monotonic() < deadline, "tier jobs did not finish"
-        time.sleep(0.02)
-        scheduler.manager.poll()
 
 
 def kv_events(llm: Any) -> list[Any]:
