@@ -234,7 +234,8 @@ class TieringManager:
 
         The `ready` chunks before them are named too, so making room never evicts the prefix the
         promotion extends. A chunk is useful only after every chunk before it: when the host tier
-        cannot take them all, the first ones are promoted and the rest are recomputed.
+        cannot take them all, the first ones are promoted; the rest are the caller's to stream
+        (`promote` later) or recompute.
         """
         slots, fitted = self.host.prepare_store_prefix([*ready, *keys])
         fitted -= len(ready)
