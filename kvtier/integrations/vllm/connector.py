@@ -143,10 +143,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
         """The requests whose loads ended; a failed one is named again in `failed_recving` when
-        the engine has several KV cache groups (else its blocks are in the load errors)."""
+        the engine has several KV cache groups (else its blocks are in the load errors). Released
+        tails whose stores ended are `finished_sending`."""
         worker = self._work()
         done = worker.take_finished_loads()
-        return KVConnectorTransferResults(finished_recving=done, failed_recving=worker.take_failed_loads())
+        return KVConnectorTransferResults(finished_sending=worker.take_finished_sends(),
+                                          finished_recving=done, failed_recving=worker.take_failed_loads())
 
     def get_block_ids_with_load_errors(self) -> set[int]:
         return self._work().take_load_errors()
@@ -179,15 +181,19 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
-        """Without the hybrid manager (the user disabled it): one group's blocks."""
-        return False, self._sched().request_finished(request)
+        """Without the hybrid manager (the user disabled it): one group's blocks. True: vLLM keeps
+        them until the worker reports the request finished sending (`tails.py`)."""
+        params = self._sched().request_finished(request)
+        return self._sched().tails.held(request.request_id), params
 
     def request_finished_all_groups(
         self, request: Request, block_ids: tuple[list[int], ...]
     ) -> tuple[bool, dict[str, Any] | None]:
         """With the hybrid manager: called once per request, before the blocks of every group are
-        freed. No block is held past it (stores end in their step, see `scheduler.py`)."""
-        return False, self._sched().request_finished(request)
+        freed. True: vLLM keeps them until the worker reports the request finished sending
+        (stores that found no host room yet, `tails.py`)."""
+        params = self._sched().request_finished(request)
+        return self._sched().tails.held(request.request_id), params
 
     def get_external_cache_hit_sources(
         self, request: Request, num_external_tokens: int

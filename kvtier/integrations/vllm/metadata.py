@@ -52,13 +52,16 @@ class KVTierMetadata(KVConnectorMetadata):
     """This step's work for the worker half.
 
     `loads` run in `start_load_kv` (host → device, for requests waiting for their KV); `stores` run
-    in `wait_for_save`, after the forward pass computed the blocks (device → host).
+    in `wait_for_save`, after the forward pass computed the blocks (device → host). `releases` are
+    finished requests whose blocks vLLM kept for kvtier's stores (`tails.py`): each is reported
+    finished sending once every store planned for it, up to this step's, has ended.
     """
 
     region_name: str
     shm_dir: str
     loads: tuple[ChunkCopy, ...] = ()
     stores: tuple[ChunkCopy, ...] = ()
+    releases: tuple[str, ...] = ()
 
 
 @dataclass

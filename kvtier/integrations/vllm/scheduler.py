@@ -48,6 +48,7 @@ from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierW
 from kvtier.integrations.vllm.operations import Operations
 from kvtier.integrations.vllm.request_state import RequestState
 from kvtier.integrations.vllm.streams import LoadStreams, Part
+from kvtier.integrations.vllm.tails import Tails
 from kvtier.integrations.vllm.tracing import RequestTracer
 from kvtier.keys import ChunkHasher
 from kvtier.manager import TieringManager
@@ -93,6 +94,7 @@ class KVTierScheduler:
         self._job_ids = itertools.count(1)
         self.stream_promotions = config.stream_promotions
         self.streams = LoadStreams(self.manager, self._job_ids)
+        self.tails = Tails(geometry.chunk_tokens)
         try:
             self.ops = Operations(config, self.manager)
         except BaseException:
@@ -245,8 +247,9 @@ class KVTierScheduler:
             store = self._plan_store(state, computed)
             if store is not None:
                 stores.append(store)
+        tail_stores, released = self.tails.step(self._plan_store)
         loads, self._loads_to_send = tuple(self._loads_to_send), []
-        return KVTierMetadata(self.region_name, self.shm_dir, loads, tuple(stores))
+        return KVTierMetadata(self.region_name, self.shm_dir, loads, (*stores, *tail_stores), tuple(released))
 
     def _extend_keys(self, state: RequestState, computed: int) -> None:
         """Key the full chunks that decode filled up to `computed` tokens."""
@@ -336,12 +339,13 @@ class KVTierScheduler:
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Forget the request; return its prompt-token split for `kv_transfer_params` (None when
-        kvtier could not key it). Called once when it finishes or is aborted; no block is held:
-        its stores were copied in their step (CPU) or are ordered before any forward pass that
-        could reuse the blocks (CUDA)."""
+        kvtier could not key it). Called once when it finishes or is aborted. Chunks that found
+        no host room yet become a tail (`tails.py`: vLLM keeps the blocks); its other stores were
+        copied in their step (CPU) or are ordered before any forward pass reusing the blocks (CUDA)."""
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return None
+        self.tails.hold(state, request.num_computed_tokens)
         self.ops.finished(request)
         self._release_promoted(state)
         self.streams.drop(request.request_id)

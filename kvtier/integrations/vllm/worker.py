@@ -64,6 +64,9 @@ class KVTierWorker:
         self._stores: dict[int, tuple[int, bool]] = {}
         self._loads: dict[int, tuple[int, bool]] = {}
         self._seconds: dict[int, float] = {}
+        self._releasing: dict[str, int] = {}
+        """Released requests (`KVTierMetadata.releases`) → their stores still in flight."""
+        self._finished_sends: set[str] = set()
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         """Build the copy plan and the transfer from the real tensors. Called once, after vLLM
@@ -118,6 +121,11 @@ class KVTierWorker:
             for job in meta.stores:
                 self._jobs[job.job_id] = _Job(False, job.req_id, ())
                 transfer.submit_store(job.job_id, job.block_ids, job.slots)
+        for req_id in meta.releases:
+            self._releasing[req_id] = sum(1 for j in self._jobs.values() if not j.load and j.req_id == req_id)
+            if not self._releasing[req_id]:
+                del self._releasing[req_id]
+                self._finished_sends.add(req_id)
         self._collect()
 
     def _transfer(self, meta: KVTierMetadata) -> Transfer:
@@ -140,6 +148,11 @@ class KVTierWorker:
         self._seconds[job_id] = seconds
         if not job.load:
             self._stores[job_id] = (1, ok)
+            if job.req_id in self._releasing:
+                self._releasing[job.req_id] -= 1
+                if not self._releasing[job.req_id]:
+                    del self._releasing[job.req_id]
+                    self._finished_sends.add(job.req_id)
             return
         if not ok:
             if self._by_request:
@@ -158,6 +171,13 @@ class KVTierWorker:
         call."""
         self._collect()
         done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def take_finished_sends(self) -> set[str]:
+        """Released requests whose stores have all ended since the last call: vLLM may free their
+        blocks."""
+        self._collect()
+        done, self._finished_sends = self._finished_sends, set()
         return done
 
     def take_failed_loads(self) -> set[str]:
