@@ -15,7 +15,8 @@ needs. Head sizes are ones vLLM's CPU attention supports (64).
 - ``qwen3-next``: Qwen3-Next, bfloat16 (vLLM's CPU gated delta net needs it), gated delta net
   layers 0, 1 and 3 (2 key and 2 value heads of 64: the CPU kernel's head size) and full attention
   (4 KV heads) on layer 2, so a state fits a 64-token attention page; dense MLPs but on layer 3, a
-  mixture of 4 experts (vLLM's Qwen3-Next needs one).
+  mixture of 4 experts (vLLM's Qwen3-Next needs one); untied embeddings (vLLM's Qwen3-Next does
+  not tie them: with tied ones its head would stay zero and every logit equal).
 
 Run as ``python -m kvtier.tools.tiny_models NAME...``.
 """
@@ -128,6 +129,7 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
             "linear_value_head_dim": 64,
             "linear_conv_kernel_dim": 4,
             "partial_rotary_factor": 0.25,
+            "tie_word_embeddings": False,
         },
         "bfloat16",
     ),

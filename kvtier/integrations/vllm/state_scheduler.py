@@ -13,8 +13,11 @@ alone. This subclass adds the state segments (`kvtier.state_rows`, `states.py`):
   request's load finished. A state that cannot be pinned fails the request's load (recomputed).
 - Stores: every boundary state vLLM offers in a step (`boundary_state_offloads`) that ends a chunk
   of a request kvtier keys, and whose rows the host tier does not hold yet, is copied in that
-  step's `wait_for_save`; its rows are published, counted as stored rows in the metrics, and
-  cascaded like chunks.
+  step's `wait_for_save`; its rows are published and cascaded like chunks.
+
+Metrics count rows: a state segment's rows are counted in `kvtier_transfer_chunks_total` (and
+bytes) like chunk rows, for host copies and tier jobs alike; the per-request token split counts
+tokens, which the attention chunks carry (a state adds none).
 """
 
 from __future__ import annotations
@@ -23,9 +26,9 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.copies import StoreCopy
+from kvtier.integrations.vllm.copies import CopyAcks, StoreCopy
 from kvtier.integrations.vllm.geometry import EngineGeometry
-from kvtier.integrations.vllm.metadata import KVTierMetadata, StateCopy
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata, StateCopy
 from kvtier.integrations.vllm.request_state import RequestState
 from kvtier.integrations.vllm.scheduler import BlockIdsFn, KVTierScheduler
 from kvtier.state_rows import state_keys
@@ -63,6 +66,7 @@ class StateScheduler(KVTierScheduler):
         """Request → the state rows promoted for it (held until its load pinned them)."""
         self._state_pins: dict[str, list[bytes]] = {}
         """Request → the state rows pinned for its load in flight."""
+        self._state_load_acks: dict[int, CopyAcks] = {}
 
     def _attention(self, ids: Sequence[Sequence[int]]) -> list[Sequence[int]]:
         return [ids[g] for g in self.geometry.group_ids]
@@ -118,11 +122,11 @@ class StateScheduler(KVTierScheduler):
             keys = tuple(state_keys(self.states.layout, state.keys[end - 1]))
             targets = self.states.load_blocks(ids, end * self.geometry.chunk_tokens)
             slots = self.manager.host.prepare_load(keys) if targets is not None else None
+            job_id = next(self._job_ids)
             if slots is not None:
                 self._state_pins[req_id] = list(keys)
-            self._state_loads.append(
-                StateCopy(next(self._job_ids), req_id, keys, targets or (), tuple(slots or ()))
-            )
+                self._state_load_acks[job_id] = CopyAcks()
+            self._state_loads.append(StateCopy(job_id, req_id, keys, targets or (), tuple(slots or ())))
         if promoted:
             self.manager.release(promoted)
 
@@ -170,6 +174,13 @@ class StateScheduler(KVTierScheduler):
         return StateCopy(job_id, state.request.request_id, tuple(keys), block_ids, targets)
 
     def update_connector_output(self, output: KVConnectorOutput) -> None:
+        meta = output.kv_connector_worker_meta
+        if isinstance(meta, KVTierWorkerMetadata):
+            for job_id, (acks, ok) in meta.loads.items():
+                load = self._state_load_acks.get(job_id)
+                if load is not None and load.ack(acks, ok, meta.seconds.get(job_id, 0.0), self.world_size):
+                    del self._state_load_acks[job_id]
+                    self.accounting.copied("load", self.states.layout.rows, load.seconds, load.ok)
         for req_id in output.finished_recving or ():
             keys = self._state_pins.pop(req_id, None)
             if keys is not None:
