@@ -9,9 +9,9 @@ stored format never depends on vLLM's group order.
 What kvtier holds: full attention (`FullAttentionSpec`), sliding-window attention
 (`SlidingWindowSpec`, or a `FullAttentionSpec` carrying `sliding_window` when the hybrid manager is
 off) and MLA latents (`MLAAttentionSpec`, every layer), all layers with the same KV heads, head
-size, dtype and block size, plus the recurrent-state groups `states.py` holds (gated delta net),
+size, dtype and block size, plus the recurrent-state groups `states.py` holds (GDN, Mamba2),
 which `layer_groups` leaves out: their layers are not attention layers, and `states.py` reads them.
-Any other group (Mamba1, Mamba2, ...) is refused at startup by `layer_groups`, with a ConfigError
+Any other group (Mamba1, short conv, ...) is refused at startup by `layer_groups`, with a ConfigError
 naming the spec and its layers. With the hybrid
 manager off vLLM merges every layer into one `FullAttentionSpec` carrying the model's window, so
 every layer is then named sliding: such an engine shares chunks only with engines in the same mode.
@@ -90,8 +90,8 @@ def layer_groups(kv_cache_config: KVCacheConfig) -> LayerGroups:
             raise ConfigError(
                 "model",
                 f"{type(spec).__name__} layers {list(group.layer_names)}",
-                "kvtier holds full-attention, sliding-window, MLA and gated-delta-net KV cache "
-                "groups only; "
+                "kvtier holds full-attention, sliding-window, MLA, gated-delta-net and Mamba2 KV "
+                "cache groups only; "
                 f"{type(spec).__name__} is not supported yet",
             )
     first = cast("AttentionSpec", groups[0].kv_cache_spec)

@@ -1,6 +1,7 @@
-"""vLLM's recurrent-state KV cache groups (gated delta net), as kvtier state segments.
+"""vLLM's recurrent-state KV cache groups (gated delta net, Mamba2), as kvtier state segments.
 
-vLLM keeps a gated-delta-net layer's state (conv state, recurrent state) in a `MambaSpec` group:
+vLLM keeps a gated-delta-net or Mamba2 layer's state (conv state, then the recurrent/SSM state) in
+a `MambaSpec` group:
 one block holds one state, and with prefix caching on (`mamba_cache_mode` "align") the state after
 a block boundary is kept in the block that ends there. Each step, the scheduler names the boundary
 states it just committed (`scheduler_output.kv_connector_block_state.boundary_state_offloads`:
@@ -9,9 +10,12 @@ the step, so kvtier copies them in that step's `wait_for_save`. On a hit of T to
 the block at index `T / block_size - 1` of each state group for the state at T (the others are its
 null block), and kvtier loads the state there. The canonical format is `kvtier.state_rows`.
 
-Held: GDN groups (`MambaAttentionBackendEnum.GDN_ATTN`) in "align" mode, at TP=1 (the canonical
-format is the whole model's state; writing a rank's shard of it is not implemented). Other state
-groups (Mamba1, Mamba2, short conv, ...) are refused by `groups.layer_groups`.
+Held: GDN and Mamba2 groups (`MambaAttentionBackendEnum.GDN_ATTN`, `MAMBA2`) in "align" mode, at
+TP=1 (the canonical format is the whole model's state; writing a rank's shard of it is not
+implemented). Other state groups (Mamba1, short conv, linear attention, ...) are refused by
+`groups.layer_groups`. vLLM 0.32's CPU Mamba2 layer asks for a mid-prefill checkpoint its CPU
+chunk scan does not produce and crashes on the first prefill with prefix caching on
+(`notes/vllm-hybrid.md`); kvtier does not work around it (the tests do, in-process, and say so).
 """
 
 from __future__ import annotations
@@ -34,7 +38,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("kvtier.vllm.states")
 
-HELD_STATE_TYPES = {"GDN_ATTN": "gdn"}
+HELD_STATE_TYPES = {"GDN_ATTN": "gdn", "MAMBA2": "mamba2"}
 """vLLM's `MambaAttentionBackendEnum` names whose states kvtier holds → kvtier's kind name."""
 
 
@@ -86,8 +90,8 @@ def state_groups(kv_cache_config: KVCacheConfig, row_bytes: int, tp_size: int) -
     spec = found[0][2]
     assert isinstance(spec, MambaSpec)
     if tp_size != 1:
-        raise ConfigError("tensor_parallel_size", tp_size, "1 for a model with gated delta net layers "
-                          "(kvtier does not write a rank's shard of a recurrent state yet)")
+        raise ConfigError("tensor_parallel_size", tp_size, "1 for a model with recurrent (GDN, Mamba2) "
+                          "layers (kvtier does not write a rank's shard of a recurrent state yet)")
     if spec.mamba_cache_mode != "align":
         raise ConfigError("mamba_cache_mode", spec.mamba_cache_mode, "'align' (vLLM sets it with "
                           "enable_prefix_caching): kvtier stores the states vLLM keeps at block boundaries")
