@@ -12,7 +12,7 @@ random-weight recurrent hybrids (`kvtier.tools.tiny_models`), 64-token blocks, o
 
 A prompt of about 250 tokens, `reset_prefix_cache()`, then a longer prompt sharing it: the prefix
 comes back from the host tier, and from fs after host eviction, as the attention chunks up to the
-hit point T plus the state segment at T.
+hit point T plus the state segment at T; `kvtier fsck` then finds the fs directory clean.
 Before the reload the whole device KV and state cache is overwritten with 7.0, so a load that
 copied nothing fails; the reloaded pages and states are byte-identical to the stored ones, and the
 greedy tokens (and logprobs within 1e-4) equal a run computed from scratch (kvtier's load and
@@ -31,6 +31,7 @@ import torch
 
 from kvtier.integrations.vllm.launch import transfer_config
 from kvtier.state_rows import state_keys
+from kvtier.tiers.fs.fsck import fsck
 from tests.integrations.conftest import connector_halves
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.shared_helpers import settle
@@ -78,6 +79,7 @@ class Engine:
     name: str
     llm: Any
     reference: dict[str, Result]
+    fs_root: Path
 
 
 @pytest.fixture(scope="module", params=sorted(STATE_ROWS))
@@ -91,9 +93,10 @@ def engine(
     from kvtier.tools.tiny_models import build_tiny_model
 
     name = request.param
+    fs_root = tmp_path_factory.mktemp("fs")
     config = {
         "cpu_bytes_to_use": HOST_ROWS * ROW_BYTES,
-        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path_factory.mktemp("fs"))}],
+        "secondary_tiers": [{"type": "fs", "root_dir": str(fs_root)}],
     }
     with pytest.MonkeyPatch.context() as mp:
         if name == "granite-hybrid":  # the workaround of vLLM's CPU Mamba2 crash (module doc)
@@ -108,7 +111,7 @@ def engine(
         reference[text] = generate(llm, TEXTS[text] + TAIL, scratch=True)
         assert reference[text].cached == 0
         llm.reset_prefix_cache()
-    yield Engine(name, llm, reference)
+    yield Engine(name, llm, reference, fs_root)
     llm.llm_engine.engine_core.shutdown()
 
 
@@ -215,3 +218,5 @@ def test_a_longer_prompt_reloads_the_prefix_and_state_from_fs_after_host_evictio
     engine: Engine, spy: Spy
 ) -> None:
     reload_check(engine, spy, "second", "fs", evict=("filler1", "filler2", "filler3"))
+    report = fsck(str(engine.fs_root), repair=False)  # state rows are chunk files like any other
+    assert not report.bad and report.good_files >= 4 + STATE_ROWS[engine.name]
