@@ -37,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.multiturn.chats import CHATS
-from kvtier.bench.multiturn.presets import kv_bytes_per_token
+from kvtier.bench.multiturn.presets import ATTENTION_LAYER_TYPES, kv_bytes_per_token
 from kvtier.integrations.vllm.launch import in_process_env, transfer_config
 from kvtier.tools.models import model_dir
 
@@ -61,7 +61,9 @@ def build_llm(
     from vllm import LLM
 
     per_token = kv_bytes_per_token(model, dtype)
-    device_blocks = tokens // block_size + 4
+    types = json.loads((model / "config.json").read_text()).get("layer_types", [])
+    recurrent = sum(t not in ATTENTION_LAYER_TYPES for t in types)  # each holds a few state blocks
+    device_blocks = tokens // block_size + 4 + 3 * recurrent
     config = {
         "cpu_bytes_to_use": int(host_prompts * tokens * per_token),
         "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}],
