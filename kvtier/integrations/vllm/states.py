@@ -23,7 +23,7 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
@@ -34,7 +34,7 @@ from kvtier.layout import host_rows
 from kvtier.state_rows import StateCopier, StateLayout, StatePart
 
 if TYPE_CHECKING:
-    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 
 log = logging.getLogger("kvtier.vllm.states")
 
@@ -76,10 +76,9 @@ def state_groups(kv_cache_config: KVCacheConfig, row_bytes: int, tp_size: int) -
     configuration whose states kvtier cannot store."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
     from vllm.model_executor.models.utils import extract_layer_index
-    from vllm.v1.kv_cache_interface import MambaSpec
 
     found = [
-        (name, g, group.kv_cache_spec)
+        (name, g, cast("MambaSpec", group.kv_cache_spec))
         for g, group in enumerate(kv_cache_config.kv_cache_groups)
         if held_state(group.kv_cache_spec)
         for name in group.layer_names
@@ -88,7 +87,6 @@ def state_groups(kv_cache_config: KVCacheConfig, row_bytes: int, tp_size: int) -
         return None
     found.sort(key=lambda item: extract_layer_index(item[0]))
     spec = found[0][2]
-    assert isinstance(spec, MambaSpec)
     if tp_size != 1:
         raise ConfigError("tensor_parallel_size", tp_size, "1 for a model with recurrent (GDN, Mamba2) "
                           "layers (kvtier does not write a rank's shard of a recurrent state yet)")
@@ -96,7 +94,6 @@ def state_groups(kv_cache_config: KVCacheConfig, row_bytes: int, tp_size: int) -
         raise ConfigError("mamba_cache_mode", spec.mamba_cache_mode, "'align' (vLLM sets it with "
                           "enable_prefix_caching): kvtier stores the states vLLM keeps at block boundaries")
     for _, _, other in found[1:]:
-        assert isinstance(other, MambaSpec)
         if (other.shapes, other.dtypes, other.block_size) != (spec.shapes, spec.dtypes, spec.block_size):
             raise ConfigError("model", (spec.shapes, other.shapes), "the same state shape in every layer")
     conv_first = is_conv_state_dim_first()
@@ -169,8 +166,7 @@ class StateWorker:
             self._region = HostRegion.attach(region_name, shm_dir=shm_dir)
             row_bytes = self.copier.layout.row_bytes
             self._rows = host_rows(self._region.buf, row_bytes, self._region.size // row_bytes)
-        assert self._rows is not None
-        return self._rows
+        return cast("torch.Tensor", self._rows)
 
     def close(self) -> None:
         """Unmap the host region. Idempotent."""
