@@ -2,7 +2,8 @@
 
     python -m benchmarks.bench_ttft --tokens 4096 --prompts 3
 
-One in-process vLLM engine (CPU backend, SmolLM2 or `--model DIR`, float32) with the KVTierConnector,
+One in-process vLLM engine (CPU backend, SmolLM2 or `--model DIR`, `--dtype`: float32 unless given)
+with the KVTierConnector,
 a host tier that holds about 1.5 prompts and an fs tier in a temp directory on local disk. Each of `prompts`
 distinct real-text prompts of exactly `tokens` tokens is served with one output token (its
 generate() time is its TTFT):
@@ -36,7 +37,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.bench.multiturn.chats import CHATS
-from kvtier.bench.multiturn.presets import kv_bytes_per_token
+from kvtier.bench.multiturn.presets import ATTENTION_LAYER_TYPES, kv_bytes_per_token
 from kvtier.integrations.vllm.launch import in_process_env, transfer_config
 from kvtier.tools.models import model_dir
 
@@ -54,16 +55,20 @@ def prompt_ids(tokenizer: Any, index: int, tokens: int) -> list[int]:
     return ids[:tokens]
 
 
-def build_llm(model: Path, tokens: int, block_size: int, host_prompts: float, fs_dir: Path) -> Any:
+def build_llm(
+    model: Path, tokens: int, block_size: int, host_prompts: float, fs_dir: Path, dtype: str = "float32"
+) -> Any:
     from vllm import LLM
 
-    per_token = kv_bytes_per_token(model, "float32")
-    device_blocks = tokens // block_size + 4
+    per_token = kv_bytes_per_token(model, dtype)
+    types = json.loads((model / "config.json").read_text()).get("layer_types", [])
+    recurrent = sum(t not in ATTENTION_LAYER_TYPES for t in types)  # each holds a few state blocks
+    device_blocks = tokens // block_size + 4 + 3 * recurrent
     config = {
         "cpu_bytes_to_use": int(host_prompts * tokens * per_token),
         "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}],
     }
-    return LLM(model=str(model), dtype="float32", enforce_eager=True, block_size=block_size,
+    return LLM(model=str(model), dtype=dtype, enforce_eager=True, block_size=block_size,
                num_gpu_blocks_override=device_blocks,
                kv_cache_memory_bytes=(device_blocks + 1) * block_size * per_token,
                max_model_len=tokens + 16, max_num_seqs=1, seed=0, kv_transfer_config=transfer_config(config))
@@ -93,12 +98,12 @@ def wait_for_cascade(llm: Any, seconds: float) -> None:
         time.sleep(0.05)
 
 
-def run(tokens: int, prompts: int, block_size: int, model: Path) -> dict[str, Any]:
+def run(tokens: int, prompts: int, block_size: int, model: Path, dtype: str = "float32") -> dict[str, Any]:
     samples: dict[str, list[float]] = {kind: [] for kind in ("first", *KINDS)}
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-ttft-", dir="/var/tmp")))
         stack.enter_context(in_process_env(tmp))
-        llm = build_llm(model, tokens, block_size, 1.5, tmp / "fs")
+        llm = build_llm(model, tokens, block_size, 1.5, tmp / "fs", dtype)
         tokenizer = llm.get_tokenizer()
         serve(llm, tokenizer.encode("Warm-up request, not measured."))
         batch = [prompt_ids(tokenizer, i, tokens) for i in range(prompts + 1)]
@@ -122,7 +127,7 @@ def run(tokens: int, prompts: int, block_size: int, model: Path) -> dict[str, An
     med = {kind: statistics.median(values) for kind, values in samples.items()}
     return {
         "model": model.name, "tokens": tokens, "prompts": prompts, "block_size": block_size,
-        "dtype": "float32",
+        "dtype": dtype,
         "median_ttft_s": {k: round(v, 4) for k, v in med.items()},
         "ttft_s": {k: [round(x, 4) for x in v] for k, v in samples.items()},
         "host_over_recompute": round(med["host"] / med["recompute"], 4),
@@ -137,9 +142,10 @@ def main() -> int:
     parser.add_argument("--prompts", type=int, default=3)
     parser.add_argument("--block-size", type=int, default=128)
     parser.add_argument("--model", type=Path, default=None, help="model directory (default: SmolLM2)")
+    parser.add_argument("--dtype", default="float32", help="float32 or bfloat16 (a gated delta net model)")
     args = parser.parse_args()
     with contextlib.redirect_stdout(sys.stderr):
-        report = run(args.tokens, args.prompts, args.block_size, args.model or model_dir())
+        report = run(args.tokens, args.prompts, args.block_size, args.model or model_dir(), args.dtype)
     med = report["median_ttft_s"]
     print(f"{'':10} {'TTFT s':>8} {'/ recompute':>12}")
     for kind in ("recompute", "host", "fs", "first"):

@@ -65,6 +65,9 @@ class CanonicalLayout:
     dtype: torch.dtype
     layer_kinds: tuple[str, ...] = ()
     latent: bool = False
+    segments: str = ""
+    """Other segments the model's rows hold besides these pages (`kvtier.state_rows.StateLayout.
+    describe`); in the fingerprint when not empty."""
 
     def __post_init__(self) -> None:
         for name in ("num_layers", "num_kv_heads", "head_dim", "chunk_tokens"):
@@ -121,6 +124,9 @@ class CanonicalLayout:
         if set(self.kinds) != {FULL_ATTENTION} or self.latent:  # plain models keep their fingerprint
             kinds = ",".join(self.kinds).encode()
             desc += struct.pack("<I?", len(kinds), self.latent) + kinds
+        if self.segments:
+            segments = b"segments:" + self.segments.encode()
+            desc += struct.pack("<I", len(segments)) + segments
         return hashlib.sha256(desc).digest()[:16].hex()
 
     def page_view(self, rows: torch.Tensor, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:

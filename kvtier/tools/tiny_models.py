@@ -12,6 +12,11 @@ needs. Head sizes are ones vLLM's CPU attention supports (64).
 - ``deepseek-v2``: DeepSeek-V2 with MLA (kv_lora_rank 512, rope dim 64: what vLLM's CPU_MLA
   backend needs), 2 dense layers.
 - ``granite-hybrid``: GraniteMoeHybrid, one Mamba2 layer then one attention layer (dense MLP).
+- ``qwen3-next``: Qwen3-Next, bfloat16 (vLLM's CPU gated delta net needs it), gated delta net
+  layers 0, 1 and 3 (2 key and 2 value heads of 64: the CPU kernel's head size) and full attention
+  (4 KV heads) on layer 2, so a state fits a 64-token attention page; dense MLPs but on layer 3, a
+  mixture of 4 experts (vLLM's Qwen3-Next needs one); untied embeddings (vLLM's Qwen3-Next does
+  not tie them: with tied ones its head would stay zero and every logit equal).
 
 Run as ``python -m kvtier.tools.tiny_models NAME...``.
 """
@@ -103,6 +108,30 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
             "position_embedding_type": "rope",
         },
         "float32",
+    ),
+    "qwen3-next": (
+        "Qwen3NextForCausalLM",
+        {
+            **_COMMON,
+            "model_type": "qwen3_next",
+            "num_hidden_layers": 4,
+            "layer_types": ["linear_attention"] * 2 + ["full_attention", "linear_attention"],
+            "mlp_only_layers": [0, 1, 2],
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "moe_intermediate_size": 64,
+            "shared_expert_intermediate_size": 64,
+            "linear_num_key_heads": 2,
+            "linear_num_value_heads": 2,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
+            "linear_key_head_dim": 64,
+            "linear_value_head_dim": 64,
+            "linear_conv_kernel_dim": 4,
+            "partial_rotary_factor": 0.25,
+            "tie_word_embeddings": False,
+        },
+        "bfloat16",
     ),
 }
 

@@ -118,6 +118,18 @@ def test_presets_size_the_caches() -> None:
         presets.preset("nope")
 
 
+def test_kv_bytes_per_token_counts_attention_layers_only(tmp_path: Path) -> None:
+    import json
+
+    base = {"num_hidden_layers": 4, "num_key_value_heads": 2, "head_dim": 64}
+    hybrid = {**base, "layer_types": ["linear_attention", "full_attention", "mamba", "sliding_attention"]}
+    for name, config in (("plain", base), ("hybrid", hybrid)):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(config))
+    assert presets.kv_bytes_per_token(tmp_path / "plain", "bfloat16") == 4 * 2 * 2 * 64 * 2
+    assert presets.kv_bytes_per_token(tmp_path / "hybrid", "float32") == 2 * 2 * 2 * 64 * 4
+
+
 def test_configurations_by_name(tmp_path: Path) -> None:
     ctx = configs.BenchContext(block_bytes=1 << 20, device_blocks=40, all_fits_blocks=400,
                                host_chunks=80, work_dir=tmp_path)

@@ -1,11 +1,14 @@
 """vLLM's KV cache groups as kvtier layers (`groups.layer_groups`), from real vLLM spec objects:
 layers in model order whatever the group order, each with its group and kind; MLA groups are
-latent; a group kvtier cannot hold is refused with a ConfigError naming the spec and its layers."""
+latent; recurrent-state groups kvtier holds (GDN, Mamba2) are left out, the attention groups
+numbered 0..n-1 with their vLLM indices; a group kvtier cannot hold is refused with a ConfigError
+naming the spec and its layers."""
 
 from __future__ import annotations
 
 import pytest
 import torch
+from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
     KVCacheConfig,
@@ -46,14 +49,28 @@ def test_groups_kvtier_cannot_hold_are_refused_by_name() -> None:
     assert found.latent and found.layer_kinds == ("mla_latent:576",) * 2
     with pytest.raises(ConfigError, match="MLA-only"):
         layer_groups(config(([0], mla), ([1], FullAttentionSpec(**GEOMETRY))))  # type: ignore[arg-type]
-    mamba = MambaSpec(block_size=32, shapes=((4, 8),), dtypes=(torch.float32,))
+    mamba1 = MambaSpec(
+        block_size=32, shapes=((4, 8),), dtypes=(torch.float32,), mamba_type=MambaAttentionBackendEnum.MAMBA1
+    )
     full = FullAttentionSpec(**GEOMETRY)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match=r"MambaSpec .* not supported yet"):
-        layer_groups(config(([1], full), ([0], mamba)))
+        layer_groups(config(([1], full), ([0], mamba1)))
     wider = FullAttentionSpec(**{**GEOMETRY, "head_size": 128})  # type: ignore[arg-type]
     sliding = SlidingWindowSpec(**GEOMETRY, sliding_window=64)  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="head_size 64 and 128"):
         layer_groups(config(([0], sliding), ([1], wider)))
+
+
+def test_gdn_and_mamba2_groups_are_left_to_the_state_segments() -> None:
+    full = FullAttentionSpec(**GEOMETRY)  # type: ignore[arg-type]
+    for kind in (MambaAttentionBackendEnum.GDN_ATTN, MambaAttentionBackendEnum.MAMBA2):
+        shapes = ((3, 8), (2, 4, 4))
+        state = MambaSpec(block_size=32, shapes=shapes, dtypes=(torch.float32,) * 2, mamba_type=kind)
+        found = layer_groups(config(([0], state), ([2], full), ([1], state), ([3], full)))
+        assert found.layer_names == ("model.layers.2.self_attn.attn", "model.layers.3.self_attn.attn")
+        assert found.layer_groups == (0, 1) and found.group_ids == (1, 3)
+    with pytest.raises(ConfigError, match="no attention KV cache groups"):
+        layer_groups(config(([0], state)))
 
 
 def test_block_ids_group_by_group() -> None:

@@ -116,16 +116,23 @@ PRESETS: dict[str, Preset] = {
 }
 
 
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "attention")
+"""`layer_types` entries of hybrid configs (Gemma3, Qwen3-Next, GraniteMoeHybrid) with per-token KV."""
+
+
 def kv_bytes_per_token(model: Path, dtype: str) -> int:
-    """KV bytes per token of the model directory `model` in `dtype` (all layers, K and V; for an
-    MLA model, its latent: kv_lora_rank + rope values per layer)."""
+    """KV bytes per token of the model directory `model` in `dtype` (all attention layers, K and
+    V; for an MLA model, its latent: kv_lora_rank + rope values per layer). Recurrent layers (gated
+    delta net, Mamba2: `layer_types` other than attention) keep no per-token KV: not counted."""
     config = json.loads((model / "config.json").read_text())
+    types = config.get("layer_types")
+    layers = sum(t in ATTENTION_LAYER_TYPES for t in types) if types else config["num_hidden_layers"]
     head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
     itemsize = {"float32": 4, "bfloat16": 2, "float16": 2}[dtype]
     if config.get("kv_lora_rank"):
         latent = config["kv_lora_rank"] + config["qk_rope_head_dim"]
-        return int(config["num_hidden_layers"] * latent * itemsize)
-    return int(config["num_hidden_layers"] * 2 * config["num_key_value_heads"] * head_dim * itemsize)
+        return int(layers * latent * itemsize)
+    return int(layers * 2 * config["num_key_value_heads"] * head_dim * itemsize)
 
 
 def preset(name: str) -> Preset:

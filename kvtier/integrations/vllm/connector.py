@@ -33,6 +33,7 @@ from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.geometry import engine_geometry
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.integrations.vllm.state_scheduler import StateScheduler
 from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.worker import KVTierWorker
 
@@ -86,7 +87,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             world = vllm_config.parallel_config.world_size
             events = vllm_config.kv_events_config
             enabled = events is not None and bool(events.enable_kv_cache_events)
-            self.scheduler = KVTierScheduler(config, geometry, world, events=enabled)
+            scheduler = KVTierScheduler if geometry.states is None else StateScheduler
+            self.scheduler = scheduler(config, geometry, world, events=enabled)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

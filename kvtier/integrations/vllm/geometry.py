@@ -7,6 +7,7 @@ per connector, at construction.
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 from dataclasses import dataclass
 from pathlib import Path
@@ -14,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.groups import layer_groups
+from kvtier.integrations.vllm.states import StateGroups, state_groups
 from kvtier.keys import ModelFingerprint
 from kvtier.layout import CanonicalLayout
 
@@ -27,7 +29,9 @@ class EngineGeometry:
     """What kvtier needs to know about the engine's KV cache.
 
     `layer_names` are the attention layers in model order (canonical page order in a host row);
-    `layer_groups[l]` is the vLLM KV cache group whose block ids address layer l (empty: one group).
+    `layer_groups[l]` is the attention group whose block ids address layer l (empty: one group);
+    `group_ids[g]` is attention group g's index among vLLM's KV cache groups (empty: the same).
+    `states`: the model's recurrent layers (gated delta net), stored as state segments.
     """
 
     fingerprint: ModelFingerprint
@@ -37,6 +41,8 @@ class EngineGeometry:
     layer_names: tuple[str, ...]
     tp_size: int
     layer_groups: tuple[int, ...] = ()
+    group_ids: tuple[int, ...] = ()
+    states: StateGroups | None = None
 
     @property
     def chunk_tokens(self) -> int:
@@ -68,6 +74,7 @@ def engine_geometry(
     """Read the geometry from vLLM's config; ConfigError for a cache kvtier cannot hold yet.
 
     Supported: KV cache groups of full and sliding-window attention or MLA (`groups.layer_groups`),
+    with gated-delta-net state groups beside them (`states.state_groups`),
     K and V of the same head size (MLA: one latent), an unquantized KV cache (`kv_cache_dtype`
     "auto" or a float dtype).
     """
@@ -83,17 +90,6 @@ def engine_geometry(
     kinds = found.layer_kinds if found.hybrid else ()
     num_kv_heads = 1 if found.latent else model.get_total_num_kv_heads()
     chunk_tokens = spec.block_size * blocks_per_chunk
-    fingerprint = ModelFingerprint(
-        model=model_name(model.model, model.served_model_name),
-        revision=str(model.revision or ""),
-        dtype=str(model.dtype),
-        kv_dtype=str(spec.dtype),
-        num_layers=len(layer_names),
-        num_kv_heads=num_kv_heads,
-        head_dim=spec.head_size,
-        quantization=str(model.quantization or ""),
-        extra=(("layer_kinds", ",".join(kinds)),) if kinds else (),
-    )
     layout = CanonicalLayout(
         num_layers=len(layer_names),
         num_kv_heads=num_kv_heads,
@@ -103,12 +99,31 @@ def engine_geometry(
         layer_kinds=kinds,
         latent=found.latent,
     )
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    states = state_groups(kv_cache_config, layout.row_bytes, tp_size)
+    extra = [("layer_kinds", ",".join(kinds))] if kinds else []
+    if states is not None:
+        layout = dataclasses.replace(layout, segments=states.layout.describe())
+        extra.append(("states", states.layout.describe()))
+    fingerprint = ModelFingerprint(
+        model=model_name(model.model, model.served_model_name),
+        revision=str(model.revision or ""),
+        dtype=str(model.dtype),
+        kv_dtype=str(spec.dtype),
+        num_layers=len(layer_names),
+        num_kv_heads=num_kv_heads,
+        head_dim=spec.head_size,
+        quantization=str(model.quantization or ""),
+        extra=tuple(sorted(extra)),
+    )
     return EngineGeometry(
         fingerprint=fingerprint,
         layout=layout,
         block_size=spec.block_size,
         blocks_per_chunk=blocks_per_chunk,
         layer_names=layer_names,
-        tp_size=vllm_config.parallel_config.tensor_parallel_size,
+        tp_size=tp_size,
         layer_groups=found.layer_groups,
+        group_ids=found.group_ids,
+        states=states,
     )

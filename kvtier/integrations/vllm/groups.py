@@ -9,8 +9,10 @@ stored format never depends on vLLM's group order.
 What kvtier holds: full attention (`FullAttentionSpec`), sliding-window attention
 (`SlidingWindowSpec`, or a `FullAttentionSpec` carrying `sliding_window` when the hybrid manager is
 off) and MLA latents (`MLAAttentionSpec`, every layer), all layers with the same KV heads, head
-size, dtype and block size. Any other group (Mamba, gated delta net, ...) is refused at startup by
-`layer_groups`, with a ConfigError naming the spec and its layers. With the hybrid
+size, dtype and block size, plus the recurrent-state groups `states.py` holds (GDN, Mamba2),
+which `layer_groups` leaves out: their layers are not attention layers, and `states.py` reads them.
+Any other group (Mamba1, short conv, ...) is refused at startup by `layer_groups`, with a ConfigError
+naming the spec and its layers. With the hybrid
 manager off vLLM merges every layer into one `FullAttentionSpec` carrying the model's window, so
 every layer is then named sliding: such an engine shares chunks only with engines in the same mode.
 
@@ -30,6 +32,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from kvtier.errors import ConfigError
+from kvtier.integrations.vllm.states import held_state
 from kvtier.layout import FULL_ATTENTION, SKIP_BLOCK
 
 if TYPE_CHECKING:
@@ -42,13 +45,15 @@ MLA_LATENT = "mla_latent"
 
 @dataclass(frozen=True)
 class LayerGroups:
-    """The attention layers in model order, the vLLM group of each, and what each holds."""
+    """The attention layers in model order, the attention group of each (0..n-1), and what each
+    holds; `group_ids[g]` is attention group g's index among all of vLLM's KV cache groups."""
 
     layer_names: tuple[str, ...]
     layer_groups: tuple[int, ...]
     layer_kinds: tuple[str, ...]
     spec: AttentionSpec
     latent: bool = False
+    group_ids: tuple[int, ...] = ()
 
     @property
     def hybrid(self) -> bool:
@@ -72,16 +77,21 @@ def layer_groups(kv_cache_config: KVCacheConfig) -> LayerGroups:
     from vllm.model_executor.models.utils import extract_layer_index
     from vllm.v1.kv_cache_interface import FullAttentionSpec, MLAAttentionSpec, SlidingWindowSpec
 
-    groups = kv_cache_config.kv_cache_groups
+    indexed = [
+        (g, group) for g, group in enumerate(kv_cache_config.kv_cache_groups)
+        if not held_state(group.kv_cache_spec)
+    ]
+    groups = [group for _, group in indexed]
     if not groups:
-        raise ConfigError("model", "no KV cache groups", "a model with attention layers")
+        raise ConfigError("model", "no attention KV cache groups", "a model with attention layers")
     for group in groups:
         spec = group.kv_cache_spec
         if not isinstance(spec, FullAttentionSpec | SlidingWindowSpec):
             raise ConfigError(
                 "model",
                 f"{type(spec).__name__} layers {list(group.layer_names)}",
-                "kvtier holds full-attention, sliding-window and MLA KV cache groups only; "
+                "kvtier holds full-attention, sliding-window, MLA, gated-delta-net and Mamba2 KV "
+                "cache groups only; "
                 f"{type(spec).__name__} is not supported yet",
             )
     first = cast("AttentionSpec", groups[0].kv_cache_spec)
@@ -111,6 +121,7 @@ def layer_groups(kv_cache_config: KVCacheConfig) -> LayerGroups:
         layer_kinds=tuple(kind for _, _, kind in layers),
         spec=first,
         latent=latent,
+        group_ids=tuple(g for g, _ in indexed),
     )
 
 

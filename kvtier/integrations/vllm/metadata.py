@@ -47,20 +47,37 @@ class ChunkCopy:
         return [b for chunk in self.block_ids for b in chunk if b != SKIP_BLOCK]
 
 
+@dataclass(frozen=True)
+class StateCopy:
+    """One state segment copy (`kvtier.state_rows`) for one request: `block_ids[l]` is the block of
+    recurrent layer l holding the state, `slots` the segment's host rows, `keys` their keys. A load
+    whose `slots` is empty could not pin its rows: the worker fails the request's load."""
+
+    job_id: int
+    req_id: str
+    keys: tuple[bytes, ...]
+    block_ids: tuple[int, ...]
+    slots: tuple[int, ...]
+
+
 @dataclass
 class KVTierMetadata(KVConnectorMetadata):
     """This step's work for the worker half.
 
     `loads` run in `start_load_kv` (host → device, for requests waiting for their KV); `stores` run
-    in `wait_for_save`, after the forward pass computed the blocks (device → host). `releases` are
-    finished requests whose blocks vLLM kept for kvtier's stores (`tails.py`): each is reported
-    finished sending once every store planned for it, up to this step's, has ended.
+    in `wait_for_save`, after the forward pass computed the blocks (device → host). State copies
+    (models with recurrent layers) run with them, before a request's chunk loads and after the
+    forward pass. `releases` are finished requests whose blocks vLLM kept for kvtier's stores
+    (`tails.py`): each is reported finished sending once every store planned for it, up to this
+    step's, has ended.
     """
 
     region_name: str
     shm_dir: str
     loads: tuple[ChunkCopy, ...] = ()
     stores: tuple[ChunkCopy, ...] = ()
+    state_loads: tuple[StateCopy, ...] = ()
+    state_stores: tuple[StateCopy, ...] = ()
     releases: tuple[str, ...] = ()
 
 

@@ -249,7 +249,8 @@ class KVTierScheduler:
                 stores.append(store)
         tail_stores, released = self.tails.step(self._plan_store)
         loads, self._loads_to_send = tuple(self._loads_to_send), []
-        return KVTierMetadata(self.region_name, self.shm_dir, loads, (*stores, *tail_stores), tuple(released))
+        return KVTierMetadata(self.region_name, self.shm_dir, loads, (*stores, *tail_stores),
+                              releases=tuple(released))
 
     def _extend_keys(self, state: RequestState, computed: int) -> None:
         """Key the full chunks that decode filled up to `computed` tokens."""

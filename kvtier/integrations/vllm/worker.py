@@ -20,6 +20,7 @@ errors, in each step, and a load found ended in between has its blocks reported 
 from __future__ import annotations
 
 import logging
+import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -28,6 +29,7 @@ import torch
 from kvtier.integrations.vllm.geometry import EngineGeometry
 from kvtier.integrations.vllm.layouts import engine_layout, engine_layout_name
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.states import StateWorker
 from kvtier.layout import SKIP_BLOCK, CopyPlan, EngineLayout, TPShard
 from kvtier.transfer import Transfer, make_transfer
 
@@ -57,7 +59,8 @@ class KVTierWorker:
         self._jobs: dict[int, _Job] = {}
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
-        self._by_request = len(set(geometry.layer_groups)) > 1
+        self.states: StateWorker | None = None
+        self._by_request = len(set(geometry.layer_groups)) > 1 or geometry.states is not None
         """Several KV cache groups: failed loads are reported by request, not by block."""
         self._failing: set[str] = set()
         self._failed_loads: set[str] = set()
@@ -82,6 +85,8 @@ class KVTierWorker:
         for name, kv in zip(self.geometry.layer_names, tensors, strict=True):
             self._check(name, plan, kv)
         self.transfer = self._transfer_factory(plan, tensors)
+        if geometry.states is not None:
+            self.states = StateWorker(geometry.states, kv_caches)
 
     def _check(self, name: str, plan: CopyPlan, kv: torch.Tensor) -> None:
         if kv.dtype != self.geometry.layout.dtype:
@@ -104,6 +109,7 @@ class KVTierWorker:
         """Queue every load of `meta` host → device. Called once per step, by vLLM's
         `start_load_kv`; the loading requests are not in this step's forward pass. A load without
         pinned host rows fails at once."""
+        self._copy_states(meta, load=True)
         for job in meta.loads:
             self._jobs[job.job_id] = _Job(True, job.req_id, tuple(job.all_block_ids), job.last)
             if job.slots:
@@ -121,12 +127,27 @@ class KVTierWorker:
             for job in meta.stores:
                 self._jobs[job.job_id] = _Job(False, job.req_id, ())
                 transfer.submit_store(job.job_id, job.block_ids, job.slots)
+        self._copy_states(meta, load=False)
         for req_id in meta.releases:
             self._releasing[req_id] = sum(1 for j in self._jobs.values() if not j.load and j.req_id == req_id)
             if not self._releasing[req_id]:
                 del self._releasing[req_id]
                 self._finished_sends.add(req_id)
         self._collect()
+
+    def _copy_states(self, meta: KVTierMetadata, load: bool) -> None:
+        """Run the step's state copies now (a load before the request's chunk loads end, so a
+        failed one fails the request's load)."""
+        jobs = meta.state_loads if load else meta.state_stores
+        if self.states is None or not jobs:
+            return
+        for job in jobs:
+            start = time.perf_counter()
+            ok = bool(job.slots) and self.states.copy(meta.region_name, meta.shm_dir, job, load)
+            (self._loads if load else self._stores)[job.job_id] = (1, ok)
+            self._seconds[job.job_id] = time.perf_counter() - start
+            if load and not ok:
+                self._failing.add(job.req_id)
 
     def _transfer(self, meta: KVTierMetadata) -> Transfer:
         if self.transfer is None:
@@ -212,3 +233,5 @@ class KVTierWorker:
         """Wait for the copies still running, then unmap the host region. Idempotent."""
         if self.transfer is not None:
             self.transfer.close()
+        if self.states is not None:
+            self.states.close()
