@@ -19,7 +19,8 @@ layers differ, because the values do: TP=2 sums its ranks' partial products in a
 all-reduce), which changes their last bits, and vLLM's CPU MLA differs between TP degrees by a few
 percent of a latent value (both TP degrees are that far from transformers' own DeepSeek-V2). So the
 reloads' greedy tokens equal a run from scratch of the reloading engine, and their logprobs are
-within 1e-4 of it (MLA: 5e-3, the measured difference between the two TP degrees is 1.6e-3).
+within 1e-4 of it (MLA: 5e-3; the two TP degrees' logprobs differ by 1.6e-3, and vLLM's MLA attends
+a prefill with a cached prefix by another path than a whole prefill, 8e-4 apart on one engine).
 """
 
 from __future__ import annotations
