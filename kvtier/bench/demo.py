@@ -1,7 +1,9 @@
 """`kvtier demo`: a multi-turn chat on a small device cache, with kvtier and without it.
 
-A view of the multi-turn benchmark (`kvtier.bench.multiturn`): the embedded default model
-(SmolLM2-135M-Instruct, prepared by `kvtier.tools.models` when missing) is served by the
+A view of the multi-turn benchmark (`kvtier.bench.multiturn`): `--model DIR` (a model directory
+with its tokenizer and chat template; by default the embedded SmolLM2-135M-Instruct, prepared by
+`kvtier.tools.models` when missing; hybrid models too, such as the tiny Gemma3 of
+`kvtier.tools.tiny_models`, whose sliding-window layers vLLM's hybrid manager keeps) is served by the
 benchmark's in-process engine (`engine_run.InProcessEngine`) whose device KV cache holds
 `--device-blocks` blocks of 32 tokens, in two of its configurations (`configs`): `host+fs` (the
 KVTierConnector with a host tier of `--host-chunks` chunks and an fs tier in a temp dir, or in
@@ -10,6 +12,10 @@ cache helps it). The conversations are the demo's fixed chats (`multiturn.chats`
 in flight, so the benchmark's queue of conversations serves turn 1 of every conversation first,
 then turn 2, ... (`round_robin`). The baseline replays the kvtier pass's replies
 (`Conversation.transcript`): identical prompts, and only each turn's first token is generated.
+
+With `--check-replies`, a third pass serves the chats on the engine alone again, generating every
+reply, and the report says whether kvtier's replies are the same (`replies_match`): reloaded KV
+changes no greedy token (the exit status is 1 when they differ).
 
 With the defaults the conversations' prefixes outgrow the device cache from the first turn on and
 the host tier from the third or fourth turn on, so later turns are served from host memory and
@@ -56,6 +62,7 @@ class DemoSettings:
     max_model_len: int
     reply_tokens: int
     fs_dir: Path | None
+    check_replies: bool = False
     block_size: int = 32
     dtype: str = "float32"
 
@@ -142,6 +149,12 @@ def run_demo(s: DemoSettings) -> dict[str, Any]:
         _progress("baseline pass: same engine, no connector (vLLM's own prefix cache only)")
         baseline, _ = _serve_pass(s.engine_settings(alone, block_bytes), spec,
                                   [chat.transcript() for chat in chats], "baseline")
+        check: dict[str, Any] = {}
+        if s.check_replies:
+            _progress("check pass: no connector, every reply generated")
+            _, alone_chats = _serve_pass(s.engine_settings(alone, block_bytes), spec,
+                                         CHATS[:s.conversations], "check")
+            check["replies_match"] = _replies(chats) == _replies(alone_chats)
     return {
         "model": s.model.name, "dtype": s.dtype, "device_blocks": s.device_blocks,
         "block_size": s.block_size, "host_chunks": s.host_chunks,
@@ -149,7 +162,12 @@ def run_demo(s: DemoSettings) -> dict[str, Any]:
         "seconds": round(time.monotonic() - started, 1),
         "kvtier": [_turn_json(r) for r in with_kvtier],
         "baseline": [_turn_json(r) for r in baseline],
+        **check,
     }
+
+
+def _replies(chats: Sequence[Conversation]) -> list[tuple[str, ...]]:
+    return [chat.transcript().replies for chat in chats]
 
 
 def _mean(values: list[float]) -> float:
@@ -183,11 +201,16 @@ def format_report(report: dict[str, Any]) -> str:
     base_all = _mean([r["ttft_s"] for r in report["baseline"]]) * 1000
     lines += ["", f"mean TTFT over all turns: kvtier {kv_all:.0f} ms, baseline {base_all:.0f} ms "
               f"({base_all / kv_all if kv_all else 0:.1f}x); total {report['seconds']} s"]
+    if "replies_match" in report:
+        lines.append("replies: kvtier's " + ("equal" if report["replies_match"] else "DIFFER FROM")
+                     + " those of the engine alone")
     return "\n".join(lines)
 
 
 def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
     p = sub.add_parser("demo", help="multi-turn chat on a small device cache, with and without kvtier")
+    p.add_argument("--model", type=Path, default=None,
+                   help="model directory (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--conversations", type=int, default=len(CHATS),
                    help=f"chats served round-robin (1-{len(CHATS)})")
     p.add_argument("--turns", type=int, default=max_turns(), help=f"turns per chat (1-{max_turns()})")
@@ -197,6 +220,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--reply-tokens", type=int, default=12, help="tokens generated per turn")
     p.add_argument("--fs-dir", type=Path, default=None,
                    help="the fs tier's files go under this directory (default: a temp dir)")
+    p.add_argument("--check-replies", action="store_true",
+                   help="serve the chats once more without kvtier and compare the replies")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_command)
 
@@ -213,12 +238,17 @@ def run_command(args: argparse.Namespace) -> int:
                           f"{args.max_model_len} request (at least {least})")
     try:
         check_sizes(args.conversations, args.turns)
-        with contextlib.redirect_stdout(sys.stderr):
-            model = prepare_smollm2()
+        model = args.model
+        if model is None:
+            with contextlib.redirect_stdout(sys.stderr):
+                model = prepare_smollm2()
+        elif not (model / "config.json").is_file():
+            raise KVTierError(f"--model {model}: not a model directory (no config.json)")
         settings = DemoSettings(model, args.conversations, args.turns, args.device_blocks,
-                                args.host_chunks, args.max_model_len, args.reply_tokens, args.fs_dir)
+                                args.host_chunks, args.max_model_len, args.reply_tokens, args.fs_dir,
+                                args.check_replies)
         report = run_demo(settings)
     except (ValueError, ModelPrepError) as e:
         raise KVTierError(str(e)) from e
     print(json.dumps(report) if args.json else format_report(report), flush=True)
-    return 0
+    return 0 if report.get("replies_match", True) else 1

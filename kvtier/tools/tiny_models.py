@@ -5,18 +5,22 @@ into ``~/.cache/kvtier/models/tiny-<name>`` (next to SmolLM2; ``KVTIER_MODEL_DIR
 that is set), with the SmolLM2 tokenizer copied beside it (so the vocabulary is SmolLM2's). The
 directory is published atomically (temp dir + rename) and a complete one is never rebuilt. The
 weights are random: the models produce nonsense, deterministically, which is all a reload test
-needs. Head sizes are ones vLLM's CPU attention supports (64).
+needs. The marker file records the recipe (`recipe_digest`); a directory built from another recipe
+is rebuilt. Head sizes are ones vLLM's CPU attention supports (64).
 
 - ``gemma3``: Gemma3 text, 4 layers, sliding window 64 on layers 0-2, full attention on layer 3.
 - ``mistral-sliding``: Mistral with ``sliding_window`` 64 on every layer, 2 layers.
 - ``deepseek-v2``: DeepSeek-V2 with MLA (kv_lora_rank 512, rope dim 64: what vLLM's CPU_MLA
-  backend needs), 2 dense layers.
+  backend needs), 2 dense layers, its own output head (vLLM's DeepSeek-V2 never ties it to the
+  embeddings: with a tied head the checkpoint has none, and vLLM's logits are all equal).
 - ``granite-hybrid``: GraniteMoeHybrid, one Mamba2 layer then one attention layer (dense MLP).
 - ``qwen3-next``: Qwen3-Next, bfloat16 (vLLM's CPU gated delta net needs it), gated delta net
   layers 0, 1 and 3 (2 key and 2 value heads of 64: the CPU kernel's head size) and full attention
   (4 KV heads) on layer 2, so a state fits a 64-token attention page; dense MLPs but on layer 3, a
   mixture of 4 experts (vLLM's Qwen3-Next needs one); untied embeddings (vLLM's Qwen3-Next does
   not tie them: with tied ones its head would stay zero and every logit equal).
+- ``llama``: Llama, 2 layers of full attention with 4 KV heads (SmolLM2 has 3), so tensor
+  parallelism of 2 (and 4) divides them.
 
 Run as ``python -m kvtier.tools.tiny_models NAME...``.
 """
@@ -24,6 +28,7 @@ Run as ``python -m kvtier.tools.tiny_models NAME...``.
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import os
 import shutil
@@ -86,6 +91,19 @@ MODELS: dict[str, tuple[str, dict[str, Any], str]] = {
             "n_routed_experts": 4,
             "num_experts_per_tok": 2,
             "moe_intermediate_size": 64,
+            "tie_word_embeddings": False,
+        },
+        "float32",
+    ),
+    "llama": (
+        "LlamaForCausalLM",
+        {
+            **_COMMON,
+            "model_type": "llama",
+            "num_hidden_layers": 2,
+            "hidden_size": 256,
+            "num_attention_heads": 4,
+            "num_key_value_heads": 4,
         },
         "float32",
     ),
@@ -163,26 +181,48 @@ def _build_into(out: Path, name: str) -> None:
             shutil.copy(tokenizer_dir / file, out / file)
 
 
+def recipe_digest(name: str) -> str:
+    """A digest of tiny model `name`'s recipe (architecture, config, dtype)."""
+    recipe = json.dumps(MODELS[name], sort_keys=True).encode()
+    return hashlib.sha256(recipe).hexdigest()[:16]
+
+
+def _marker(name: str) -> dict[str, str]:
+    return {"model": name, "recipe": recipe_digest(name)}
+
+
+def _is_current(dest: Path, name: str) -> bool:
+    try:
+        return bool(json.loads((dest / COMPLETE_MARKER).read_text()) == _marker(name))
+    except (OSError, ValueError):
+        return False
+
+
 def build_tiny_model(name: str) -> Path:
-    """Make sure tiny model `name` (a key of MODELS) exists; return its directory."""
+    """Make sure tiny model `name` (a key of MODELS) exists, built from its current recipe; return
+    its directory."""
     if name not in MODELS:
         raise ValueError(f"unknown tiny model {name!r}; known: {', '.join(MODELS)}")
     dest = tiny_model_dir(name)
-    if (dest / COMPLETE_MARKER).is_file():
+    if _is_current(dest, name):
         return dest
     dest.parent.mkdir(parents=True, exist_ok=True)
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.tmp-", dir=dest.parent))
+    stale = dest.with_name(f".{dest.name}.stale-{os.getpid()}")
     try:
         _build_into(tmp, name)
-        (tmp / COMPLETE_MARKER).write_text(json.dumps({"model": name}) + "\n")
+        (tmp / COMPLETE_MARKER).write_text(json.dumps(_marker(name)) + "\n")
+        if dest.exists():
+            os.rename(dest, stale)
         try:
             os.rename(tmp, dest)
         except OSError:
-            if not (dest / COMPLETE_MARKER).is_file():
+            if not _is_current(dest, name):
                 raise
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
+        for leftover in (tmp, stale):
+            if leftover.exists():
+                shutil.rmtree(leftover, ignore_errors=True)
     return dest
 
 

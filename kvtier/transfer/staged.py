@@ -56,6 +56,9 @@ class StagedCopy:
         self.plan = plan
         self.views = [plan.engine_views(kv) for kv in layer_tensors]
         self.device = layer_tensors[0].device
+        self.dtype = layer_tensors[0].dtype
+        """The engine's element type: staging holds its bytes unconverted (an fp8 layout over
+        vLLM's uint8 tensors included)."""
         self.num_blocks = min(k.shape[0] for k, _ in self.views)
         lay, shard = plan.layout, plan.shard
         self.run_bytes = shard.num_heads * lay.chunk_tokens * lay.head_dim * lay.itemsize
@@ -116,7 +119,7 @@ class StagedCopy:
         n, (bpc, heads, bs, dim) = len(block_ids), self._block_shape()
         index = self._index(block_ids)
         staging = torch.empty(
-            (n, len(self.views), 2, heads, bpc, bs, dim), dtype=self.plan.layout.dtype, device=self.device
+            (n, len(self.views), 2, heads, bpc, bs, dim), dtype=self.dtype, device=self.device
         )
         for layer, kv_views in enumerate(self.views):
             for which, blocks in enumerate(kv_views):
@@ -127,7 +130,7 @@ class StagedCopy:
     def _scatter(self, staging: torch.Tensor, block_ids: Sequence[Sequence[int]]) -> None:
         n, (bpc, heads, bs, dim) = len(block_ids), self._block_shape()
         index = self._index(block_ids)
-        chunks = staging.view(self.plan.layout.dtype).view(n, len(self.views), 2, heads, bpc, bs, dim)
+        chunks = staging.view(self.dtype).view(n, len(self.views), 2, heads, bpc, bs, dim)
         for layer, kv_views in enumerate(self.views):
             for which, blocks in enumerate(kv_views):
                 src = chunks[:, layer, which].transpose(1, 2).reshape(n * bpc, heads, bs, dim)

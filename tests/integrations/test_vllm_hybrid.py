@@ -10,7 +10,8 @@ models built locally (`kvtier.tools.tiny_models`, float32):
 For each: a prompt, `reset_prefix_cache()`, then a longer prompt sharing its prefix reloads that
 prefix from the host tier, and from fs after host eviction; the reloaded pages are byte-identical to
 the stored ones, sliding-window pages are loaded only for the window before the hit point, and
-greedy tokens (and their logprobs within 1e-4) equal a run computed from scratch. For gemma3 the
+greedy tokens (and their logprobs within 1e-4; MLA: 2e-3, see `LOGPROB_TOLERANCE`) equal a run
+computed from scratch. For gemma3 the
 run from scratch is an engine without kvtier, which also shows kvtier leaves the device cache as
 many blocks (HMA stays on); for the single-group models it is the same engine with kvtier's load
 and store skipped, after a device cache reset.
@@ -38,6 +39,10 @@ TAIL = " Answer in one sentence, then stop."
 HOST_TOKENS = 320  # the host tier holds about two and a half prompts
 BLOCK = {"gemma3": 32, "mistral-sliding": 32, "deepseek-v2": 16}
 SCRATCH = {"kvtier": {"skip_load": True, "skip_store": True}}
+LOGPROB_TOLERANCE = {"deepseek-v2": 2e-3}
+"""vLLM's MLA attends a prefill whose prefix is cached by up-projecting the cached latents in
+context chunks merged by log-sum-exp, a whole prefill in one pass: logprobs differ by up to 8e-4
+(measured) with byte-identical latents."""
 
 
 @dataclass(frozen=True)
@@ -220,7 +225,8 @@ def reload_check(engine: Engine, spy: PageSpy, name: str, tier: str, evict: tupl
     ref = engine.reference[name]
     assert again.prompt == ref.prompt
     assert again.tokens == ref.tokens
-    assert max(abs(a - b) for a, b in zip(again.logprobs, ref.logprobs, strict=True)) < 1e-4
+    tolerance = LOGPROB_TOLERANCE.get(engine.name, 1e-4)
+    assert max(abs(a - b) for a, b in zip(again.logprobs, ref.logprobs, strict=True)) < tolerance
     spy.check(keys, scheduler.geometry.layout.kinds)
 
 

@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.groups import layer_groups
+from kvtier.integrations.vllm.kv_dtype import stored_kv_dtype
 from kvtier.integrations.vllm.states import StateGroups, state_groups
 from kvtier.keys import ModelFingerprint
 from kvtier.layout import CanonicalLayout
@@ -74,17 +75,16 @@ def engine_geometry(
     """Read the geometry from vLLM's config; ConfigError for a cache kvtier cannot hold yet.
 
     Supported: KV cache groups of full and sliding-window attention or MLA (`groups.layer_groups`),
-    with gated-delta-net state groups beside them (`states.state_groups`),
-    K and V of the same head size (MLA: one latent), an unquantized KV cache (`kv_cache_dtype`
-    "auto" or a float dtype).
+    with gated-delta-net and Mamba2 state groups beside them (`states.state_groups`), K and V of
+    the same head size (MLA: one latent), a KV cache dtype `kv_dtype.stored_kv_dtype` holds
+    (unquantized or fp8).
     """
     found = layer_groups(kv_cache_config)
     spec = found.spec
     if spec.head_size_v != spec.head_size and not found.latent:
         raise ConfigError("model", (spec.head_size, spec.head_size_v), "K and V head sizes differ")
-    cache_dtype = vllm_config.cache_config.cache_dtype
-    if cache_dtype not in ("auto", "bfloat16", "float16", "float32"):
-        raise ConfigError("kv_cache_dtype", cache_dtype, "kvtier does not hold quantized KV yet")
+    cache = vllm_config.cache_config
+    kv_dtype = stored_kv_dtype(cache.cache_dtype, spec.dtype, cache.kv_cache_dtype_skip_layers)
     model = vllm_config.model_config
     layer_names = found.layer_names
     kinds = found.layer_kinds if found.hybrid else ()
@@ -95,7 +95,7 @@ def engine_geometry(
         num_kv_heads=num_kv_heads,
         head_dim=spec.head_size,
         chunk_tokens=chunk_tokens,
-        dtype=spec.dtype,
+        dtype=kv_dtype,
         layer_kinds=kinds,
         latent=found.latent,
     )
@@ -109,7 +109,7 @@ def engine_geometry(
         model=model_name(model.model, model.served_model_name),
         revision=str(model.revision or ""),
         dtype=str(model.dtype),
-        kv_dtype=str(spec.dtype),
+        kv_dtype=str(kv_dtype),
         num_layers=len(layer_names),
         num_kv_heads=num_kv_heads,
         head_dim=spec.head_size,

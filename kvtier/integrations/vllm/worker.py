@@ -27,6 +27,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.integrations.vllm.geometry import EngineGeometry
+from kvtier.integrations.vllm.kv_dtype import holds
 from kvtier.integrations.vllm.layouts import engine_layout, engine_layout_name
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.states import StateWorker
@@ -89,7 +90,7 @@ class KVTierWorker:
             self.states = StateWorker(geometry.states, kv_caches)
 
     def _check(self, name: str, plan: CopyPlan, kv: torch.Tensor) -> None:
-        if kv.dtype != self.geometry.layout.dtype:
+        if not holds(kv.dtype, self.geometry.layout.dtype):
             raise ValueError(f"kvtier: layer {name} KV is {kv.dtype}, not {self.geometry.layout.dtype}")
         try:
             plan.engine_views(kv)

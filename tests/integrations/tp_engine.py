@@ -1,0 +1,194 @@
+"""One vLLM engine with the KVTierConnector and an fs tier, of any tensor-parallel degree, in a fresh
+process: for tests that compare engines of different TP degrees sharing stored chunks.
+
+A TP=2 engine on the CPU backend spawns one worker process per rank (each runs a worker half of the
+connector) and needs one core per rank (`VLLM_CPU_OMP_THREADS_BIND="0|1"`); its engine core, with
+the scheduler half, runs in the child itself (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, from the caller's
+`vllm_env`). Engines of one test run one after the other, never two at once.
+
+`run_engine(model, tp, fs_dir, llm, steps, out_dir)` runs `python -m tests.integrations.tp_engine`
+and returns one `Served` per step. A step is a text prompt served alone, greedy, with each generated
+token's logprob; `scratch` steps neither load nor store through kvtier. Before every step the
+device prefix cache is reset, so whatever is reused comes from kvtier; after it the tier jobs are
+waited for, so its chunks are in `fs_dir` when the engine exits. Every rank records the device
+pages of each chunk it stores (as the store is submitted) and loads (once the load ended), by key
+and layer; `rank_pages(out_dir, tp)` reads them back.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from kvtier.integrations.vllm.launch import transfer_config
+
+ROOT = Path(__file__).resolve().parents[2]
+REPLY = "@kvtier-tp@ "
+SCRATCH = {"kvtier": {"skip_load": True, "skip_store": True}}
+Pages = dict[tuple[str, str, int], np.ndarray]
+"""(op: "store" or "load", key hex, layer) -> that layer's device page of the chunk on one rank."""
+
+
+@dataclass(frozen=True)
+class Step:
+    prompt: str
+    scratch: bool = False
+    max_tokens: int = 6
+
+
+@dataclass(frozen=True)
+class Served:
+    """One step's result: the prompt's token ids, its full chunks' keys (hex) and the chunk size,
+    the generated tokens with their logprobs, vLLM's cached-token count and kvtier's token split."""
+
+    prompt: list[int]
+    keys: list[str]
+    chunk_tokens: int
+    tokens: list[int]
+    logprobs: list[float]
+    cached: int
+    split: dict[str, int]
+
+
+def run_engine(model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], steps: list[Step],
+               out_dir: Path, timeout_s: float = 420) -> list[Served]:
+    """Serve `steps` on a fresh engine of `model` with `tensor_parallel_size=tp` whose one
+    secondary tier is fs on `fs_dir`; the ranks' pages and the engine's log (`engine.log`) go to
+    `out_dir`. The child and its rank processes are killed (process group) past `timeout_s`."""
+    env = dict(os.environ)
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(tp))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "engine.log"
+    request = {"model": str(model), "tp": tp, "fs_dir": str(fs_dir), "llm": llm,
+               "steps": [vars(step) for step in steps], "out_dir": str(out_dir)}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integrations.tp_engine"], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            start_new_session=True,
+        )
+        try:
+            out, _ = proc.communicate(json.dumps(request), timeout=timeout_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # rank processes left behind, if any
+            proc.wait()
+    lines = out.splitlines()
+    with open(log_path, "a") as text_log:  # vLLM logs to stdout
+        text_log.writelines(line + "\n" for line in lines if not line.startswith(REPLY))
+    replies = [line[len(REPLY):] for line in lines if line.startswith(REPLY)]
+    if not replies:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise AssertionError(f"the TP={tp} engine gave no answer (exit {proc.returncode}):\n{tail}")
+    return [Served(**served) for served in json.loads(replies[-1])]
+
+
+def rank_pages(out_dir: Path, tp: int) -> list[Pages]:
+    """Each rank's recorded pages (rank order) from the engine that wrote `out_dir`."""
+    ranks = []
+    for rank in range(tp):
+        with np.load(out_dir / f"pages-rank{rank}.npz") as stored:
+            pages = {}
+            for name in stored.files:
+                op, key, layer = name.split(".")
+                pages[(op, key, int(layer))] = stored[name]
+            ranks.append(pages)
+    return ranks
+
+
+_RECORDED: dict[str, np.ndarray] = {}
+"""In a rank process: the pages recorded so far, by "op.key.layer"."""
+
+
+def _record(half: Any, op: str, jobs: Any) -> None:
+    from kvtier.layout import SKIP_BLOCK
+
+    plan, tensors = half.transfer.plan, half.transfer.layer_tensors
+    bpc = plan.blocks_per_chunk
+    for job in jobs:
+        for key, ids in zip(job.keys, job.block_ids, strict=True):
+            for layer, kv in enumerate(tensors):
+                group = plan.layer_groups[layer]
+                blocks = list(ids[group * bpc : (group + 1) * bpc])
+                if SKIP_BLOCK not in blocks:
+                    _RECORDED[f"{op}.{key.hex()}.{layer}"] = kv[blocks].numpy().copy()
+
+
+def install_spy(_vllm_worker: Any) -> None:
+    """Run in every rank (`collective_rpc`): record the pages its connector half stores and loads."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    half = get_kv_transfer_group().worker
+    save, start_load = half.save, half.start_load
+
+    def spy_save(meta: Any) -> None:
+        _record(half, "store", meta.stores)
+        save(meta)
+
+    def spy_load(meta: Any) -> None:
+        start_load(meta)
+        _record(half, "load", meta.loads)
+
+    half.save, half.start_load = spy_save, spy_load
+
+
+def dump_spy(_vllm_worker: Any, out_dir: str) -> None:
+    from vllm.distributed import get_tensor_model_parallel_rank
+
+    np.savez(Path(out_dir) / f"pages-rank{get_tensor_model_parallel_rank()}.npz", **_RECORDED)
+
+
+def _serve(llm: Any, scheduler: Any, step: dict[str, Any]) -> dict[str, Any]:
+    from vllm import SamplingParams
+
+    from tests.integrations.shared_helpers import settle
+
+    extra = {"kv_transfer_params": SCRATCH} if step["scratch"] else None
+    params = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], logprobs=0, extra_args=extra)
+    llm.reset_prefix_cache()
+    done = llm.generate([step["prompt"]], params, use_tqdm=False)[0]
+    settle(scheduler)
+    out = done.outputs[0]
+    prompt = list(done.prompt_token_ids)
+    return {
+        "prompt": prompt,
+        "keys": [key.hex() for key in scheduler.hasher.keys(prompt)],
+        "chunk_tokens": scheduler.geometry.chunk_tokens,
+        "tokens": list(out.token_ids),
+        "logprobs": [entry[tok].logprob for tok, entry in zip(out.token_ids, out.logprobs, strict=True)],
+        "cached": done.num_cached_tokens,
+        "split": (done.kv_transfer_params or {}).get("kvtier", {}).get("tokens", {}),
+    }
+
+
+def main() -> None:
+    from vllm import LLM
+
+    # By this module's importable name, not __main__'s: the ranks unpickle the spy by reference.
+    from tests.integrations import tp_engine
+
+    request = json.loads(sys.stdin.read())
+    config = {"cpu_bytes_to_use": 4 << 20,
+              "secondary_tiers": [{"type": "fs", "root_dir": request["fs_dir"]}]}
+    llm = LLM(model=request["model"], tensor_parallel_size=request["tp"],
+              kv_transfer_config=transfer_config(config), **request["llm"])
+    llm.collective_rpc(tp_engine.install_spy)
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    served = [_serve(llm, scheduler, step) for step in request["steps"]]
+    llm.collective_rpc(tp_engine.dump_spy, args=(request["out_dir"],))
+    llm.llm_engine.engine_core.shutdown()
+    print(REPLY + json.dumps(served), flush=True)
+
+
+if __name__ == "__main__":
+    main()
