@@ -3,11 +3,12 @@ the run stops.
 
 - `smoke` (CI, under 3 minutes here): 4 conversations of 3 turns, two rounds, a corruption every
   0.5 s and every process fault in turn every 4 s.
-- `full`: 12 conversations of 5 turns, rounds until at least 1,000 corruptions were injected
-  (and at least 3 rounds), every process fault in turn every 8 s.
+- `full`: 8 conversations of 4 turns, rounds until at least 1,000 corruptions were injected
+  (and at least 3 rounds), two corruptions every 0.25 s, every process fault in turn every 8 s.
 - `soak`: the `full` workload for `--duration` seconds (default 30 minutes) with host eviction and
-  cascades and no injector, sampling the process tree's resources every 10 s; the verdict is
-  growth under 5 % after the warm-up.
+  cascades and no injector, sampling the engine's process tree (the engine and its tier processes)
+  every 10 s (every duration / 40 when shorter); the verdict is growth under 5 % after the warm-up
+  (a quarter of the duration, at most 2 minutes).
 
 Caches: chunks of one 32-token block; a device cache of `device_blocks`, a host tier of
 `host_chunks` (both far below the workload, so both evict and every round reloads from the
@@ -32,8 +33,8 @@ class ChaosPreset:
     min_corruptions: int = 0
     duration_s: float | None = None
     max_rounds: int = 50
-    device_blocks: int = 48
-    host_chunks: int = 24
+    device_blocks: int = 32
+    host_chunks: int = 16
     fs_mib: int = 1024
     hang_s: float = 120.0
     sample_every_s: float | None = None
@@ -45,10 +46,10 @@ PRESETS: dict[str, ChaosPreset] = {
         "smoke", WorkloadSpec(128, 48, 3, 4, 4, 4), Pace(0.5, 1, 4.0, 1.5, FAULTS), min_rounds=2,
         device_blocks=20, host_chunks=8, fs_mib=256, hang_s=60.0),
     "full": ChaosPreset(
-        "full", WorkloadSpec(192, 64, 5, 12, 4, 8), Pace(0.25, 2, 8.0, 2.0, FAULTS), min_rounds=3,
+        "full", WorkloadSpec(160, 48, 4, 8, 4, 6), Pace(0.25, 2, 8.0, 2.0, FAULTS), min_rounds=3,
         min_corruptions=1000),
     "soak": ChaosPreset(
-        "soak", WorkloadSpec(192, 64, 5, 12, 4, 8), None, min_rounds=1, duration_s=1800.0,
+        "soak", WorkloadSpec(160, 48, 4, 8, 4, 6), None, min_rounds=1, duration_s=1800.0,
         max_rounds=10_000, sample_every_s=10.0),
 }
 
@@ -61,6 +62,7 @@ def preset(name: str, duration_s: float | None = None) -> ChaosPreset:
     if duration_s is not None:
         if duration_s <= 0:
             raise ValueError(f"--duration {duration_s}: must be > 0")
+        every = None if found.sample_every_s is None else min(found.sample_every_s, duration_s / 40)
         found = replace(found, duration_s=duration_s, max_rounds=10_000,
-                        warm_up_s=min(found.warm_up_s, duration_s / 4))
+                        warm_up_s=min(found.warm_up_s, duration_s / 4), sample_every_s=every)
     return found

@@ -130,7 +130,7 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
             injectors = Injectors(targets, ledger, preset.pace, seed)
         sampler = None
         if preset.sample_every_s is not None:
-            sampler = Sampler(lambda: [p for p in (redis.pid, seaweed.pid) if p], preset.sample_every_s)
+            sampler = Sampler(preset.sample_every_s)
             sampler.start()
         started = time.monotonic()
 

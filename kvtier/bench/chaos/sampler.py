@@ -1,8 +1,9 @@
 """Resource use of the whole process tree over a run, for the soak's leak verdict.
 
-`Sampler` takes a `Sample` every `every_s` on its own thread: this process and all its
-descendants (the tier processes) plus the campaign's servers: RSS, open file descriptors, threads,
-processes, and the bytes of kvtier's files in /dev/shm. `growth` compares the samples after the
+`Sampler` takes a `Sample` every `every_s` on its own thread: this process (the engine) and all its
+descendants (the tier processes; the campaign's servers run in their own sessions and hold the
+tiers' data, so they are not sampled): RSS, open file descriptors, threads, processes, and the
+bytes of kvtier's files in /dev/shm. `growth` compares the samples after the
 warm-up: the last quarter's median against the first quarter's, per measure; a leak shows as
 steady growth, a burst as noise that the medians ignore.
 """
@@ -13,7 +14,6 @@ import os
 import statistics
 import threading
 import time
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -44,13 +44,10 @@ def shm_bytes(shm_dir: Path = Path("/dev/shm")) -> int:
     return total
 
 
-def sample(extra_pids: Callable[[], list[int]], t0: float) -> Sample:
-    """One sample of this process's tree plus `extra_pids()` and their trees."""
-    roots = [psutil.Process(), *(psutil.Process(p) for p in extra_pids() if psutil.pid_exists(p))]
-    procs: dict[int, psutil.Process] = {}
-    for root in roots:
-        for p in (root, *root.children(recursive=True)):
-            procs[p.pid] = p
+def sample(t0: float) -> Sample:
+    """One sample of this process's tree."""
+    root = psutil.Process()
+    procs = {p.pid: p for p in (root, *root.children(recursive=True))}
     rss = files = threads = alive = 0
     for p in procs.values():
         try:
@@ -68,7 +65,6 @@ def sample(extra_pids: Callable[[], list[int]], t0: float) -> Sample:
 class Sampler:
     """Samples on a thread until `stop`; `samples` in time order."""
 
-    extra_pids: Callable[[], list[int]]
     every_s: float
     samples: list[Sample] = field(default_factory=list)
 
@@ -83,11 +79,11 @@ class Sampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append(sample(self.extra_pids, self._t0))
+        self.samples.append(sample(self._t0))
 
     def _run(self) -> None:
         while True:
-            self.samples.append(sample(self.extra_pids, self._t0))
+            self.samples.append(sample(self._t0))
             if self._stop.wait(self.every_s):
                 return
 
