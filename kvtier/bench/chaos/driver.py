@@ -44,9 +44,11 @@ class _Live:
 
 
 def drive(engine: Any, ref: Reference, max_concurrency: int, keep_going: Callable[[int], bool],
-          hang_s: float, on_finish: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+          hang_s: float, stop: Callable[[], bool] = lambda: False,
+          on_finish: Callable[[Outcome], None] | None = None) -> list[Outcome]:
     """Serve the conversations until none may go on; `keep_going(round)` is asked when a
-    conversation finished round `round` (0-based). Every outcome, in finishing order."""
+    conversation finished round `round` (0-based); once `stop()` holds no request is added (those
+    in flight finish). Every outcome, in finishing order."""
     from vllm import SamplingParams
 
     ready: deque[tuple[int, int, int]] = deque((c, 0, 0) for c in range(len(ref.turns)))
@@ -54,6 +56,8 @@ def drive(engine: Any, ref: Reference, max_concurrency: int, keep_going: Callabl
     done: list[Outcome] = []
     ids = 0
     while ready or live:
+        if stop():
+            ready.clear()
         while ready and len(live) < max_concurrency:
             conv, turn, rnd = ready.popleft()
             expected = ref.turns[conv][turn]

@@ -1,8 +1,9 @@
 """The injectors: a thread that corrupts stored chunks and breaks processes while the engine serves.
 
 Every `corrupt_every_s` it damages `corrupt_batch` stored chunks picked at random among those the
-media hold (`media.Medium`), each with a corruption of `corrupt.CORRUPTIONS` in turn, recorded in
-the ledger once its bytes are in place. Every `fault_every_s` it runs the next process fault of
+media hold (`media.Medium`) while fewer than `max_open` of a tier's chunks are corrupted, each
+with a corruption of `corrupt.CORRUPTIONS` in turn, recorded in the ledger once its bytes are in
+place. Every `fault_every_s` it runs the next process fault of
 `FAULTS` in turn, each recorded as a window (start, end) with its kind and target:
 
 - `tier_kill`: SIGKILL a tier process (kvtier restarts it with back-off);
@@ -59,6 +60,9 @@ class Pace:
     fault_every_s: float
     stop_s: float = 2.0
     faults: tuple[str, ...] = FAULTS
+    max_open: float = 1.0
+    """At most this fraction of a tier's stored chunks corrupted and unread at once (so that the
+    tiers still serve hits between corruptions)."""
 
 
 @dataclass
@@ -125,7 +129,10 @@ class Injectors:
                 self.failed_injections[f"{medium.tier}:{type(e).__name__}"] += 1
 
     def _corrupt(self, medium: Medium, kind: str) -> bool:
-        keys = self.ledger.free(medium.tier, medium.keys())
+        stored = medium.keys()
+        if self.ledger.open_count(medium.tier) >= self.pace.max_open * len(stored):
+            return False
+        keys = self.ledger.free(medium.tier, stored)
         if len(keys) < 2:
             return False
         key, other = self._rng.sample(keys, 2)
@@ -179,8 +186,9 @@ class Injectors:
         if server is None:
             raise RuntimeError("no redis in this run")
         server.kill()
-        self.ledger.lose_tier(target)
+        # What the tier found bad before the kill reaches the ledger first (REMOVED events).
         self._stop.wait(self.pace.stop_s)
+        self.ledger.lose_tier(target)
         server.start()
         self.targets.on_redis_restart()
 

@@ -101,6 +101,24 @@ class Ledger:
             for k in keys:
                 self._settle(tier, k, "detected")
 
+    def recheck(self, tier: str) -> None:
+        """A new process of `tier` started: its first scan may have removed bad copies without a
+        REMOVED event (they were never in its index); settle those by looking at the medium."""
+        with self._lock:
+            keys = [k for t, k in self._open if t == tier]
+        for key in keys:
+            try:
+                state = self._verify(tier, key)
+            except Exception:  # the server is down: the end of the run decides
+                continue
+            if state is None:
+                with self._lock:
+                    self._settle(tier, key, "detected")
+
+    def open_count(self, tier: str) -> int:
+        with self._lock:
+            return sum(t == tier for t, _ in self._open)
+
     def lose_tier(self, tier: str) -> None:
         """Every open corruption of `tier` is gone with its server's data."""
         with self._lock:
@@ -134,6 +152,8 @@ class TierSpy:
         self._inner = inner
         self._ledger = ledger
         self._jobs: dict[int, tuple[Job, float]] = {}
+        self._events: list[TierEvent] = []
+        self._pid: int | None = inner.pid
         self.name: str = inner.name
 
     def __getattr__(self, name: str) -> Any:
@@ -150,6 +170,12 @@ class TierSpy:
 
     def get_finished_jobs(self) -> list[JobResult]:
         results: list[JobResult] = self._inner.get_finished_jobs()
+        # Events first: a REMOVED that arrived before a store's completion settles a corruption
+        # as detected before the store could make it look overwritten.
+        self._drain_events()
+        if self._inner.is_up and self._inner.pid != self._pid:
+            self._pid = self._inner.pid
+            self._ledger.recheck(self.name)
         for r in results:
             entry = self._jobs.pop(r.job_id, None)
             if entry is None:
@@ -161,9 +187,14 @@ class TierSpy:
                 self._ledger.loaded(self.name, list(r.successful_keys), submitted)
         return results
 
-    def take_events(self) -> list[TierEvent]:
+    def _drain_events(self) -> None:
         events: list[TierEvent] = self._inner.take_events()
         for e in events:
             if e.kind is TierEventKind.REMOVED:
                 self._ledger.removed(self.name, e.keys)
-        return events
+        self._events += events
+
+    def take_events(self) -> list[TierEvent]:
+        self._drain_events()
+        out, self._events = self._events, []
+        return out

@@ -4,11 +4,13 @@ the run stops.
 - `smoke` (CI, under 3 minutes here): 4 conversations of 3 turns, two rounds, a corruption every
   0.5 s and every process fault in turn every 4 s.
 - `full`: 8 conversations of 4 turns, rounds until at least 1,000 corruptions were injected
-  (and at least 3 rounds), two corruptions every 0.25 s, every process fault in turn every 8 s.
-- `soak`: the `full` workload for `--duration` seconds (default 30 minutes) with host eviction and
-  cascades and no injector, sampling the engine's process tree (the engine and its tier processes)
+  (and at least 3 rounds), two corruptions every 0.25 s while under a quarter of a tier's chunks
+  are corrupted, every process fault in turn every 8 s.
+- `soak`: the `smoke` workload for `--duration` seconds (default 30 minutes) with host eviction
+  and cascades and no injector, sampling the engine's process tree (the engine and its tier processes)
   every 10 s (every duration / 40 when shorter); the verdict is growth under 5 % after the warm-up
-  (a quarter of the duration, at most 2 minutes).
+  (the first round, when every conversation was stored once, or a quarter of the duration up to
+  2 minutes, whichever is later).
 
 Caches: chunks of one 32-token block; a device cache of `device_blocks`, a host tier of
 `host_chunks` (both far below the workload, so both evict and every round reloads from the
@@ -46,11 +48,11 @@ PRESETS: dict[str, ChaosPreset] = {
         "smoke", WorkloadSpec(128, 48, 3, 4, 4, 4), Pace(0.5, 1, 4.0, 1.5, FAULTS), min_rounds=2,
         device_blocks=20, host_chunks=8, fs_mib=256, hang_s=60.0),
     "full": ChaosPreset(
-        "full", WorkloadSpec(160, 48, 4, 8, 4, 6), Pace(0.25, 2, 8.0, 2.0, FAULTS), min_rounds=3,
-        min_corruptions=1000),
+        "full", WorkloadSpec(160, 48, 4, 8, 4, 6), Pace(0.25, 2, 8.0, 2.0, FAULTS, max_open=0.25),
+        min_rounds=3, min_corruptions=1000),
     "soak": ChaosPreset(
-        "soak", WorkloadSpec(160, 48, 4, 8, 4, 6), None, min_rounds=1, duration_s=1800.0,
-        max_rounds=10_000, sample_every_s=10.0),
+        "soak", WorkloadSpec(128, 48, 3, 4, 4, 4), None, min_rounds=1, duration_s=1800.0,
+        max_rounds=10_000, device_blocks=20, host_chunks=8, sample_every_s=10.0),
 }
 
 

@@ -138,20 +138,26 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
             if rnd + 1 >= preset.max_rounds:
                 return False
             if preset.duration_s is not None:
-                return time.monotonic() - started < preset.duration_s
+                return True
             injected = ledger.counts()["injected"]
             return rnd + 1 < preset.min_rounds or injected < preset.min_corruptions
+
+        def stop() -> bool:
+            return preset.duration_s is not None and time.monotonic() - started >= preset.duration_s
 
         if injectors is not None:
             injectors.start()
         try:
-            outcomes = drive(llm.llm_engine, ref, spec.max_concurrency, keep_going, preset.hang_s)
+            outcomes = drive(llm.llm_engine, ref, spec.max_concurrency, keep_going, preset.hang_s, stop)
         finally:
             if injectors is not None:
                 injectors.stop()
             if sampler is not None:
                 sampler.stop()
         took = time.monotonic() - started
+        # Warm-up: the preset's, or until every conversation was stored once (its first round).
+        first_round = max((o.end or 0.0 for o in outcomes if o.round == 0), default=started)
+        warm_up = max(preset.warm_up_s, first_round - (sampler.t0 if sampler else started))
         settled = _settle(manager)
         _flush_counts(scheduler)
         ledger.reconcile()
@@ -177,7 +183,7 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
             "fsck": _fsck_json(fsck_report),
             "tier_restarts": {t.name: t.restarts for t in manager.tiers.values()},
             "samples": as_json(sampler.samples) if sampler else [],
-            "growth": growth(sampler.samples, preset.warm_up_s) if sampler else {},
+            "warm_up_s": warm_up, "growth": growth(sampler.samples, warm_up) if sampler else {},
             "started_mono": started,
         }
     return result

@@ -33,10 +33,12 @@ class Sample:
 
 
 def shm_bytes(shm_dir: Path = Path("/dev/shm")) -> int:
-    """Bytes allocated to kvtier's shared-memory files (host regions)."""
+    """Bytes allocated to this process's kvtier shared-memory files (its host regions, named
+    `kvtier-<pid>-...`)."""
     total = 0
+    mine = f"kvtier-{os.getpid()}-"
     for entry in os.scandir(shm_dir):
-        if entry.name.startswith("kvtier"):
+        if entry.name.startswith(mine):
             try:
                 total += entry.stat().st_blocks * 512
             except FileNotFoundError:
@@ -70,7 +72,7 @@ class Sampler:
 
     def __post_init__(self) -> None:
         self._stop = threading.Event()
-        self._t0 = time.monotonic()
+        self.t0 = time.monotonic()
         self._thread = threading.Thread(target=self._run, name="kvtier-sampler", daemon=True)
 
     def start(self) -> None:
@@ -79,11 +81,11 @@ class Sampler:
     def stop(self) -> None:
         self._stop.set()
         self._thread.join()
-        self.samples.append(sample(self._t0))
+        self.samples.append(sample(self.t0))
 
     def _run(self) -> None:
         while True:
-            self.samples.append(sample(self._t0))
+            self.samples.append(sample(self.t0))
             if self._stop.wait(self.every_s):
                 return
 
