@@ -1,7 +1,8 @@
 """kvtier's Prometheus metrics, declared in one place (`METRICS`), all named `kvtier_*`.
 
 Labels are bounded: `tier` is "host" or a configured secondary tier's name; `op` is "store" or
-"load"; `reason` is a configured admission policy's name; `config_info` carries the configuration
+"load"; `reason` is a configured admission policy's name (`rejected_chunks`) or why a stored chunk
+was rejected (`bad_chunks`: a `ChunkError` value); `config_info` carries the configuration
 (one series per engine); `source` is "device", "host", a
 secondary tier's name, or "recomputed". For the host tier,
 "store" is a device → host copy and "load" a host → device copy; for a secondary tier, "store" is
@@ -57,6 +58,9 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("transfer_seconds", "counter", "Seconds spent moving chunks, summed over jobs", _O),
     MetricSpec("transfer_latency_seconds", "histogram", "Duration of one transfer job", _O),
     MetricSpec("failures", "counter", "Chunks whose store or load failed (a failed load is a miss)", _O),
+    MetricSpec("bad_chunks", "counter",
+               "Stored chunks a tier rejected (header or checksum), removed and treated as misses",
+               ("tier", "reason")),
     MetricSpec("lookups", "counter", "Requests whose prefix kvtier looked up past the device hit"),
     MetricSpec("lookup_chunks", "counter", "Chunks looked up past the device prefix-cache hit"),
     MetricSpec("hit_chunks", "counter", "Looked-up chunks served by the tier (host: already there)", _T),

@@ -104,6 +104,10 @@ class TierProcess:
         self.endpoints: dict[str, str] = {}
         """Where other processes reach the tier (`SecondaryTier.endpoints`), once it is up."""
         self.restarts = 0
+        self._bad_reported: dict[str, float] = {}
+        """This generation's cumulative `bad_<reason>` counters, as of its last stats report."""
+        self._bad_new: dict[str, float] = {}
+        """Bad chunks reported since the last `take_bad_chunks`, by reason."""
         self._closed = False
         self._stores_prove_hits = True
 
@@ -160,6 +164,7 @@ class TierProcess:
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
         self._gen_id += 1
+        self._bad_reported = {}
         gen = _Generation(proc, Connection(parent_sock.detach()))
         self._gen = gen
         threading.Thread(target=self._send_loop, args=(gen,), daemon=True,
@@ -337,10 +342,27 @@ class TierProcess:
             self._events.extend(TierEvent(TierEventKind(k), tuple(keys)) for k, keys in msg[1])
         elif op == "stats":
             self.last_stats = msg[1]
+            self._count_bad(msg[1])
             self.last_usage = None if msg[2] is None else TierUsage(*msg[2])
             self.stats_version += 1
         elif op == "error":
             self._mark_down(msg[1])
+
+    def _count_bad(self, stats: dict[str, float]) -> None:
+        for name, value in stats.items():
+            if name.startswith("bad_") and name != "bad_chunks":
+                reason = name[len("bad_"):]
+                new = value - self._bad_reported.get(name, 0.0)
+                if new > 0:
+                    self._bad_new[reason] = self._bad_new.get(reason, 0.0) + new
+                self._bad_reported[name] = value
+
+    def take_bad_chunks(self) -> dict[str, float]:
+        """Stored chunks the tier rejected since the last call, by reason (`ChunkError` values),
+        over every generation of the process: each generation's counters start from zero."""
+        self.poll()
+        out, self._bad_new = self._bad_new, {}
+        return out
 
     def _mark_down(self, why: str) -> None:
         gen, self._gen = self._gen, None

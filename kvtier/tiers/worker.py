@@ -75,6 +75,7 @@ def _report(conn: Connection, tier: SecondaryTier) -> None:
 
 def _serve(conn: Connection, tier: SecondaryTier, wake: _Wakeup) -> None:
     last_stats = 0.0
+    reported_bad = 0.0
     parent = os.getppid()
     while True:
         ready = wait([conn, wake.r], timeout=STATS_INTERVAL_S)
@@ -95,9 +96,10 @@ def _serve(conn: Connection, tier: SecondaryTier, wake: _Wakeup) -> None:
                 return
         _flush(conn, tier)
         now = time.monotonic()
-        if now - last_stats >= STATS_INTERVAL_S:
+        bad = tier.stats().get("bad_chunks", 0.0)
+        if now - last_stats >= STATS_INTERVAL_S or bad != reported_bad:
             _report(conn, tier)
-            last_stats = now
+            last_stats, reported_bad = now, bad
             if os.getppid() != parent:
                 return
 

@@ -83,6 +83,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                    help="write each kvtier run's connector trace (trace_path) into this directory")
     p.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
     p.set_defaults(func=run_multiturn, accepts_passthrough=True)
+    from kvtier.bench.chaos import cli as chaos_cli
+
+    chaos_cli.add_parser(bsub)
     r = bsub.add_parser("report", help="table, CSV and PNG from saved results.json files")
     r.add_argument("results", type=Path, nargs="+")
     r.add_argument("--out", type=Path, default=Path("bench-results/report"), help="CSV and PNG go here")

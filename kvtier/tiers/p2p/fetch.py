@@ -169,7 +169,7 @@ class Fetcher:
         if trailer != protocol.TRAILER_OK:
             raise protocol.ProtocolError(f"unknown trailer block {trailer[:8]!r}...")
         if whole.digest() != digest:
-            self._book.count("bad_chunks")
+            self._book.bad(chunkfmt.ChunkError.CHECKSUM)
             self._failures.failed("bad:checksum", PeerFailure("a received chunk failed its checksum"))
             return False
         return True

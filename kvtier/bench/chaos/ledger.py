@@ -1,0 +1,200 @@
+"""The campaign's account of every corruption it injected, and the spy that watches the tiers'
+jobs to settle each one.
+
+A corruption of chunk K in tier T is open from the moment its bytes are in place until one of:
+
+- `detected`: the tier removed the bad copy (a REMOVED event for K from T, or, at the end, the copy
+  is gone: nothing else deletes in a campaign, whose tiers are sized never to evict);
+- `served`: a load of K from T that was submitted after the injection reported success: the bad
+  copy was accepted (must never happen);
+- `overwritten`: a store of K into T that completed after the injection replaced it unread (a
+  tier skips storing a key it holds, so the ledger looks at the medium to tell);
+- `lost`: its server was restarted without persistence (redis);
+- `unread`: still in place, still bad, at the end of the run.
+
+`TierSpy` wraps one tier handle of the engine's tiering manager and reports its loads, stores and
+events to the ledger; everything else is the wrapped handle's. It runs on the scheduler thread; the
+injectors run on their own thread: the ledger has one lock.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections import Counter
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from kvtier.chunks import TierEvent, TierEventKind
+from kvtier.tiers.base import Job, JobKind, JobResult
+
+OUTCOMES = ("detected", "served", "overwritten", "lost", "unread")
+
+
+@dataclass
+class Corruption:
+    tier: str
+    key: bytes
+    kind: str
+    at: float
+    outcome: str | None = None
+
+
+class Ledger:
+    """Open and settled corruptions, and the store jobs in flight per tier (not to be raced).
+    `verify(tier, key)` looks at the medium: None absent, True a valid copy, False a bad one."""
+
+    def __init__(self, verify: Callable[[str, bytes], bool | None]) -> None:
+        self._verify = verify
+        self._lock = threading.Lock()
+        self._open: dict[tuple[str, bytes], Corruption] = {}
+        self.settled: list[Corruption] = []
+        self._storing: Counter[tuple[str, bytes]] = Counter()
+        self.loads_ok: dict[str, list[float]] = {}
+        """Per tier, when each successful load finished (the recovery measure)."""
+
+    def free(self, tier: str, keys: list[bytes]) -> list[bytes]:
+        """`keys` of `tier` that are neither corrupted already nor being stored now."""
+        with self._lock:
+            return [k for k in keys if (tier, k) not in self._open and not self._storing[(tier, k)]]
+
+    def injected(self, tier: str, key: bytes, kind: str) -> None:
+        with self._lock:
+            self._open[(tier, key)] = Corruption(tier, key, kind, time.monotonic())
+
+    def _settle(self, tier: str, key: bytes, outcome: str, after: float | None = None) -> None:
+        c = self._open.get((tier, key))
+        if c is not None and (after is None or c.at < after):
+            del self._open[(tier, key)]
+            c.outcome = outcome
+            self.settled.append(c)
+
+    def store_started(self, tier: str, keys: tuple[bytes, ...]) -> None:
+        with self._lock:
+            self._storing.update((tier, k) for k in keys)
+
+    def store_finished(self, tier: str, keys: tuple[bytes, ...], ok: set[bytes]) -> None:
+        with self._lock:
+            for k in keys:
+                self._storing[(tier, k)] -= 1
+                if self._storing[(tier, k)] <= 0:
+                    del self._storing[(tier, k)]
+            stored = [(k, self._open[(tier, k)]) for k in keys if k in ok and (tier, k) in self._open]
+        for k, c in stored:
+            try:
+                valid = self._verify(tier, k)
+            except Exception:  # the server is down: the next look decides
+                continue
+            with self._lock:
+                if valid and self._open.get((tier, k)) is c:
+                    self._settle(tier, k, "overwritten")
+
+    def loaded(self, tier: str, keys: list[bytes], submitted: float) -> None:
+        with self._lock:
+            self.loads_ok.setdefault(tier, []).append(time.monotonic())
+            for k in keys:
+                self._settle(tier, k, "served", after=submitted)
+
+    def removed(self, tier: str, keys: tuple[bytes, ...]) -> None:
+        with self._lock:
+            for k in keys:
+                self._settle(tier, k, "detected")
+
+    def recheck(self, tier: str) -> None:
+        """A new process of `tier` started: its first scan may have removed bad copies without a
+        REMOVED event (they were never in its index); settle those by looking at the medium."""
+        with self._lock:
+            keys = [k for t, k in self._open if t == tier]
+        for key in keys:
+            try:
+                state = self._verify(tier, key)
+            except Exception:  # the server is down: the end of the run decides
+                continue
+            if state is None:
+                with self._lock:
+                    self._settle(tier, key, "detected")
+
+    def open_count(self, tier: str) -> int:
+        with self._lock:
+            return sum(t == tier for t, _ in self._open)
+
+    def lose_tier(self, tier: str) -> None:
+        """Every open corruption of `tier` is gone with its server's data."""
+        with self._lock:
+            for t, k in [tk for tk in self._open if tk[0] == tier]:
+                self._settle(t, k, "lost")
+
+    def reconcile(self) -> None:
+        """Settle what is still open by looking at the media."""
+        with self._lock:
+            for (tier, key) in list(self._open):
+                state = self._verify(tier, key)
+                self._settle(tier, key, "detected" if state is None else "overwritten" if state else "unread")
+
+    def counts(self) -> dict[str, Any]:
+        with self._lock:
+            every = self.settled + list(self._open.values())
+            by_outcome = Counter(c.outcome or "open" for c in every)
+            return {
+                "injected": len(every),
+                "by_kind": dict(Counter(c.kind for c in every)),
+                "by_tier": dict(Counter(c.tier for c in every)),
+                "outcomes": {o: by_outcome.get(o, 0) for o in (*OUTCOMES, "open")},
+                "detected_by_tier": dict(Counter(c.tier for c in every if c.outcome == "detected")),
+            }
+
+
+class TierSpy:
+    """One tier handle, its loads, stores and REMOVED events reported to `ledger`."""
+
+    def __init__(self, inner: Any, ledger: Ledger) -> None:
+        self._inner = inner
+        self._ledger = ledger
+        self._jobs: dict[int, tuple[Job, float]] = {}
+        self._events: list[TierEvent] = []
+        self._pid: int | None = inner.pid
+        self.name: str = inner.name
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._inner, name)
+
+    def submit_load(self, job: Job) -> None:
+        self._jobs[job.job_id] = (job, time.monotonic())
+        self._inner.submit_load(job)
+
+    def submit_store(self, job: Job) -> None:
+        self._jobs[job.job_id] = (job, time.monotonic())
+        self._ledger.store_started(self.name, job.keys)
+        self._inner.submit_store(job)
+
+    def get_finished_jobs(self) -> list[JobResult]:
+        results: list[JobResult] = self._inner.get_finished_jobs()
+        # Events first: a REMOVED that arrived before a store's completion settles a corruption
+        # as detected before the store could make it look overwritten.
+        self._drain_events()
+        if self._inner.is_up and self._inner.pid != self._pid:
+            self._pid = self._inner.pid
+            self._ledger.recheck(self.name)
+        for r in results:
+            entry = self._jobs.pop(r.job_id, None)
+            if entry is None:
+                continue
+            job, submitted = entry
+            if job.kind is JobKind.STORE:
+                self._ledger.store_finished(self.name, job.keys, set(r.successful_keys))
+            elif r.successful_keys:
+                self._ledger.loaded(self.name, list(r.successful_keys), submitted)
+        return results
+
+    def _drain_events(self) -> None:
+        events: list[TierEvent] = self._inner.take_events()
+        for e in events:
+            if e.kind is TierEventKind.REMOVED:
+                self._ledger.removed(self.name, e.keys)
+        self._events += events
+
+    def take_events(self) -> list[TierEvent]:
+        self._drain_events()
+        out, self._events = self._events, []
+        return out

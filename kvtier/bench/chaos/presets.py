@@ -1,0 +1,70 @@
+"""The campaign's named shapes: the workload, the caches, how hard the injectors push, and when
+the run stops.
+
+- `smoke` (CI, under 3 minutes here): 4 conversations of 3 turns, rounds until at least 3 rounds
+  and 60 corruptions, a corruption every 0.5 s and every process fault in turn every 4 s.
+- `full`: 8 conversations of 4 turns, rounds until at least 1,000 corruptions were injected
+  (and at least 3 rounds), two corruptions every 0.25 s while under a quarter of a tier's chunks
+  are corrupted, every process fault in turn every 8 s.
+- `soak`: the `smoke` workload for `--duration` seconds (default 30 minutes) with host eviction
+  and cascades and no injector, sampling the engine's process tree (the engine and its tier processes)
+  every 10 s (every duration / 40 when shorter); the verdict is growth under 5 % after the warm-up
+  (the first round, when every conversation was stored once, or a quarter of the duration up to
+  2 minutes, whichever is later).
+
+Caches: chunks of one 32-token block; a device cache of `device_blocks`, a host tier of
+`host_chunks` (both far below the workload, so both evict and every round reloads from the
+secondary tiers), secondary tiers sized never to evict (so that only verification removes a
+chunk), the fs tier on a tmpfs of `fs_mib` (the ENOSPC fault fills it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+from kvtier.bench.chaos.faults import FAULTS, Pace
+from kvtier.bench.multiturn.conversation import WorkloadSpec
+
+
+@dataclass(frozen=True)
+class ChaosPreset:
+    name: str
+    spec: WorkloadSpec
+    pace: Pace | None
+    min_rounds: int
+    min_corruptions: int = 0
+    duration_s: float | None = None
+    max_rounds: int = 50
+    device_blocks: int = 32
+    host_chunks: int = 16
+    fs_mib: int = 1024
+    hang_s: float = 120.0
+    sample_every_s: float | None = None
+    warm_up_s: float = 120.0
+
+
+PRESETS: dict[str, ChaosPreset] = {
+    "smoke": ChaosPreset(
+        "smoke", WorkloadSpec(128, 48, 3, 4, 4, 4), Pace(0.5, 1, 4.0, 1.5, FAULTS), min_rounds=3,
+        min_corruptions=60, device_blocks=20, host_chunks=8, fs_mib=256, hang_s=60.0),
+    "full": ChaosPreset(
+        "full", WorkloadSpec(160, 48, 4, 8, 4, 6), Pace(0.25, 2, 8.0, 2.0, FAULTS, max_open=0.25),
+        min_rounds=3, min_corruptions=1000),
+    "soak": ChaosPreset(
+        "soak", WorkloadSpec(128, 48, 3, 4, 4, 4), None, min_rounds=1, duration_s=1800.0,
+        max_rounds=10_000, device_blocks=20, host_chunks=8, sample_every_s=10.0),
+}
+
+
+def preset(name: str, duration_s: float | None = None) -> ChaosPreset:
+    """The preset `name` (ValueError lists the known ones), with `duration_s` when given."""
+    if name not in PRESETS:
+        raise ValueError(f"--preset {name}: unknown (known: {', '.join(PRESETS)})")
+    found = PRESETS[name]
+    if duration_s is not None:
+        if duration_s <= 0:
+            raise ValueError(f"--duration {duration_s}: must be > 0")
+        every = None if found.sample_every_s is None else min(found.sample_every_s, duration_s / 40)
+        found = replace(found, duration_s=duration_s, max_rounds=10_000,
+                        warm_up_s=min(found.warm_up_s, duration_s / 4), sample_every_s=every)
+    return found

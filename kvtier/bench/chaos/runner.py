@@ -1,0 +1,209 @@
+"""One chaos run: servers, the fs tier's small filesystem, the kvtier engine with host + fs + obj
++ redis tiers, the injectors, the load, and the checks at the end.
+
+Order: the reference (cached, or built on an engine without kvtier), then redis-server and
+SeaweedFS, a tmpfs for the fs tier (ENOSPC is skipped when it cannot be mounted), the engine with
+every secondary tier's handle wrapped in a `TierSpy`, the injectors and the sampler; the load
+(`driver.drive`) runs until the preset's stop rule. Then the injectors stop, the tiers settle, the
+tiers' bad-chunk counts reach kvtier's metrics, the ledger is reconciled with the media, the host
+tier is checked, `kvtier fsck` reads the fs tier, and everything is torn down in reverse order.
+`run` returns the raw results (`report` turns them into JSON and a table).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import subprocess
+import time
+from collections.abc import Iterator
+from dataclasses import asdict
+from pathlib import Path
+from typing import Any, cast
+
+from kvtier.bench.chaos.driver import Outcome, drive
+from kvtier.bench.chaos.faults import Injectors, Targets
+from kvtier.bench.chaos.ledger import Ledger, TierSpy
+from kvtier.bench.chaos.media import FsMedium, Medium, ObjMedium, RedisMedium
+from kvtier.bench.chaos.presets import ChaosPreset
+from kvtier.bench.chaos.reference import Reference
+from kvtier.bench.chaos.sampler import Sampler, as_json, growth
+from kvtier.bench.chaos.services import Redis, Seaweed
+from kvtier.bench.multiturn.presets import kv_bytes_per_token
+
+BLOCK = 32
+PREFIX = "chaos"
+
+
+@contextlib.contextmanager
+def tmpfs(path: Path, mib: int) -> Iterator[bool]:
+    """A tmpfs of `mib` MiB at `path` for the block; False (a plain directory) when not permitted."""
+    path.mkdir(parents=True, exist_ok=True)
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={mib}m", "tmpfs", str(path)],
+                          capture_output=True, check=False)
+    try:
+        yield done.returncode == 0
+    finally:
+        if done.returncode == 0:
+            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
+
+
+def _settle(manager: Any, timeout_s: float = 60.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while manager.in_flight and time.monotonic() < deadline:
+        manager.poll()
+        time.sleep(0.02)
+    return not manager.in_flight
+
+
+def _flush_counts(scheduler: Any) -> None:
+    """Ask every tier for its counters now and pass them to the metrics (one scheduler step)."""
+    for tier in scheduler.manager.tiers.values():
+        if tier.is_up:
+            tier.request_stats()
+    time.sleep(1.0)
+    scheduler.manager.poll()
+    scheduler.ops.step([])
+
+
+def _bad_chunks(metrics: Any) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for name, value in metrics.snapshot().items():
+        if name.startswith("kvtier_bad_chunks_total{"):
+            tier = name.split('tier="', 1)[1].split('"', 1)[0]
+            out[tier] = out.get(tier, 0) + int(value)
+    return out
+
+
+def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str, Any]:
+    from vllm import LLM
+
+    from kvtier.integrations.vllm.launch import transfer_config
+
+    spec, dtype = preset.spec, "float32"
+    max_model_len = -(-(spec.max_prompt_tokens(16) + spec.output_tokens + BLOCK) // BLOCK) * BLOCK
+    ref = Reference.load_or_build(model, dtype, spec, max_model_len,
+                                  {"block_size": BLOCK, "kv_cache_memory_bytes": 256 << 20,
+                                   "max_num_seqs": spec.conversations})
+    row_bytes = kv_bytes_per_token(model, dtype) * BLOCK
+    notes: list[str] = []
+    with contextlib.ExitStack() as stack:
+        redis = Redis(work / "redis")
+        redis.start()
+        stack.callback(redis.kill)
+        seaweed = Seaweed(work / "seaweedfs")
+        seaweed.start()
+        stack.callback(seaweed.kill)
+        mount = work / "fs-mnt"
+        mounted = stack.enter_context(tmpfs(mount, preset.fs_mib))
+        if not mounted:
+            notes.append("tmpfs not permitted: the fs tier is on the work directory, no ENOSPC fault")
+        fs_root = mount / "fs"
+        fs_root.mkdir(parents=True, exist_ok=True)
+        tiers = [
+            {"type": "fs", "root_dir": str(fs_root), "rescan_interval_s": 2.0, "temp_grace_s": 5.0},
+            {"type": "obj", "prefix": PREFIX, **seaweed.tier_options()},
+            {"type": "redis", "url": redis.url, "key_prefix": PREFIX},
+        ]
+        extra = {"cpu_bytes_to_use": preset.host_chunks * row_bytes, "eviction_policy": "lru",
+                 "secondary_tiers": tiers, "tier_restart_backoff_s": 0.5, "tier_job_timeout_s": 20.0}
+        llm: Any = LLM(model=str(model), dtype=cast(Any, dtype), enforce_eager=True, block_size=BLOCK,
+                  num_gpu_blocks_override=preset.device_blocks,
+                  kv_cache_memory_bytes=(preset.device_blocks + 1) * row_bytes,
+                  max_model_len=max_model_len, max_num_seqs=spec.max_concurrency, seed=0,
+                  kv_transfer_config=transfer_config(extra))
+        stack.callback(llm.llm_engine.engine_core.shutdown)
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+        manager = scheduler.manager
+        by_type = {t.spec.type: t for t in manager.tiers.values()}
+        fp = by_type["fs"].spec.layout_fingerprint
+        fs = FsMedium(by_type["fs"].name, fp, fs_root)
+        media: dict[str, Medium] = {m.tier: m for m in (
+            fs, ObjMedium(by_type["obj"].name, fp, seaweed.client(), seaweed.bucket, PREFIX),
+            RedisMedium(by_type["redis"].name, fp, redis.client(), PREFIX))}
+        ledger = Ledger(lambda tier, key: media[tier].verify(key))
+        for name in list(manager.tiers):
+            manager.tiers[name] = TierSpy(manager.tiers[name], ledger)
+        injectors = None
+        if preset.pace is not None:
+            targets = Targets(list(media.values()), lambda: dict(manager.tiers), redis, seaweed,
+                              mount if mounted else None, fs)
+            injectors = Injectors(targets, ledger, preset.pace, seed)
+        sampler = None
+        if preset.sample_every_s is not None:
+            sampler = Sampler(preset.sample_every_s)
+            sampler.start()
+        started = time.monotonic()
+
+        def keep_going(rnd: int) -> bool:
+            if rnd + 1 >= preset.max_rounds:
+                return False
+            if preset.duration_s is not None:
+                return True
+            injected = ledger.counts()["injected"]
+            return rnd + 1 < preset.min_rounds or injected < preset.min_corruptions
+
+        def stop() -> bool:
+            return preset.duration_s is not None and time.monotonic() - started >= preset.duration_s
+
+        if injectors is not None:
+            injectors.start()
+        try:
+            outcomes = drive(llm.llm_engine, ref, spec.max_concurrency, keep_going, preset.hang_s, stop)
+        finally:
+            if injectors is not None:
+                injectors.stop()
+            if sampler is not None:
+                sampler.stop()
+        took = time.monotonic() - started
+        # Warm-up: the preset's, or until every conversation was stored once (its first round).
+        first_round = max((o.end or 0.0 for o in outcomes if o.round == 0), default=started)
+        warm_up = max(preset.warm_up_s, first_round - (sampler.t0 if sampler else started))
+        settled = _settle(manager)
+        _flush_counts(scheduler)
+        ledger.reconcile()
+        temps = _wait_temps(fs, 15.0)
+        host = manager.host.stats()
+        host_error = None
+        try:
+            manager.host.check()
+        except Exception as e:
+            host_error = f"{type(e).__name__}: {e}"
+        from kvtier.tiers.fs.fsck import fsck
+
+        fsck_report = fsck(str(fs_root), False, temp_grace_s=5.0)
+        result = {
+            "seconds": round(took, 1), "notes": notes, "row_bytes": row_bytes,
+            "outcomes": [asdict(o) for o in outcomes],
+            "windows": [asdict(w) for w in (injectors.windows if injectors else [])],
+            "failed_injections": dict(injectors.failed_injections) if injectors else {},
+            "temps_left": injectors.temps_left if injectors else 0, "temps_remaining": len(temps),
+            "ledger": ledger.counts(), "detected_metric": _bad_chunks(manager.metrics),
+            "loads_ok": ledger.loads_ok, "settled": settled,
+            "host": {"pinned": host.pinned, "check": host_error or "clean"},
+            "fsck": _fsck_json(fsck_report),
+            "tier_restarts": {t.name: t.restarts for t in manager.tiers.values()},
+            "samples": as_json(sampler.samples) if sampler else [],
+            "warm_up_s": warm_up, "growth": growth(sampler.samples, warm_up) if sampler else {},
+            "started_mono": started,
+        }
+    return result
+
+
+def _wait_temps(fs: FsMedium, timeout_s: float) -> list[Path]:
+    """The temp files still in the fs tier after up to `timeout_s` (its rescans remove stale ones)."""
+    deadline = time.monotonic() + timeout_s
+    while (temps := fs.temps()) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    return temps
+
+
+def _fsck_json(report: Any) -> dict[str, Any]:
+    data = asdict(report) if hasattr(report, "__dataclass_fields__") else dict(vars(report))
+    return {k: (len(v) if isinstance(v, list | dict) else v) for k, v in data.items()}
+
+
+def outcome_during(o: Outcome, windows: list[dict[str, Any]], margin_s: float = 1.0) -> bool:
+    """Whether request `o` (until its first token) overlaps a process fault's window."""
+    first = o.start + (o.ttft or 0.0)
+    return any(w["start"] - margin_s <= first and o.start <= w["end"] + margin_s for w in windows)
+

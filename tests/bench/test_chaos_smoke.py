@@ -1,0 +1,54 @@
+"""`kvtier bench chaos --preset smoke` end to end (slow): a real in-process vLLM engine with host
++ fs + obj (SeaweedFS) + redis tiers serves conversations while stored chunks are corrupted in
+every way the campaign knows and tier processes, redis-server and SeaweedFS are killed, stopped
+and restarted, and the fs tier's disk is filled. No reply may differ from vLLM alone's, no request
+may fail or hang, no corruption may be served, every corruption a tier read must be counted by
+kvtier's own metric, and nothing the run started may outlive it."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.chaos.faults import FAULTS
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def _running_under(path: Path) -> list[int]:
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if str(path).encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
+@pytest.mark.slow
+def test_chaos_smoke_serves_nothing_wrong(tmp_path: Path) -> None:
+    work, out = tmp_path / "work", tmp_path / "chaos.json"
+    argv = [sys.executable, "-m", "kvtier.cli", "bench", "chaos", "--preset", "smoke", "--json",
+            "--work-dir", str(work), "--out", str(out)]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert not _running_under(work), "a server or tier process outlived the run"
+    summary = json.loads(done.stdout)
+    assert done.returncode == 0, (summary["checks"], done.stderr[-3000:])
+    assert summary["wrong_replies"] == 0 and summary["failed_or_hung"] == 0
+    c = summary["corruptions"]
+    assert c["injected"] > 0 and c["served"] == 0
+    assert c["detected"] == c["read"] > 0, c
+    assert set(c["by_kind"]) == {"header_flip", "payload_flip", "truncate", "extend", "swap",
+                                 "stale_layout"}
+    ran = summary["faults"]
+    assert all(ran.get(kind, {}).get("survived", 0) >= 1 for kind in FAULTS), ran
+    assert summary["host"] == {"pinned": 0, "check": "clean"}
+    assert summary["temps"]["left"] > 0 and summary["temps"]["remaining"] == 0
+    assert sum(v for k, v in summary["prompt_tokens"].items() if k not in ("device", "recomputed")) > 0
+    assert json.loads(out.read_text())["summary"] == summary
