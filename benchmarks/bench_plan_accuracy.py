@@ -48,10 +48,12 @@ def run(out: Path, label: str, host_chunks: int | None) -> tuple[Path, dict[str,
 def main() -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", type=Path, required=True)
-    ap.add_argument("--sizes", default="96,128", help="host tier sizes in chunks")
+    ap.add_argument("--sizes", default="96,128", help="host tier sizes in chunks, predicted")
+    ap.add_argument("--runs", default=None, help="the sizes also run and measured (default: all)")
     ap.add_argument("--json", type=Path, default=None)
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    runs = sizes if args.runs is None else [int(s) for s in args.runs.split(",")]
     args.out.mkdir(parents=True, exist_ok=True)
     load = [list(os.getloadavg())]
     trace_path, trace_point = run(args.out, "trace", None)
@@ -63,6 +65,8 @@ def main() -> int:
         "working_set_chunks": predicted["working_set_bytes"] // row,
         "plan_predict": predicted["predict"], "bench": trace_point}, "runs": {}}
     for size, guess in zip(sizes, predicted["predict"], strict=True):
+        if size not in runs:
+            continue
         path, point = run(args.out, str(size), size)
         measured = read_traces([path])
         observed = plan(measured, host_bytes_per_s=1e10).report["observed_hit_ratio"]
