@@ -7,8 +7,9 @@ Nothing is reachable from the network. Each connection carries one JSON request 
 JSON reply line (`kvtier ctl` is the client):
 
 - `{"cmd": "list"}` → `{"tiers": [{"tier", "enabled", "used_bytes", "used_chunks",
-  "capacity_bytes", "used_fraction"}, ...]}` (the host tier first, then the secondary tiers in
-  configured order).
+  "capacity_bytes", "used_fraction", "up", "restarts", "last_failure"}, ...]}` (the host tier
+  first, then the secondary tiers in configured order; `last_failure` is null or {"cause",
+  "at"}: the latest `kvtier_tier_last_failure` series, its cause and Unix time).
 - `{"cmd": "guard"}` → the SLO guard's `state()`, or `{"configured": false}`.
 - `{"cmd": "disable" | "enable", "tier": NAME}` → `{"tier", "enabled", "applied"}`.
 
@@ -179,8 +180,22 @@ class ControlServer:
             row["enabled"] = tier == HOST or enabled == 1.0
             for name in FILL:
                 row[name] = values.get(f'kvtier_{name}{{tier="{tier}"}}', 0.0)
+            row["up"] = values.get(f'kvtier_tier_up{{tier="{tier}"}}', 1.0) == 1.0
+            row["restarts"] = int(values.get(f'kvtier_tier_restarts{{tier="{tier}"}}', 0.0))
+            row["last_failure"] = _last_failure(values, tier)
             rows.append(row)
         return rows
+
+
+def _last_failure(values: dict[str, float], tier: str) -> dict[str, Any] | None:
+    """The cause and time of `tier`'s latest `kvtier_tier_last_failure` series, or None."""
+    latest: dict[str, Any] | None = None
+    for key, at in values.items():
+        if key.startswith("kvtier_tier_last_failure{") and f'tier="{tier}"' in key:
+            cause = key.split('cause="', 1)[1].split('"', 1)[0]
+            if latest is None or at > latest["at"]:
+                latest = {"cause": cause, "at": at}
+    return latest
 
 
 def request(path: Path, message: dict[str, Any], timeout_s: float = 10.0) -> dict[str, Any]:

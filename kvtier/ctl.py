@@ -1,6 +1,6 @@
 """`kvtier ctl`: talk to a running engine's control socket (`kvtier.control`).
 
-    kvtier ctl list                 tiers with state and fill
+    kvtier ctl list                 tiers with state, fill and health (up, restarts, last failure)
     kvtier ctl disable|enable TIER  stop or resume a secondary tier's loads and stores
     kvtier ctl guard                the SLO guard's state
 
@@ -13,6 +13,7 @@ from __future__ import annotations
 import argparse
 import json
 import socket
+import time
 from pathlib import Path
 from typing import Any
 
@@ -53,12 +54,17 @@ def run(args: argparse.Namespace) -> int:
     if args.json or args.action == "guard":
         print(json.dumps(reply, indent=2))
     elif args.action == "list":
-        print(f"{'tier':<16}{'state':<10}{'chunks':>10}{'used':>14}{'capacity':>14}{'fill':>8}")
+        print(f"{'tier':<16}{'state':<10}{'chunks':>10}{'used':>14}{'capacity':>14}{'fill':>8}"
+              f"  {'health':<8}{'restarts':>9}  last failure")
         for t in reply["tiers"]:
             state = "enabled" if t["enabled"] else "disabled"
             cap = f"{t['capacity_bytes']:.0f}" if t["capacity_bytes"] else "unbounded"
+            failure = t.get("last_failure")
+            last = "-" if not failure else (
+                f"{failure['cause']} at {time.strftime('%H:%M:%S', time.localtime(failure['at']))}")
             print(f"{t['tier']:<16}{state:<10}{t['used_chunks']:>10.0f}{t['used_bytes']:>14.0f}"
-                  f"{cap:>14}{t['used_fraction']:>8.1%}")
+                  f"{cap:>14}{t['used_fraction']:>8.1%}  {'up' if t.get('up', True) else 'down':<8}"
+                  f"{t.get('restarts', 0):>9}  {last}")
     else:
         done = "" if reply["applied"] else " (applies at the engine's next step)"
         print(f"tier {reply['tier']}: {'enabled' if reply['enabled'] else 'disabled'}{done}")

@@ -2,7 +2,8 @@
 
 Labels are bounded: `tier` is "host" or a configured secondary tier's name; `op` is "store" or
 "load"; `reason` is a configured admission policy's name (`rejected_chunks`) or why a stored chunk
-was rejected (`bad_chunks`: a `ChunkError` value); `config_info` carries the configuration
+was rejected (`bad_chunks`: a `ChunkError` value); `cause` one of
+`kvtier.tiers.process.FAILURE_CAUSES`; `config_info` carries the configuration
 (one series per engine); `source` is "device", "host", a
 secondary tier's name, or "recomputed". For the host tier,
 "store" is a device → host copy and "load" a host → device copy; for a secondary tier, "store" is
@@ -81,6 +82,10 @@ METRICS: tuple[MetricSpec, ...] = (
                "Time a request waited for its promotion ('ask again' steps), by source tier", _T),
     MetricSpec("tier_up", "gauge", "1 while the secondary tier's process is up, 0 while it is down", _T),
     MetricSpec("tier_restarts", "gauge", "Times the secondary tier's process was restarted", _T),
+    MetricSpec("tier_last_failure", "gauge",
+               "Unix time of the secondary tier's latest failure with this cause (exited, hung, error, "
+               "store_failed, load_failed); the most recent series is the last failure's cause",
+               ("tier", "cause")),
     MetricSpec("jobs_in_flight", "gauge", "Store and load jobs submitted to the tier and not finished", _T),
     MetricSpec("host_pinned_chunks", "gauge", "Host-tier chunks pinned by copies in flight (not evictable)"),
     MetricSpec("config_info", "gauge", "1, labelled with the configuration that produced these metrics",

@@ -24,6 +24,10 @@ def server(tmp_path: Path) -> Iterator[ControlServer]:
     metrics.set("capacity_bytes", 1000, "fs")
     metrics.set("used_fraction", 0.3, "fs")
     metrics.set("tier_enabled", 1, "fs")
+    metrics.set("tier_up", 1, "fs")
+    metrics.set("tier_restarts", 2, "fs")
+    metrics.set("tier_last_failure", 1_700_000_000, "fs", "hung")
+    metrics.set("tier_last_failure", 1_700_000_100, "fs", "exited")  # the latest
     s = ControlServer(tmp_path / "ctl", ["fs"], metrics, lambda: {"rollbacks": 0}, apply_wait_s=0.3)
     yield s
     s.close()
@@ -43,7 +47,9 @@ def test_list_guard_and_errors(server: ControlServer) -> None:
     tiers = request(server.path, {"cmd": "list"})["tiers"]
     assert [t["tier"] for t in tiers] == ["host", "fs"]
     assert tiers[1] == {"tier": "fs", "enabled": True, "used_bytes": 300, "used_chunks": 3,
-                        "capacity_bytes": 1000, "used_fraction": 0.3}
+                        "capacity_bytes": 1000, "used_fraction": 0.3, "up": True, "restarts": 2,
+                        "last_failure": {"cause": "exited", "at": 1_700_000_100}}
+    assert tiers[0]["last_failure"] is None and tiers[0]["up"]
     assert request(server.path, {"cmd": "guard"}) == {"rollbacks": 0}
     assert "known: fs" in request(server.path, {"cmd": "disable", "tier": "nope"})["error"]
     assert "unknown command" in request(server.path, {"cmd": "reboot"})["error"]
@@ -79,7 +85,7 @@ def test_ctl_finds_the_one_live_engine(
     (server.path.parent / "engine-1-dead.sock").touch()  # left by an engine that crashed
     assert main(["ctl", "--dir", str(server.path.parent), "list"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[2].split() == ["fs", "enabled", "3", "300", "1000", "30.0%"]
+    assert out[2].split()[:9] == ["fs", "enabled", "3", "300", "1000", "30.0%", "up", "2", "exited"]
     other = ControlServer(server.path.parent, [], KVTierMetrics(), None)
     try:
         assert main(["ctl", "--dir", str(server.path.parent), "list"]) == 2

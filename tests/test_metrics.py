@@ -11,7 +11,7 @@ def test_every_metric_has_the_prefix_and_bounded_labels() -> None:
     assert len({spec.name for spec in METRICS}) == len(METRICS)
     for spec in METRICS:
         assert spec.full_name.startswith(PREFIX)
-        assert set(spec.labels) <= {"tier", "op", "source", "reason", *CONFIG_LABELS}
+        assert set(spec.labels) <= {"tier", "op", "source", "reason", "cause", *CONFIG_LABELS}
 
 
 def test_two_instances_in_one_process_do_not_collide() -> None:

@@ -6,9 +6,10 @@ queue. Lookups are asynchronous: a key not answered yet is RETRY and is asked in
 are remembered for `lookup_ttl_s`.
 
 Liveness: a process that exits, or leaves a job or lookup unanswered for `job_timeout_s`, is marked
-down. Its in-flight jobs finish as failures, lookups answer MISS and new jobs fail at once, so
-serving goes on without it. It is started again after a back-off that doubles on each consecutive
-failure (capped at `MAX_BACKOFF_S`) and resets once a restarted process has completed a job.
+down (`last_failure` keeps the latest cause, as does a failed job). Its in-flight jobs finish as
+failures, lookups answer MISS and new jobs fail at once, so serving goes on without it. It is
+started again after a back-off that doubles on each consecutive failure (capped at
+`MAX_BACKOFF_S`) and resets once a restarted process has completed a job.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierUsage
 from kvtier.tiers.common.answers import AnswerCache
 
 MAX_BACKOFF_S = 30.0
+FAILURE_CAUSES = ("exited", "hung", "error", "store_failed", "load_failed")
+"""Why a tier last failed: its process exited, left a job or lookup unanswered (hung), reported
+an error, or a store or load job of a live process failed."""
 STARTUP_TIMEOUT_S = 60.0
 log = logging.getLogger("kvtier.tiers")
 
@@ -108,6 +112,8 @@ class TierProcess:
         """This generation's cumulative `bad_<reason>` counters, as of its last stats report."""
         self._bad_new: dict[str, float] = {}
         """Bad chunks reported since the last `take_bad_chunks`, by reason."""
+        self.last_failure: tuple[str, float] | None = None
+        """The cause (`FAILURE_CAUSES`) and Unix time of the tier's latest failure; None: none yet."""
         self._closed = False
         self._stores_prove_hits = True
 
@@ -296,7 +302,7 @@ class TierProcess:
             oldest = min((t for _, t in self._jobs.values()), default=now)
             oldest = min((t for _, t in self._asked.values()), default=oldest)
             if now - oldest > self.job_timeout_s:
-                self._mark_down(f"no answer for {now - oldest:.1f} s (hung)")
+                self._mark_down("hung", f"no answer for {now - oldest:.1f} s")
         elif self._gen is None and self._restart_at is not None and now >= self._restart_at:
             self._restart_at = None
             self.restarts += 1
@@ -307,7 +313,7 @@ class TierProcess:
         if gen_id != self._gen_id or self._gen is None:
             return
         if msg is None:
-            self._mark_down(f"process exited (code {self._gen.proc.poll()})")
+            self._mark_down("exited", f"process exited (code {self._gen.proc.poll()})")
             return
         op = msg[0]
         if op == "ready":
@@ -328,6 +334,8 @@ class TierProcess:
                 if entry[0].kind is JobKind.LOAD:
                     for key in set(entry[0].keys).difference(keys):
                         self._answers.put(key, LookupResult.MISS, now)
+                if not success:
+                    self._failed(f"{entry[0].kind.value}_failed")
                 self._finished.append(JobResult(job_id, success, tuple(keys), nbytes, seconds))
         elif op == "lookup":
             asked = self._asked.pop(msg[1], None)
@@ -346,28 +354,31 @@ class TierProcess:
             self.last_usage = None if msg[2] is None else TierUsage(*msg[2])
             self.stats_version += 1
         elif op == "error":
-            self._mark_down(msg[1])
+            self._mark_down("error", msg[1])
 
     def _count_bad(self, stats: dict[str, float]) -> None:
         for name, value in stats.items():
             if name.startswith("bad_") and name != "bad_chunks":
-                reason = name[len("bad_"):]
-                new = value - self._bad_reported.get(name, 0.0)
-                if new > 0:
-                    self._bad_new[reason] = self._bad_new.get(reason, 0.0) + new
+                if (new := value - self._bad_reported.get(name, 0.0)) > 0:
+                    self._bad_new[name[len("bad_"):]] = self._bad_new.get(name[len("bad_"):], 0.0) + new
                 self._bad_reported[name] = value
 
     def take_bad_chunks(self) -> dict[str, float]:
-        """Stored chunks the tier rejected since the last call, by reason (`ChunkError` values),
-        over every generation of the process: each generation's counters start from zero."""
+        """Stored chunks rejected since the last call, by reason (`ChunkError` values), over every
+        generation of the process (each generation's counters start from zero)."""
         self.poll()
         out, self._bad_new = self._bad_new, {}
         return out
 
-    def _mark_down(self, why: str) -> None:
+    def _failed(self, cause: str) -> None:
+        self.last_failure = (cause, time.time())
+
+    def _mark_down(self, cause: str, why: str) -> None:
         gen, self._gen = self._gen, None
         if gen is None:
             return
+        if not self._closed:
+            self._failed(cause)
         gen.outbox.put(None)
         with contextlib.suppress(ProcessLookupError):
             gen.proc.kill()

@@ -14,8 +14,10 @@ Each following line is one record:
   the keys of the chunks its decode filled (stored, not looked up), `src`
   the prompt tokens by source (`device`, `host`, each tier by name, `recomputed`), `ttft` (null
   when unknown), `wait` the promotion wait in seconds, `lookup` the seconds from arrival to the
-  lookup its blocks were allocated on (null: none), `prio` the request's priority, `salt` a short
-  hash of its `cache_salt` (null without one);
+  lookup its blocks were allocated on (null: none), `st` the steps that completed its chunks as
+  [seconds after arrival, chunks of `keys` + `dkeys` complete after that step] pairs (absent in
+  older traces: read as one step at `ttft`, or at `lookup` if later, completing them all),
+  `prio` the request's priority, `salt` a short hash of its `cache_salt` (null without one);
 - a stored batch (`kvtier trace record` from vLLM's KV events): `t` and `keys` only; every key is a
   chunk the engine computed at `t`;
 - a removal (KV events): `t` and `removed` (hex keys the engine evicted); counted, not analysed.
@@ -97,6 +99,9 @@ class Trace:
     lookup: np.ndarray
     """Seconds from arrival to the lookup the request was served on (`lookup`; 0 when not
     recorded)."""
+    stores: list[list[tuple[float, int]]]
+    """Per record, the steps that completed its chunks: (seconds after arrival, chunks of its
+    refs then decode refs complete after that step)."""
     starts: np.ndarray
     counts: np.ndarray
     refs: np.ndarray
@@ -143,6 +148,7 @@ class _Reader:
         self.ttft: list[float] = []
         self.lookup: list[float] = []
         self.dkeys: list[bytes] = []
+        self.stores: list[list[tuple[float, int]]] = []
         self.counts: list[int] = []
         self.keys: list[bytes] = []
         self.removals = 0
@@ -183,6 +189,10 @@ class _Reader:
             dkeys = bytes.fromhex(raw.get("dkeys", ""))
             if len(dkeys) % KEY_BYTES:
                 raise ValueError(f"dkeys is not a whole number of {KEY_BYTES}-byte keys")
+            chunks = (len(keys) + len(dkeys)) // KEY_BYTES
+            steps = raw.get("st")
+            stores = ([(max(ttft, lookup), chunks)] if steps is None
+                      else [(float(dt), min(int(n), chunks)) for dt, n in steps])
         except (ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{path}:{number}: not a trace record ({e!r})") from None
         self.t.append(t)
@@ -192,6 +202,7 @@ class _Reader:
         self.ttft.append(ttft)
         self.lookup.append(lookup)
         self.dkeys.append(dkeys)
+        self.stores.append(stores)
         self.counts.append(len(keys) // KEY_BYTES)
         self.keys.append(keys)
         self.sources.update(sources)
@@ -214,6 +225,7 @@ class _Reader:
             lookup=np.asarray(self.lookup, dtype=np.float64)[order],
             decode_counts=np.asarray([len(self.dkeys[i]) // KEY_BYTES for i in order], dtype=np.int64),
             decode_refs=np.frombuffer(b"".join(self.dkeys[i] for i in order), dtype=">u8").astype(np.uint64),
+            stores=[self.stores[i] for i in order],
             starts=sorted_starts, counts=sorted_counts, refs=refs, removals=self.removals,
             sources=dict(self.sources),
         )

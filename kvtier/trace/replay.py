@@ -7,27 +7,45 @@ which the replay copies per request:
 - at its lookup (arrival + `lookup`: the lookup its blocks were allocated on), the request's
   leading `src.device` tokens came from the device: their chunks are not looked up (nor refreshed)
   in the host tier; past them the host is asked chunk by chunk until the first chunk it lacks (a
-  lookup is a prefix): each found chunk is a host hit and becomes most recently used;
-- when its prefill ends (arrival + `ttft`), every prompt chunk the host lacks is stored (the engine
-  computed it, or the device held it) as most recently used, evicting the least recently used;
-  chunks it holds are left in place; then the chunks its decode filled (`dkeys`) likewise.
+  lookup is a prefix): each found chunk is a host hit, becomes most recently used, and is pinned
+  (not evictable) while it is copied to the device, until the request's next step that completes
+  chunks (its load is over before that step is scheduled);
+- at each step that completes chunks of the request (`st`: the prompt's chunks as the prefill
+  computes them, then those decode fills), every completed chunk the host lacks gets a row as
+  most recently used, evicting the least recently used chunk that is neither pinned nor named by
+  that step (the engine reserves the rows when it schedules the step and publishes them once the
+  step's forward pass is over, before any later lookup: so nothing looks them up in between).
 
-Lookups and stores of all requests are replayed in time order (a lookup first at equal times), so
-requests that run together look up before each other's stores, as they do in the engine. The device
-hits are taken as recorded: the replay assumes they do not depend on the host size (the device
-cache is the same whatever the host holds). Cost: O(references) per size.
+Lookups and steps of all requests are replayed in time order (a pin's release, then a lookup,
+then a step at equal times, as the engine's scheduler runs them). Traces recorded before `st`
+existed read as one step at the first token completing every chunk. The device hits are taken as
+recorded: the replay assumes they do not depend on the host size (the device cache is the same
+whatever the host holds). Cost: O(references) per size, plus the pinned chunks skipped per
+eviction.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
+from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
 import numpy as np
 
 from kvtier.trace.format import Trace
 
-LOOKUP, STORE = 0, 1
+RELEASE, LOOKUP, STORE = 0, 1, 2
+
+
+def _events(trace: Trace) -> list[tuple[float, int, int, int]]:
+    """(time, kind, record, chunks complete for a STORE) in replay order."""
+    events = []
+    for r, (t, lookup) in enumerate(zip(trace.t.tolist(), trace.lookup.tolist(), strict=True)):
+        events.append((t + lookup, LOOKUP, r, 0))
+        steps = trace.stores[r]
+        events.append((t + (steps[0][0] if steps else lookup), RELEASE, r, 0))
+        events.extend((t + dt, STORE, r, n) for dt, n in steps)
+    events.sort()
+    return events
 
 
 def host_hit_ratios(trace: Trace, sizes: Sequence[int]) -> list[float]:
@@ -36,31 +54,49 @@ def host_hit_ratios(trace: Trace, sizes: Sequence[int]) -> list[float]:
     starts, counts = trace.starts.tolist(), trace.counts.tolist()
     device = (trace.device // trace.header.chunk_tokens).tolist()
     decoded = trace.decode_refs.tolist()
-    dcounts = trace.decode_counts.tolist()
     dstarts = np.concatenate(([0], np.cumsum(trace.decode_counts)[:-1])).tolist()
-    n = trace.records
-    times = np.concatenate([trace.t + trace.lookup, trace.t + np.maximum(trace.ttft, trace.lookup)])
-    kinds = np.repeat([LOOKUP, STORE], n)
-    order = np.lexsort((kinds, times))
-    events = [(int(kinds[i]), int(i % n)) for i in order]
+    dcounts = trace.decode_counts.tolist()
+    chunks = [refs[starts[r] : starts[r] + counts[r]] + decoded[dstarts[r] : dstarts[r] + dcounts[r]]
+              for r in range(trace.records)]
+    events = _events(trace)
     out = []
     for size in sizes:
         hits = 0
         cache: OrderedDict[int, None] = OrderedDict()
-        for kind, r in events:
-            keys = refs[starts[r] : starts[r] + counts[r]]
+        pins: Counter[int] = Counter()
+        held: dict[int, list[int]] = {}
+        done = [0] * trace.records
+        for _, kind, r, n in events:
+            if kind == RELEASE:
+                pins.subtract(held.pop(r, ()))
+                continue
             if kind == LOOKUP:
-                for key in keys[device[r]:]:
+                found = []
+                for key in chunks[r][device[r] : counts[r]]:
                     if key not in cache:
                         break
-                    hits += 1
+                    found.append(key)
                     cache.move_to_end(key)
+                hits += len(found)
+                pins.update(found)
+                held[r] = found
                 continue
-            keys = keys + decoded[dstarts[r] : dstarts[r] + dcounts[r]]
-            for key in keys if size > 0 else ():
-                if key not in cache:
-                    if len(cache) >= size:
-                        cache.popitem(last=False)
-                    cache[key] = None
+            step = chunks[r][done[r] : n]
+            done[r] = max(done[r], n)
+            for key in step if size > 0 else ():
+                if key in cache:
+                    continue
+                if len(cache) >= size and not _evict(cache, pins, step):
+                    break
+                cache[key] = None
         out.append(hits / len(refs) if refs else 0.0)
     return out
+
+
+def _evict(cache: OrderedDict[int, None], pins: Counter[int], named: Sequence[int]) -> bool:
+    """Drop the least recently used chunk that is neither pinned nor in `named`; False if none."""
+    for key in cache:
+        if pins[key] <= 0 and key not in named:
+            del cache[key]
+            return True
+    return False

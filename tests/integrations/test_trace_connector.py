@@ -75,6 +75,11 @@ def test_trace_of_a_run_and_its_plan(llm: Any, trace_path: Path, capsys: pytest.
         assert rec["wait"] == 0.0 and rec["prio"] == DEFAULT_PRIORITY
         assert 0 <= rec["lookup"] <= rec["ttft"]  # the lookup it was allocated on, after arrival
         assert len(rec["dkeys"]) == ((prompt + 2) // BLOCK_SIZE - prompt // BLOCK_SIZE) * KEY_BYTES * 2
+        # the steps that completed its chunks: in order, after its lookup, ending with every chunk
+        steps = rec["st"]
+        assert [n for _, n in steps] == sorted({n for _, n in steps})
+        assert steps[-1][1] == (prompt + 2) // BLOCK_SIZE
+        assert rec["lookup"] <= steps[0][0] <= rec["ttft"] and steps[-1][0] <= rec["end"] - rec["t"]
         assert "token" not in json.dumps(rec)  # keys only: no token ids, no text
     full = (len(a) - 1) // BLOCK_SIZE
     assert recs[0]["keys"] == b"".join(k[:KEY_BYTES] for k in keys).hex()

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import re
+import signal
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -141,3 +143,22 @@ def test_kvtier_ctl_lists_switches_and_shows_the_guard(
     state = json.loads(ctl(control_dir, capsys, "guard"))
     assert state["config"]["ttft_p99_s"] == BUDGET_S
     assert state["disabled"] == []  # an operator's switch is not the guard's to undo
+
+    # Tier health: the tier's process is killed; the next engine step sees it, and both the
+    # metric and `kvtier ctl list` give the cause of the last failure.
+    assert rows["slow"][6:] == ["up", "0", "-"]
+    killed_at = time.time()
+    os.kill(manager.tiers["slow"].pid, signal.SIGKILL)
+    deadline = time.monotonic() + 30
+    while manager.tiers["slow"].last_failure is None or manager.metrics.value(
+            "kvtier_tier_last_failure", tier="slow", cause="exited") == 0:
+        assert time.monotonic() < deadline, "the dead tier process was not noticed"
+        generate(llm, tokens(llm, "chess")[:8], max_tokens=1)
+    at = manager.metrics.value("kvtier_tier_last_failure", tier="slow", cause="exited")
+    assert killed_at - 1 <= at <= time.time()
+    (slow,) = [t for t in json.loads(ctl(control_dir, capsys, "--json", "list"))["tiers"]
+               if t["tier"] == "slow"]
+    assert slow["last_failure"] == {"cause": "exited", "at": at}
+    listing = ctl(control_dir, capsys, "list").splitlines()
+    row = next(line.split() for line in listing if line.startswith("slow"))
+    assert row[8] == "exited"

@@ -46,6 +46,7 @@ def test_external_tier_loads_by_module_path(region: HostRegion, ctx: TierContext
     proc = make_proc(region, "DelayedMemoryTier", PLUGIN, options={"delay_s": 0.05})
     proc.start()
     try:
+        assert proc.last_failure is None
         key = random_key()
         data = fill_slot(ctx, 0)
         proc.submit_store(Job(1, JobKind.STORE, (key,), (0,)))
@@ -74,6 +75,8 @@ def test_killed_tier_fails_in_flight_jobs_and_restarts(region: HostRegion, ctx: 
         assert time.monotonic() - start < 5
         assert sorted(r.job_id for r in results) == [1, 2]
         assert not any(r.success for r in results)
+        assert proc.last_failure is not None and proc.last_failure[0] == "exited"
+        assert abs(proc.last_failure[1] - time.time()) < 10
         # While down: lookups are misses and new jobs fail at once; nothing blocks.
         assert proc.lookup([random_key()]) == [LookupResult.MISS]
         proc.submit_store(Job(3, JobKind.STORE, (random_key(),), (0,)))
@@ -101,6 +104,7 @@ def test_hung_tier_is_marked_down_after_the_job_timeout(region: HostRegion, ctx:
         assert not result.success
         assert 0.4 < time.monotonic() - start < 5
         assert not proc.is_up
+        assert proc.last_failure is not None and proc.last_failure[0] == "hung"
         with pytest.raises(ProcessLookupError):
             for _ in range(100):
                 os.kill(pid, 0)

@@ -212,10 +212,11 @@ def test_observed_and_predicted_host_hit_ratios(tmp_path: Path, capsys: pytest.C
     four, six = report["predict"]
     assert (four["bytes"], six["bytes"]) == (4000, 6000)
     assert (four["lru_hit_ratio"], six["lru_hit_ratio"]) == pytest.approx((4 / 14, 5 / 14))
-    # Behind the device: at t=10 A, B come from the device and the host stores E, F; with 4 slots
-    # that evicts A, B (the device hit did not refresh them), so t=30 finds nothing; with 6 the
-    # host serves A, B, C.
-    assert (four["host_hit_ratio"], six["host_hit_ratio"]) == pytest.approx((0.0, 3 / 14))
+    # Behind the device: at t=10 A, B come from the device (not refreshed in the host) and the
+    # host stores E, F; with 4 slots that evicts C, D (A and B are named by that store, as the
+    # engine's store names every chunk its step completed), so t=30 finds A, B; with 6 the host
+    # serves A, B, C.
+    assert (four["host_hit_ratio"], six["host_hit_ratio"]) == pytest.approx((2 / 14, 3 / 14))
 
 
 def test_replay_of_the_host_tier_behind_the_device(tmp_path: Path) -> None:
@@ -245,3 +246,19 @@ def test_replay_stores_the_chunks_decode_filled(tmp_path: Path) -> None:
     # B, stored by the first request's decode, serves the second; D and E (never asked for) push
     # A out of a 4-chunk host before the last request, not out of a 5-chunk one.
     assert host_hit_ratios(trace, [4, 5]) == [2 / 5, 3 / 5]
+
+
+def test_replay_follows_the_recorded_steps_and_pins_loads(tmp_path: Path) -> None:
+    records = [  # `st`: [seconds after arrival, chunks complete after that step]
+        {"t": 0.0, "ttft": 5.0, "st": [[1.0, 2]], "keys": [A, B], "prompt": 33, "src": {"device": 0}},
+        {"t": 2.0, "ttft": 2.0, "lookup": 0.0, "st": [[1.0, 3]], "keys": [A, B, C], "prompt": 49,
+         "src": {"device": 0}},
+        {"t": 2.5, "ttft": 0.5, "st": [[0.0, 1]], "keys": [D], "prompt": 17, "src": {"device": 0}},
+        {"t": 2.8, "ttft": 0.5, "st": [[0.5, 1]], "keys": [D], "prompt": 17, "src": {"device": 0}},
+    ]
+    trace = read_traces([write_trace(tmp_path / "t.jsonl", records)])
+    assert trace.stores == [[(1.0, 2)], [(1.0, 3)], [(0.0, 1)], [(0.5, 1)]]
+    # A, B are stored at t=1 (their step), not at the first token (t=5): the request at t=2 finds
+    # them, and they stay pinned for its load until its next step (t=3). With 2 slots the store of
+    # D at t=2.5 finds no row (both pinned), so t=2.8 misses D; with 3 it finds D.
+    assert host_hit_ratios(trace, [2, 3]) == [2 / 7, 3 / 7]

@@ -10,6 +10,17 @@ benchmarks/baselines/ (run from kvtier's source tree). Workload and cache sizes
 come from the preset unless given; `--endpoint URL` drives a running server instead (one
 configuration, labelled `--label`); `--mode inprocess` uses an in-process engine. Arguments after
 `--` go to every vLLM server.
+
+Mixed traffic and a ramp (server and endpoint modes): `--mix 0.5 --mix-tokens 256` makes half of
+all requests single-use one-turn prompts of 256 tokens, taken between the conversations' turns as
+they fall due (deterministic), never sharing a chunk with anything; points then report them and
+the conversations' turns apart (`single_use`: latency, the conversations' own token split and host
+hit share). `--ramp 1,2,4,8` raises the concurrency step by step within one run: the conversations
+stay active (a finished one is replaced by a new one), each step lasts `--ramp-step-requests`
+requests started (default: the largest point's conversations x turns) or `--ramp-step-s` seconds,
+then drains, and is reported as its own point ("16 @4": 16 conversations at concurrency 4) with
+its own split.
+Every point reports TTFT, ITL and end-to-end latency p50/p95/p99 and the hit-quality split.
 """
 
 from __future__ import annotations
@@ -29,6 +40,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.bench.multiturn import configs as config_registry
 from kvtier.bench.multiturn import presets, report
+from kvtier.bench.multiturn.workload import Mix, Ramp
 from kvtier.errors import KVTierError
 
 if TYPE_CHECKING:
@@ -79,6 +91,19 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--obj-bucket", default=None)
     p.add_argument("--redis-url", default=None)
     p.add_argument("--admission-policy", default=None)
+    p.add_argument("--mix", type=float, default=None,
+                   help="share of all requests that are single-use one-turn prompts, between the "
+                        "conversations' turns (0.5: as many as turns; default none)")
+    p.add_argument("--mix-tokens", type=int, default=256,
+                   help="prompt tokens of each single-use request (default 256)")
+    p.add_argument("--ramp", type=_ints, default=None,
+                   help="concurrency steps within one run, e.g. 1,2,4,8: the conversations stay "
+                        "active (a finished one is replaced), each step ends after "
+                        "--ramp-step-requests requests started or --ramp-step-s seconds, then drains; "
+                        "one point per step")
+    p.add_argument("--ramp-step-requests", type=int, default=None,
+                   help="requests per ramp step (default: the largest point's conversations x turns)")
+    p.add_argument("--ramp-step-s", type=float, default=None, help="seconds per ramp step")
     p.add_argument("--trace", type=Path, default=None,
                    help="write each kvtier run's connector trace (trace_path) into this directory")
     p.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
@@ -123,9 +148,19 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
     preset = presets.preset(args.preset)
     spec = presets.with_overrides(
         preset.workload, initial_tokens=args.initial_tokens, tokens_per_turn=args.tokens_per_turn,
-        turns=args.turns, max_concurrency=args.max_concurrency, output_tokens=args.output_tokens,
-        seed=args.seed)
+        turns=args.turns, max_concurrency=max(args.ramp) if args.ramp else args.max_concurrency,
+        output_tokens=args.output_tokens, seed=args.seed)
     sweep = args.conversations or preset.sweep
+    mix = Mix(args.mix, args.mix_tokens) if args.mix else None
+    if mix is not None:
+        mix.check()
+    ramp = None
+    if args.ramp:
+        step_requests = args.ramp_step_requests
+        if step_requests is None and args.ramp_step_s is None:
+            step_requests = max(sweep) * spec.turns
+        ramp = Ramp(args.ramp, step_requests, args.ramp_step_s)
+        ramp.check()
     names = args.configs.split(",") if args.configs else list(preset.configs)
     if args.endpoint is not None:
         names = [args.label or "endpoint"]
@@ -156,13 +191,15 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
                 args.served_model_name or (model.name if model is not None else "model"),
                 _load_tokenizer(tokenizer_name), preset.block_size, block_bytes, sizes.max_model_len,
                 context, dtype, args.endpoint, os.environ.get("OPENAI_API_KEY"),
-                tuple(args.passthrough), out, args.repeats)
+                tuple(args.passthrough), out, args.repeats, mix, ramp)
     meta = {
         "label": args.label or f"{platform.node()} {args.preset}", "preset": args.preset,
         "title": f"kvtier bench multiturn, preset {args.preset}: {spec.initial_tokens} + "
                  f"{spec.tokens_per_turn}/turn x {spec.turns} turns, {spec.max_concurrency} in flight, "
                  f"{model.name if model else args.endpoint} ({dtype})",
-        "workload": spec.as_json(), "sweep": list(sweep), "configs": names, "repeats": args.repeats,
+        "workload": spec.as_json(), "mix": mix.__dict__ if mix else None,
+        "ramp": ramp.__dict__ if ramp else None, "sweep": list(sweep), "configs": names,
+        "repeats": args.repeats,
         "mode": mode,
         "model": str(model) if model else None, "dtype": dtype, "block_size": preset.block_size,
         "block_bytes": block_bytes, "sizing": sizes.__dict__ if args.endpoint is None else None,

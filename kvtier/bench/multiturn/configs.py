@@ -13,6 +13,8 @@ or neither (vLLM alone).
 - `obj`, `redis`: host tier plus an obj (S3) / redis tier; need `--obj-endpoint` and
   `--obj-bucket` (credentials from the AWS environment) / `--redis-url`.
 - `admission`: host + fs with the admission policy named by `--admission-policy`.
+- `host+fs-frequency`, `host+fs-priority`: host + fs with that admission policy at both gates
+  (`host+fs` is the same with `all`), so `--configs host+fs,host+fs-frequency` compares them.
 
 With `--trace DIR` (option `trace_dir`) every kvtier configuration writes its run's connector trace
 to `DIR/<run directory>.jsonl`.
@@ -150,6 +152,16 @@ def _admission(ctx: BenchContext) -> EngineConfig:
     return EngineConfig("admission", ctx.device_blocks, raw)
 
 
+def _host_fs_policy(policy: str) -> Callable[[BenchContext], EngineConfig]:
+    name = f"host+fs-{policy}"
+
+    def build(ctx: BenchContext) -> EngineConfig:
+        tiers = [{"type": "fs", "root_dir": str(_fs_dir(ctx, name))}]
+        return EngineConfig(name, ctx.device_blocks,
+                            {**_host(ctx), "admission_policy": policy, "secondary_tiers": tiers})
+    return build
+
+
 CONFIGS: dict[str, Callable[[BenchContext], EngineConfig]] = {
     "no-offload": _no_offload,
     "host": _host_only,
@@ -160,6 +172,8 @@ CONFIGS: dict[str, Callable[[BenchContext], EngineConfig]] = {
     "obj": _obj,
     "redis": _redis,
     "admission": _admission,
+    "host+fs-frequency": _host_fs_policy("frequency"),
+    "host+fs-priority": _host_fs_policy("priority"),
 }
 
 

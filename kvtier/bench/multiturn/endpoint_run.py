@@ -4,7 +4,9 @@ Scheduling (the same in the in-process runner): the conversations wait in one FI
 order; `max_concurrency` workers each take the conversation at the head, ask its next turn, stream
 the answer, append the reply, and put the conversation back at the tail if it has turns left. So
 every conversation is active from the start, and a conversation's next turn comes after about
-`conversations` other turns: its prefix must survive that many requests in some cache.
+`conversations` other turns: its prefix must survive that many requests in some cache. With a
+`Mix` the workers also take single-use requests as they fall due, and with a `Ramp` the run is a
+sequence of steps, each at its own concurrency and ended by a drain (`workload` says how).
 
 The client's own cost is measured and returned with the records: the time to build each user
 message (tokenizer and chat template, run in a worker thread so it does not stall the event
@@ -14,61 +16,102 @@ loop), the event loop's lateness, and the client process's CPU time over the wal
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.bench.multiturn.client import ChatClient, LoopLag
 from kvtier.bench.multiturn.conversation import Conversation, Tokenizer, WorkloadSpec
 from kvtier.bench.multiturn.stats import RequestRecord, summary
+from kvtier.bench.multiturn.workload import Mix, Ramp, SingleUse, Workload
 
 OnRequest = Callable[[RequestRecord], None]
+OnStep = Callable[[int, list[RequestRecord]], None]
 
 
-async def _drive(conversations: list[Conversation], client: ChatClient, concurrency: int,
-                 on_request: OnRequest | None) -> tuple[list[RequestRecord], list[float]]:
-    ready: asyncio.Queue[Conversation | None] = asyncio.Queue()
-    for conv in conversations:
-        ready.put_nowait(conv)
-    records: list[RequestRecord] = []
-    prep: list[float] = []
-    left = len(conversations)
-    workers = min(concurrency, len(conversations))
+@dataclass
+class _Step:
+    """One step of the run: its concurrency, and when it stops starting requests (None: never)."""
+
+    concurrency: int
+    requests: int | None = None
+    deadline_s: float | None = None
+    started: int = 0
+
+    def over(self) -> bool:
+        return ((self.requests is not None and self.started >= self.requests)
+                or (self.deadline_s is not None and time.perf_counter() >= self.deadline_s))
+
+    def wait_s(self) -> float | None:
+        return None if self.deadline_s is None else max(self.deadline_s - time.perf_counter(), 0.0)
+
+
+async def _serve_step(workload: Workload, client: ChatClient, step: _Step, index: int,
+                      records: list[RequestRecord], prep: list[float], on_request: OnRequest | None) -> None:
+    """Serve items at `step.concurrency` until the step is over or the workload exhausted, then
+    drain: return when every request the step started has finished."""
+    changed = asyncio.Condition()
+
+    async def next_item() -> Conversation | None:
+        async with changed:
+            while not step.over() and not workload.exhausted:
+                item = workload.take()
+                if item is not None:
+                    step.started += 1
+                    return item
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(changed.wait(), step.wait_s())
+            return None
 
     async def worker() -> None:
-        nonlocal left
-        while (conv := await ready.get()) is not None:
+        while (conv := await next_item()) is not None:
             started = time.perf_counter()
             messages = await asyncio.to_thread(conv.ask)
             prep.append(time.perf_counter() - started)
             record, reply = await client.chat(conv.index, conv.turn, messages)
+            record.single_use, record.step = isinstance(conv, SingleUse), index
             conv.answer(reply)
             records.append(record)
             if on_request is not None:
                 on_request(record)
-            if not conv.finished:
-                ready.put_nowait(conv)
-                continue
-            left -= 1
-            if left == 0:
-                for _ in range(workers):
-                    ready.put_nowait(None)
+            async with changed:
+                workload.put_back(conv)
+                changed.notify_all()
 
-    await asyncio.gather(*(worker() for _ in range(workers)))
+    await asyncio.gather(*(worker() for _ in range(step.concurrency)))
+
+
+async def _drive(workload: Workload, client: ChatClient, ramp: Ramp | None, on_request: OnRequest | None,
+                 on_step: OnStep | None) -> tuple[list[RequestRecord], list[float]]:
+    records: list[RequestRecord] = []
+    prep: list[float] = []
+    if ramp is None:
+        steps = [_Step(workload.spec.max_concurrency)]
+    else:
+        steps = [_Step(level, ramp.step_requests) for level in ramp.levels]
+    for index, step in enumerate(steps):
+        if ramp is not None and ramp.step_s is not None:
+            step.deadline_s = time.perf_counter() + ramp.step_s
+        done = len(records)
+        await _serve_step(workload, client, step, index, records, prep, on_request)
+        if on_step is not None:
+            on_step(index, records[done:])
     return records, prep
 
 
-async def _run(base_url: str, model: str, spec: WorkloadSpec, tokenizer: Tokenizer, tag: str,
-               on_request: OnRequest | None, ignore_eos: bool,
+async def _run(base_url: str, model: str, workload: Workload, ramp: Ramp | None,
+               on_request: OnRequest | None, on_step: OnStep | None, ignore_eos: bool,
                api_key: str | None) -> tuple[list[RequestRecord], dict[str, Any]]:
-    conversations = [Conversation(i, spec, tokenizer, tag) for i in range(spec.conversations)]
-    client = ChatClient(base_url, model, spec.output_tokens, spec.max_concurrency,
-                        ignore_eos=ignore_eos, api_key=api_key)
+    spec = workload.spec
+    most = max(ramp.levels) if ramp is not None else spec.max_concurrency
+    client = ChatClient(base_url, model, spec.output_tokens, most, ignore_eos=ignore_eos, api_key=api_key)
     lag = LoopLag()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     lag.start()
     try:
-        records, prep = await _drive(conversations, client, spec.max_concurrency, on_request)
+        records, prep = await _drive(workload, client, ramp, on_request, on_step)
     finally:
         lag_ms = await lag.stop()
         await client.aclose()
@@ -80,6 +123,12 @@ async def _run(base_url: str, model: str, spec: WorkloadSpec, tokenizer: Tokeniz
 
 def run_endpoint_point(base_url: str, model: str, spec: WorkloadSpec, tokenizer: Tokenizer, tag: str,
                        on_request: OnRequest | None = None, *, ignore_eos: bool = True,
-                       api_key: str | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
-    """Serve the whole workload; the request records and the client's overhead (`client`)."""
-    return asyncio.run(_run(base_url, model, spec, tokenizer, tag, on_request, ignore_eos, api_key))
+                       api_key: str | None = None, mix: Mix | None = None, ramp: Ramp | None = None,
+                       on_step: OnStep | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
+    """Serve the whole workload (with `ramp`: every step, an endless workload); the request
+    records (each with its `step` and whether it was `single_use`) and the client's overhead
+    (`client`). `on_step(step, records)` runs after each step has drained."""
+    if ramp is not None:
+        ramp.check()
+    workload = Workload(spec, tokenizer, tag, mix, endless=ramp is not None)
+    return asyncio.run(_run(base_url, model, workload, ramp, on_request, on_step, ignore_eos, api_key))

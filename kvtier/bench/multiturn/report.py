@@ -7,11 +7,12 @@ configuration and point). `load` reads several files and labels their points wit
 `meta.label` when they are compared, so runs from different machines can be drawn together
 (`kvtier bench report`).
 
-The table has one row per configuration and point: each value is the median over its runs, with
-[min-max] when the runs differ. The CSV has one row per run. The PNG has two panels against the
-number of conversations, one line per configuration (the median, offset a little sideways per
-configuration so that they do not hide each other) with the min-max spread as error bars: token
-throughput (prompt + output tokens/s) and p99 time to first token.
+The table has one row per configuration and point (and ramp step: "16 @4" is 16 conversations at
+concurrency 4): each value is the median over its runs, with [min-max] when the runs differ. The
+CSV has one row per run. The PNG has two panels against the number of conversations (the
+concurrency of a ramp's steps), one line per configuration (the median, offset a little sideways
+per configuration so that they do not hide each other) with the min-max spread as error bars:
+token throughput (prompt + output tokens/s) and p99 time to first token.
 """
 
 from __future__ import annotations
@@ -87,15 +88,19 @@ def table(points: Sequence[Point]) -> str:
     values are medians over the runs, with [min-max] (`repeat_summary`)."""
     srcs = sources(points)
     head = ["config", "conv", "prompt tok/s", "output tok/s", "req/s", "TTFT p50 / p95 / p99 (s)",
-            "ITL p50 / p99 (ms)", f"tokens {' / '.join(srcs)}", "reloaded", "preempt",
-            "client lag p99 (ms)", "runs"]
+            "ITL p50 / p99 (ms)", "E2E p50 / p95 / p99 (s)", f"tokens {' / '.join(srcs)}", "reloaded",
+            "preempt", "client lag p99 (ms)", "runs"]
     lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
     for row in repeat_summary(points):
         m = row["metrics"]
-        cells = [row["config"], str(row["conversations"]), _cell(m["prompt_tokens_per_s"]),
+        conv = str(row["conversations"])
+        if row.get("concurrency") is not None:
+            conv += f" @{row['concurrency']}"
+        cells = [row["config"], conv, _cell(m["prompt_tokens_per_s"]),
                  _cell(m["output_tokens_per_s"], digits=1), _cell(m["requests_per_s"], digits=2),
                  " / ".join(_cell(m[f"ttft_s.p{q}"], digits=2) for q in PERCENTILES),
                  f"{_cell(m['itl_s.p50'], 1000)} / {_cell(m['itl_s.p99'], 1000)}",
+                 " / ".join(_cell(m[f"e2e_s.p{q}"], digits=2) for q in PERCENTILES),
                  " / ".join(_cell(m[f"tokens.{s}"]) if f"tokens.{s}" in m else "0" for s in srcs)
                  + ("" if row["tokens_sum_ok"] else " (!)"),
                  _cell(m["reloaded_tokens"]), _cell(m["preemptions"]),
@@ -113,15 +118,19 @@ def csv_rows(points: Sequence[Point]) -> list[dict[str, Any]]:
         row: dict[str, Any] = {k: p.get(k) for k in (
             "config", "conversations", "requests", "failed_requests", "duration_s", "prompt_tokens",
             "output_tokens", "prompt_tokens_per_s", "output_tokens_per_s", "requests_per_s")}
-        for metric in ("ttft_s", "itl_s"):
+        for metric in ("ttft_s", "itl_s", "e2e_s"):
             for q in PERCENTILES:
-                row[f"{metric}_p{q}"] = p[metric][f"p{q}"]
+                row[f"{metric}_p{q}"] = (p.get(metric) or {}).get(f"p{q}")
         for s in srcs:
             row[f"tokens_{s}"] = p["tokens"].get(s, 0)
         row.update({k: p.get(k) for k in ("reused_tokens", "reloaded_tokens", "preemptions",
                                            "tokens_sum_ok", "tokens_from")})
         row["client_loop_lag_p99_ms"] = client.get("loop_lag_ms", {}).get("p99")
         row["client_cpu_fraction"] = client.get("cpu_fraction")
+        ramp, single = p.get("ramp") or {}, p.get("single_use") or {}
+        row["ramp_step"], row["ramp_concurrency"] = ramp.get("step"), ramp.get("concurrency")
+        row["single_use_requests"] = single.get("requests", 0)
+        row["conversation_host_hit"] = single.get("conversation_host_hit")
         row["repeat"] = p.get("repeat", 0)
         row["run"] = p.get("run")
         rows.append(row)
@@ -144,13 +153,19 @@ def plot(path: Path, points: Sequence[Point], title: str) -> None:
     import matplotlib.pyplot as plt
 
     by_config: dict[str, list[dict[str, Any]]] = {}
-    for row in repeat_summary(points):
+    summary = repeat_summary(points)
+    ramp = any(row["concurrency"] is not None for row in summary)
+
+    def x_of(row: dict[str, Any]) -> int:
+        return int(row["concurrency"] if ramp else row["conversations"])
+
+    for row in summary:
         by_config.setdefault(row["config"], []).append(row)
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4.2))
     for i, (name, rows) in enumerate(by_config.items()):
-        rows = sorted(rows, key=lambda r: r["conversations"])
+        rows = sorted(rows, key=x_of)
         shift = 1 + 0.02 * (i - (len(by_config) - 1) / 2)
-        xs = [r["conversations"] * shift for r in rows]
+        xs = [x_of(r) * shift for r in rows]
         for ax, metric in ((left, "tokens_per_s"), (right, "ttft_s.p99")):
             spreads = [{k: math.nan if v is None else v for k, v in r["metrics"][metric].items()}
                        for r in rows]
@@ -164,10 +179,11 @@ def plot(path: Path, points: Sequence[Point], title: str) -> None:
     plain = matplotlib.ticker.FormatStrFormatter("%g")
     right.yaxis.set_major_formatter(plain)
     right.yaxis.set_minor_formatter(plain)
-    ticks = sorted({p["conversations"] for p in points})
+    ticks = sorted({x_of(row) for row in summary})
     for ax in (left, right):
         ax.set_xticks(ticks, [str(t) for t in ticks])
-        ax.set_xlabel("conversations (median and min-max over the runs)")
+        ax.set_xlabel(f"{'concurrency (ramp step)' if ramp else 'conversations'} "
+                      "(median and min-max over the runs)")
         ax.grid(True, alpha=0.3)
         ax.set_ylim(bottom=0 if ax is left else None)
     left.legend()

@@ -3,7 +3,9 @@
 A point is one run of the workload (one configuration, one number of conversations). Its
 throughput counts every prompt token served (cached or computed) and every output token over the
 wall time from the first request sent to the last one finished; TTFT and ITL percentiles are over
-all requests (ITL: every gap between consecutive output chunks of a request).
+all requests (ITL: every gap between consecutive output chunks of a request; end-to-end latency
+`e2e_s`: from sending the request to its last chunk). A point with single-use requests mixed in
+(`workload.Mix`) also reports them apart (`single_use`).
 
 `tokens` is where the prompt tokens came from, as in `kvtier demo`: `device` (vLLM's own prefix
 cache), `host` (kvtier's host tier), one entry per secondary tier by name, and `recomputed`. The
@@ -20,7 +22,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-from kvtier.chunks import DEVICE, RECOMPUTED
+from kvtier.chunks import DEVICE, HOST, RECOMPUTED
 
 PERCENTILES = (50, 95, 99)
 
@@ -60,6 +62,8 @@ class RequestRecord:
     itl_s: list[float] = field(default_factory=list, repr=False)
     tokens: dict[str, int] | None = None  # the request's own split, when the runner has it
     error: str = ""
+    single_use: bool = False  # a mixed-in one-turn request (`workload.Mix`)
+    step: int = 0  # the ramp step it started in
 
 
 def sum_splits(splits: Sequence[Mapping[str, int]]) -> dict[str, int]:
@@ -97,13 +101,39 @@ def point_summary(config: str, conversations: int, records: Sequence[RequestReco
         "requests_per_s": len(ok) / duration,
         "ttft_s": summary([r.ttft_s for r in ok]),
         "itl_s": summary([gap for r in ok for gap in r.itl_s]),
+        "e2e_s": summary([r.end_s - r.start_s for r in ok]),
         "tokens": split,
         "tokens_sum_ok": sum(split.values()) == prompt,
         "reused_tokens": reused,
         "reloaded_tokens": reused - split[DEVICE],
     }
+    singles = [r for r in ok if r.single_use]
+    if singles:
+        point["single_use"] = _single_use(ok, singles, split)
     point.update(extra or {})
     return point
+
+
+def _single_use(ok: Sequence[RequestRecord], singles: Sequence[RequestRecord],
+                split: Mapping[str, int]) -> dict[str, Any]:
+    """The mixed workload's two kinds apart: latency of the single-use requests and of the
+    conversations' turns, and the conversations' own token split: the point's split less the
+    single-use prompts, which are recomputed whole since no chunk of theirs was seen before
+    (`workload`), and `conversation_host_hit`, the share of the turns' prompt tokens the host
+    tier supplied."""
+    turns = [r for r in ok if not r.single_use]
+    single_prompt = sum(r.prompt_tokens for r in singles)
+    conv_split = {**split, RECOMPUTED: split.get(RECOMPUTED, 0) - single_prompt}
+    conv_prompt = sum(r.prompt_tokens for r in turns)
+    return {
+        "requests": len(singles), "prompt_tokens": single_prompt,
+        "ttft_s": summary([r.ttft_s for r in singles]),
+        "e2e_s": summary([r.end_s - r.start_s for r in singles]),
+        "turn_ttft_s": summary([r.ttft_s for r in turns]),
+        "turn_e2e_s": summary([r.end_s - r.start_s for r in turns]),
+        "conversation_tokens": conv_split,
+        "conversation_host_hit": split.get(HOST, 0) / conv_prompt if conv_prompt else math.nan,
+    }
 
 
 @dataclass(frozen=True)
@@ -149,6 +179,8 @@ SPREAD_METRICS: dict[str, Callable[[Mapping[str, Any]], float]] = {
     "requests_per_s": _at("requests_per_s"),
     **{f"ttft_s.p{q}": _at("ttft_s", f"p{q}") for q in PERCENTILES},
     **{f"itl_s.p{q}": _at("itl_s", f"p{q}") for q in PERCENTILES},
+    **{f"e2e_s.p{q}": _at("e2e_s", f"p{q}") for q in PERCENTILES},
+    "conversation_host_hit": _at("single_use", "conversation_host_hit"),
     "reused_tokens": _at("reused_tokens"),
     "reloaded_tokens": _at("reloaded_tokens"),
     "preemptions": _at("preemptions"),
@@ -160,17 +192,20 @@ SPREAD_METRICS: dict[str, Callable[[Mapping[str, Any]], float]] = {
 
 
 def repeat_summary(points: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """One entry per (configuration, conversations), in the order of their first point: `config`,
-    `conversations`, `runs` (how many points), `tokens_sum_ok` (all runs agreed) and `metrics`: a
+    """One entry per (configuration, conversations, ramp concurrency), in the order of their first
+    point: `config`, `conversations`, `concurrency` (a ramp step's, else None), `runs` (how many
+    points), `tokens_sum_ok` (all runs agreed) and `metrics`: a
     `Spread` (as JSON) per `SPREAD_METRICS` name and per `tokens.<source>`."""
-    groups: dict[tuple[str, int], list[Mapping[str, Any]]] = {}
+    groups: dict[tuple[str, int, int | None], list[Mapping[str, Any]]] = {}
     for p in points:
-        groups.setdefault((p["config"], p["conversations"]), []).append(p)
+        groups.setdefault((p["config"], p["conversations"], (p.get("ramp") or {}).get("concurrency")),
+                          []).append(p)
     out = []
-    for (config, conversations), runs in groups.items():
+    for (config, conversations, concurrency), runs in groups.items():
         metrics = {name: spread([get(p) for p in runs]).as_json() for name, get in SPREAD_METRICS.items()}
         for source in dict.fromkeys(s for p in runs for s in p.get("tokens", {})):
             metrics[f"tokens.{source}"] = spread([float(p["tokens"].get(source, 0)) for p in runs]).as_json()
-        out.append({"config": config, "conversations": conversations, "runs": len(runs),
+        out.append({"config": config, "conversations": conversations, "concurrency": concurrency,
+                    "runs": len(runs),
                     "tokens_sum_ok": all(p.get("tokens_sum_ok", True) for p in runs), "metrics": metrics})
     return out

@@ -19,6 +19,10 @@ OffloadingConnector its reloads from its CPU and disk tiers), from `/metrics` po
 account for every prompt token the client saw, or in process from the engine's registry; vLLM
 alone in process: each request's cached tokens.
 
+With a `Mix` (server and endpoint modes) single-use requests are mixed in (`workload`); with a
+`Ramp` a run is several points, one per concurrency step, each with `ramp` {step, concurrency}
+and its own `/metrics` split.
+
 Every point carries its `repeat`, its `run` (position in the schedule) and the machine's load
 average when it ended (`loadavg`: a noisy neighbour shows). Results are written after every point
 (`report.save`), so an interrupted sweep keeps what it did.
@@ -40,6 +44,7 @@ from kvtier.bench.multiturn.conversation import Tokenizer, WorkloadSpec
 from kvtier.bench.multiturn.endpoint_run import run_endpoint_point
 from kvtier.bench.multiturn.server import ServerSettings, VLLMServer, http_get
 from kvtier.bench.multiturn.stats import RequestRecord, point_summary, sum_splits
+from kvtier.bench.multiturn.workload import Mix, Ramp
 from kvtier.chunks import DEVICE, HOST, RECOMPUTED
 
 METRICS_WAIT_S = 20.0
@@ -69,6 +74,8 @@ class Plan:
     vllm_args: tuple[str, ...] = ()
     log_dir: Path = field(default_factory=lambda: Path("."))
     repeats: int = 1
+    mix: Mix | None = None
+    ramp: Ramp | None = None
 
 
 @dataclass(frozen=True)
@@ -154,21 +161,40 @@ def _wait_metrics(url: str, before: dict[scrape.Sample, float], splitter: scrape
 
 
 def _served_point(plan: Plan, run: Run, base_url: str, hooks: Hooks, emit: Emit, with_kvtier: bool) -> None:
+    """Serve the point; with a ramp, one point per step (its own `/metrics` split, scraped after
+    the step drained)."""
     warm = replace(plan.spec, initial_tokens=160, tokens_per_turn=64, turns=1, conversations=1,
                    max_concurrency=1, output_tokens=2, seed=-1)
     run_endpoint_point(base_url, plan.served_name, warm, plan.tokenizer, "warm-up", api_key=plan.api_key)
     splitter: scrape.Splitter = scrape.kvtier_split if with_kvtier else native_split
     spec = replace(plan.spec, conversations=run.conversations)
-    hooks.point_starting(_label(plan, run), run.conversations, run.conversations * spec.turns)
-    before = scrape.parse(http_get(f"{base_url}/metrics"))
+    turns = run.conversations * spec.turns
+    requests = (len(plan.ramp.levels) * plan.ramp.step_requests if plan.ramp and plan.ramp.step_requests
+                else turns + (plan.mix.due(turns) if plan.mix else 0))
+    hooks.point_starting(_label(plan, run), run.conversations, requests)
+    url = f"{base_url}/metrics"
+    scrapes = [scrape.parse(http_get(url))]
+    splits: list[dict[str, int]] = []
+
+    def step_done(step: int, records: list[RequestRecord]) -> None:
+        expected = sum(r.prompt_tokens for r in records if not r.error)
+        after, split = _wait_metrics(url, scrapes[-1], splitter, expected)
+        scrapes.append(after)
+        splits.append(split)
+
     records, client = run_endpoint_point(base_url, plan.served_name, spec, plan.tokenizer, run.tag,
-                                         hooks.request_done, api_key=plan.api_key)
-    expected = sum(r.prompt_tokens for r in records if not r.error)
-    after, split = _wait_metrics(f"{base_url}/metrics", before, splitter, expected)
-    emit(point_summary(run.config, run.conversations, records, split, {
-        "tokens_from": "kvtier_metrics" if with_kvtier else "vllm_metrics",
-        "preemptions": scrape.preemptions(before, after),
-        "kvtier_transfers": scrape.transfers(before, after), "client": client, **_where(run)}))
+                                         hooks.request_done, api_key=plan.api_key, mix=plan.mix,
+                                         ramp=plan.ramp, on_step=step_done)
+    for step, split in enumerate(splits):
+        before, after = scrapes[step], scrapes[step + 1]
+        extra: dict[str, Any] = {
+            "tokens_from": "kvtier_metrics" if with_kvtier else "vllm_metrics",
+            "preemptions": scrape.preemptions(before, after),
+            "kvtier_transfers": scrape.transfers(before, after), "client": client, **_where(run)}
+        if plan.ramp is not None:
+            extra["ramp"] = {"step": step, "concurrency": plan.ramp.levels[step]}
+        emit(point_summary(run.config, run.conversations, [r for r in records if r.step == step],
+                           split, extra))
 
 
 def _inprocess_point(plan: Plan, run: Run, engine: Any, hooks: Hooks, emit: Emit) -> None:
@@ -219,6 +245,8 @@ def run_sweep(plan: Plan, hooks: Hooks, emit: Emit) -> None:
     """Run the schedule (`schedule`); `emit` gets each point as it is done."""
     if plan.mode != "endpoint":
         config_registry.check_names(plan.configs)
+    if plan.mode == "inprocess" and (plan.mix is not None or plan.ramp is not None):
+        raise ValueError("--mix, --ramp: not with --mode inprocess (use server mode or --endpoint)")
     for run in schedule(plan.sweep, plan.configs, plan.repeats):
         hooks.engine_starting(_label(plan, run))
         if plan.mode != "endpoint":

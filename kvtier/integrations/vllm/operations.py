@@ -80,6 +80,9 @@ class Operations:
             take_bad = getattr(tier, "take_bad_chunks", None)
             for reason, count in (take_bad() if take_bad is not None else {}).items():
                 m.inc("bad_chunks", count, name, reason)
+            failure = getattr(tier, "last_failure", None)
+            if failure is not None:
+                m.set("tier_last_failure", failure[1], name, failure[0])
         for name, jobs in self.manager.jobs_in_flight().items():
             m.set("jobs_in_flight", float(jobs), name)
         m.set("host_pinned_chunks", float(self.manager.host.stats().pinned))

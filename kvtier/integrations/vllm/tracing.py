@@ -7,8 +7,11 @@ runs from the first such answer to the next answer), each step (`step`, then `sc
 scheduled request), and `finished`. The first token is taken to exist at the start of the step
 after the one that computed the last prompt token (its forward pass is over then), or at finish if
 that comes first; TTFT runs from the request's arrival to that time. `lookup` is when the last
-answered lookup (the one the request's blocks were allocated on) came, after arrival. Without `trace_path` the
-scheduler holds a `NoTracer`, whose hooks do nothing.
+answered lookup (the one the request's blocks were allocated on) came, after arrival. `st` lists
+the steps that completed chunks of the request: (seconds after arrival, chunks complete after the
+step), taken when the step is scheduled, which is when the host tier reserves rows for those
+chunks (`build_connector_meta`, after that step's lookups). Without `trace_path` the scheduler
+holds a `NoTracer`, whose hooks do nothing.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from __future__ import annotations
 import hashlib
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.config import KVTierConfig
@@ -55,6 +58,8 @@ class _Times:
     wait_s: float = 0.0
     prefilled: bool = False
     first_token: float | None = None
+    chunks: int = 0
+    stores: list[tuple[float, int]] = field(default_factory=list)
 
 
 class RequestTracer(NoTracer):
@@ -101,6 +106,10 @@ class RequestTracer(NoTracer):
 
     def scheduled(self, req_id: str, computed: int, prompt_tokens: int) -> None:
         times = self._of(req_id)
+        chunks = computed // self.chunk_tokens
+        if chunks > times.chunks:
+            times.stores.append((time.time(), chunks))
+            times.chunks = chunks
         if computed >= prompt_tokens and not times.prefilled:
             times.prefilled = True
             self._prefilled.append(times)
@@ -120,6 +129,7 @@ class RequestTracer(NoTracer):
             "src": dict(split), "ttft": first - request.arrival_time if times.prefilled else None,
             "wait": times.wait_s, "prio": priority,
             "lookup": None if times.lookup is None else times.lookup - request.arrival_time,
+            "st": [[round(at - request.arrival_time, 4), n] for at, n in times.stores],
             "salt": hashlib.sha256(salt.encode()).hexdigest()[:16] if salt else None,
         })
 
