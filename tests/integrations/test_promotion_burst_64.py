@@ -54,11 +54,6 @@ def _requests(llm: Any) -> list[dict[str, Any]]:
     return [{"prompt_token_ids": i, "cache_salt": tenant} for tenant in TENANTS for i in ids]
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "a real hang, found 2026-11-30: the 32 requests vLLM scheduled first have their streamed "
-    "loads given up (vLLM: 'Recovered from KV load failure: 32 request(s) rescheduled'), then no "
-    "request of the 64 produces a token again (the engine keeps stepping); fix in the scheduler "
-    "half / streams, then remove this mark"))
 def test_64_fs_promotions_at_once_into_a_host_tier_a_tenth_their_size(llm: Any) -> None:
     from vllm import SamplingParams
 

@@ -37,6 +37,8 @@ class RequestState:
     streamed: range = range(0)
     """The chunks found in secondary tiers that did not fit in the host tier: streamed."""
     released: bool = False
+    load_failed: bool = False
+    """A load for this request failed (vLLM recomputes it): it is offered no load again."""
 
     @classmethod
     def of(cls, request: Request, hasher: ChunkHasher) -> RequestState | None:
@@ -49,3 +51,9 @@ class RequestState:
         options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
         priority = retention_priority(options, request.priority)
         return cls(request, keys, lora, options, RequestHits(request.num_prompt_tokens), priority)
+
+
+def mark_load_failed(state: RequestState | None) -> None:
+    """Record that a load of the request failed (no state: nothing to record)."""
+    if state is not None:
+        state.load_failed = True

@@ -10,17 +10,17 @@ a secondary tier is in flight); `update_state_after_alloc` pins their host rows;
 `build_connector_meta` sends the copies; the worker reports the request in `finished_recving` and
 `update_connector_output` releases the pins. When the secondary tiers hold more of the prefix than
 the host tier has room for, the whole prefix is offered and the chunks that did not fit are
-streamed in parts, a batch at a time (`streams.py`).
+streamed in parts, a batch at a time (`streams.py`). A request whose load failed is recomputed: a
+new load offered to it could wait forever in vLLM's admission, which reserves the loads' blocks.
 
 Stores: `build_connector_meta` allocates host rows (WRITING) for every full chunk that this step
 completes, prompt chunks and the chunks filled during decode alike (in multi-turn chat the reply is
 part of the next turn's prefix); a chunk the request only partly fills is never stored. When
 pinned rows leave too little room, the leading chunks get rows and the rest wait for the
-request's next step. The worker copies device → host from `wait_for_save`: on CPU before the step
-ends; on CUDA on a copy stream, with the next forward pass ordered after it on the device
-(`handle_preemptions`), so no device block is held past its step either way, nor after the request
-finishes. `update_connector_output` publishes the rows (`complete_store`) once every worker
-reported its copy, then cascades them to the secondary tiers.
+request's next step, or after it finished as a tail (`tails.py`). The worker copies device → host
+from `wait_for_save`: on CPU before the step ends; on CUDA on a copy stream, the next forward pass
+ordered after it (`handle_preemptions`). `update_connector_output` publishes the rows
+(`complete_store`) once every worker reported its copy, then cascades them to secondary tiers.
 
 Per-request options (`options.py`, from `kv_transfer_params`) may skip the load or the store,
 restrict the secondary tiers a load may come from, and set the cascade's retention priority.
@@ -46,7 +46,7 @@ from kvtier.integrations.vllm.groups import load_blocks, store_blocks
 from kvtier.integrations.vllm.kv_events import KVEventTranslator
 from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.operations import Operations
-from kvtier.integrations.vllm.request_state import RequestState
+from kvtier.integrations.vllm.request_state import RequestState, mark_load_failed
 from kvtier.integrations.vllm.streams import LoadStreams, Part
 from kvtier.integrations.vllm.tails import Tails
 from kvtier.integrations.vllm.tracing import RequestTracer
@@ -129,7 +129,7 @@ class KVTierScheduler:
         if state is not None and not state.hits.recorded:
             state.hits.device = num_computed_tokens
             state.looked_up = 0
-        if state is None or state.options.skip_load or num_computed_tokens % ct:
+        if state is None or state.options.skip_load or state.load_failed or num_computed_tokens % ct:
             return 0, False
         start = num_computed_tokens // ct
         keys = state.keys[start : (request.num_tokens - 1) // ct]
@@ -202,9 +202,10 @@ class KVTierScheduler:
               keys: list[bytes] | None = None) -> None:
         """Queue a load (or a part of one) for the next step; `keys` pinned for it are released
         when it ends, and its `sources` are counted then (none: a failed load)."""
+        state = self._requests.get(copy.req_id)
+        mark_load_failed(state if not copy.slots else None)
         if keys:
             self._loading[copy.req_id] = keys
-            state = self._requests.get(copy.req_id)
             if state is not None:
                 self.manager.host.raise_priority(keys, state.priority)
         if copy.slots and sources is not None:
@@ -336,13 +337,13 @@ class KVTierScheduler:
                 self.accounting.copied("load", len(load.sources), load.seconds, ok=True)
             else:
                 state = self._requests.get(load.req_id)
+                mark_load_failed(state)
                 self.accounting.load_failed(state.hits if state else None, load.sources)
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Forget the request; return its prompt-token split for `kv_transfer_params` (None when
-        kvtier could not key it). Called once when it finishes or is aborted. Chunks that found
-        no host room yet become a tail (`tails.py`: vLLM keeps the blocks); its other stores were
-        copied in their step (CPU) or are ordered before any forward pass reusing the blocks (CUDA)."""
+        kvtier could not key it). Called once when it finishes or is aborted. Chunks that found no
+        host room yet become a tail (`tails.py`: vLLM keeps the blocks until they are stored)."""
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return None
