@@ -43,7 +43,8 @@ def test_chaos_smoke_serves_nothing_wrong(tmp_path: Path) -> None:
     assert summary["wrong_replies"] == 0 and summary["failed_or_hung"] == 0
     c = summary["corruptions"]
     assert c["injected"] > 0 and c["served"] == 0
-    assert c["detected"] == c["read"] > 0, c
+    # every corruption read was detected; more only for injections that raised yet may have landed
+    assert 0 < c["read"] <= c["detected"] <= c["read"] + sum(c["failed_injections"].values()), c
     assert set(c["by_kind"]) == {"header_flip", "payload_flip", "truncate", "extend", "swap",
                                  "stale_layout"}
     ran = summary["faults"]

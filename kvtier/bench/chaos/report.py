@@ -61,7 +61,9 @@ def summarize(raw: dict[str, Any], *, expect_corruptions: bool, soak: bool) -> d
         "wrong_replies": wrong == 0,
         "failed_or_hung": bad == 0,
         "served": outcomes_by["served"] == 0,
-        "detected_equals_read": detected == read,
+        # An injection that raised (a server restarting) may still have landed untracked: kvtier
+        # may detect up to that many more than the ledger saw read, never fewer.
+        "every_read_detected": read <= detected <= read + sum(raw["failed_injections"].values()),
         "host_clean": raw["host"]["check"] == "clean" and raw["host"]["pinned"] == 0,
         "temps_cleaned": raw["temps_remaining"] == 0,
     }
