@@ -84,17 +84,6 @@ def temp_files(root: Path | str) -> list[Path]:
     return [p for p in all_files(root) if ".tmp." in p.name]
 
 
-@contextlib.contextmanager
-def small_tmpfs(path: Path, size: str) -> Iterator[bool]:
-    """Mount a tmpfs of `size` at `path` for the block; yields False when mounting is not permitted."""
-    path.mkdir(parents=True, exist_ok=True)
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True, check=False)
-    try:
-        yield done.returncode == 0
-    finally:
-        if done.returncode == 0:
-            subprocess.run(["umount", "-l", str(path)], capture_output=True, check=False)
 
 
 @contextlib.contextmanager

@@ -15,6 +15,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.chaos.runner import tmpfs
 from kvtier.chunks import TierEventKind
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import LookupResult
@@ -33,7 +34,6 @@ from tests.tiers.fs_helpers import (
     make_ctx,
     payload,
     set_mtime,
-    small_tmpfs,
     store_keys,
     stress_worker,
     temp_files,
@@ -413,7 +413,7 @@ def test_disk_full_fails_keys_as_values_with_one_log_line(tmp_path: Path, caplog
     caplog.set_level(logging.WARNING, logger=LOGGER)
     small = tmp_path / "small"
     row = 64 * 1024
-    with small_tmpfs(small, "1m") as mounted:
+    with tmpfs(small, 1) as mounted:
         if not mounted:  # fall back to a simulated ENOSPC when mount is not permitted
             monkeypatch.setattr(fs_native, "load", lambda: None)  # the Python path calls os.pwritev
             monkeypatch.setattr(os, "pwritev", _fail_after(8, errno.ENOSPC))
