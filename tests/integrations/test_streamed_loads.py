@@ -102,3 +102,80 @@ def test_a_failed_part_fails_the_rest_of_the_prefix(sched: KVTierScheduler) -> N
     assert sched.accounting.metrics.value("kvtier_failures_total", tier="host", op="load") == 3
     assert [sched.manager.host.pin_count(k) for k in sched.hasher.keys(PROMPT)] == [0, 0, 0]
     sched.manager.host.check()
+
+
+@pytest.fixture
+def sched3() -> Iterator[KVTierScheduler]:
+    """The same prefix in the memory tier, and a host tier of three rows."""
+    config = {"cpu_bytes_to_use": 3 * ROW_BYTES, "secondary_tiers": [{"type": "memory"}]}
+    s = KVTierScheduler(KVTierConfig.from_dict(config), geometry(), 1)
+    host = s.manager.host
+    keys = s.hasher.keys(PROMPT)
+    assert host.prepare_store(keys) is not None
+    host.complete_store(keys, success=True)
+    s.manager.cascade(keys)
+    while s.manager.in_flight:
+        s.manager.poll()
+        time.sleep(0.002)
+    host.clear()
+    yield s
+    s.shutdown()
+
+
+def matched_from(s: KVTierScheduler, req: FakeRequest, device_tokens: int) -> int:
+    """Ask with a device hit of `device_tokens` until the promotion ends."""
+    deadline = time.monotonic() + 10
+    while (found := s.get_num_new_matched_tokens(req, device_tokens))[0] is None:  # type: ignore[arg-type]
+        assert time.monotonic() < deadline, "promotion still in flight"
+        time.sleep(0.002)
+        s.manager.poll()
+    return found[0]
+
+
+def test_a_device_hit_that_shrinks_while_waiting_is_promoted_again(sched3: KVTierScheduler) -> None:
+    keys = sched3.hasher.keys(PROMPT)
+    req = FakeRequest("b", PROMPT)
+    assert matched_from(sched3, req, 4) == 8  # chunk 0 on the device: chunks 1 and 2 promoted
+    # vLLM evicted chunk 0's device block while the request waited: its device hit is now 0.
+    # Chunk 0 is promoted too; without it the promoted chunks were useless and all recomputed.
+    assert matched_from(sched3, req, 0) == 12
+    sched3.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
+    load = next_load(sched3)
+    assert (list(load.keys), len(load.slots), load.last) == (keys, 3, True)
+    ack(sched3, load, ok=True)
+    assert sched3.request_finished(req) == {  # type: ignore[arg-type]
+        "kvtier": {"tokens": {"device": 0, "host": 0, "memory": 12, "recomputed": 2}}}
+    assert [sched3.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
+    sched3.manager.host.check()
+
+
+def test_promoted_chunks_a_stream_takes_over_stay_held_until_it_sends_them(
+    sched3: KVTierScheduler,
+) -> None:
+    keys = sched3.hasher.keys(PROMPT)
+    host = sched3.manager.host
+    other = [b"other-chunk-f", b"other-chunk-g"]
+    assert host.prepare_store(other[:1]) is not None  # a store in flight pins the third row
+    req = FakeRequest("b", PROMPT)
+    assert matched_from(sched3, req, 4) == 8  # chunks 1 and 2 promoted into the two free rows
+    # The device hit shrinks: chunk 0 finds no room now, so all three are streamed.
+    assert matched_from(sched3, req, 0) == 12
+    sched3.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
+    host.complete_store(other[:1], success=True)
+    # The stream promotes chunk 0 into that row; while it is in flight, another store wants a
+    # row. Chunks 1 and 2 are still held for the stream: it must not get theirs.
+    assert sched3.build_connector_meta(FakeSchedulerOutput({})).loads == ()
+    slots = host.prepare_store(other[1:])
+    if slots is not None:
+        host.complete_store(other[1:], success=True)
+    loads = [next_load(sched3)]
+    while not loads[-1].last:
+        ack(sched3, loads[-1], ok=True)
+        loads.append(next_load(sched3))
+    ack(sched3, loads[-1], ok=True)
+    assert [k for load in loads for k in load.keys] == keys
+    assert all(load.slots for load in loads)
+    assert sched3.request_finished(req) == {  # type: ignore[arg-type]
+        "kvtier": {"tokens": {"device": 0, "host": 0, "memory": 12, "recomputed": 2}}}
+    assert [host.pin_count(k) for k in keys] == [0, 0, 0]
+    host.check()

@@ -4,6 +4,7 @@ tokens came from, and how far its loads and stores have got."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
@@ -34,11 +35,29 @@ class RequestState:
     """Indices of the chunks the host tier's admission refused: never stored for this request."""
     looked_up: int = 0
     promoted_from: dict[int, str] = field(default_factory=dict)
+    """The source tier of each chunk promoted for this request, by chunk index."""
+    promoted_at: int | None = None
+    """The device hit (in chunks) of the last lookup that started a promotion (None: none did)."""
     streamed: range = range(0)
     """The chunks found in secondary tiers that did not fit in the host tier: streamed."""
     released: bool = False
     load_failed: bool = False
     """A load for this request failed (vLLM recomputes it): it is offered no load again."""
+
+    def may_promote(self, start: int) -> bool:
+        """Whether a lookup from chunk `start` (vLLM's device hit now) may promote: once per
+        request, and again only when the device hit has shrunk below the last promotion's start
+        (vLLM evicted those blocks while the request waited). The chunks in between are then
+        promoted too; without them the promoted chunks after them would be unusable and the whole
+        prefix recomputed."""
+        return self.promoted_at is None or start < self.promoted_at
+
+    def record_promotion(self, start: int, first: int, tiers: Sequence[str]) -> None:
+        """A lookup from chunk `start` promotes chunks `first`, `first + 1`, ... from `tiers`."""
+        for i, tier in enumerate(tiers, first):
+            self.promoted_from.setdefault(i, tier)
+        if tiers:
+            self.promoted_at = start
 
     @classmethod
     def of(cls, request: Request, hasher: ChunkHasher) -> RequestState | None:

@@ -135,13 +135,12 @@ class KVTierScheduler:
         keys = state.keys[start : (request.num_tokens - 1) // ct]
         if not keys:
             return 0, False
-        # One promotion per request: once it ran, the request takes what it brought.
+        # One promotion per request (or its device hit shrank): it takes what that brought.
         found = self.manager.lookup_prefix(
-            keys, state.options.load_tiers, promote=not state.promoted_from,
+            keys, state.options.load_tiers, promote=state.may_promote(start),
             stream=self.stream_promotions, priority=state.priority,
         )
-        for i, tier in enumerate((*found.promoting, *found.beyond), start + found.ready):
-            state.promoted_from.setdefault(i, tier)
+        state.record_promotion(start, start + found.ready, (*found.promoting, *found.beyond))
         if found.beyond:
             at = start + found.ready + len(found.promoting)
             state.streamed = range(at, at + len(found.beyond))
@@ -173,7 +172,7 @@ class KVTierScheduler:
         head = state.keys[first : first + count - streamed]  # ready in the host tier
         slots = self.manager.host.prepare_load(head) if head else None
         sources = [state.promoted_from.get(c, HOST) for c in range(first, first + count)]
-        self._release_promoted(state)
+        self._release_promoted(state, keep=range(first + count - streamed, first + count))
         ok = slots is not None or not head
         if not state.hits.recorded:
             self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [])
@@ -355,12 +354,13 @@ class KVTierScheduler:
         self.tracer.finished(request, state.keys, params["kvtier"]["tokens"], state.priority)
         return params
 
-    def _release_promoted(self, state: RequestState) -> None:
+    def _release_promoted(self, state: RequestState, keep: range = range(0)) -> None:
         """Release the holds on the chunks promoted for this request (once): its own load has
-        pinned the rows it needs, or it no longer needs them."""
+        pinned the rows it needs, or it no longer needs them. The chunks it streams (`keep`) stay
+        held: the stream releases each as its part pins it, or when it ends."""
         if state.promoted_from and not state.released:
             state.released = True
-            self.manager.release([state.keys[i] for i in state.promoted_from])
+            self.manager.release([state.keys[i] for i in state.promoted_from if i not in keep])
 
     def hit_sources(self, request: Request) -> dict[str, int]:
         """Tokens loaded for `request` by kvtier source ("host" or a tier name), for vLLM's

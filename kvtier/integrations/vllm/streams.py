@@ -87,11 +87,11 @@ class LoadStreams:
             stream.failed = stream.failed or not ok
 
     def drop(self, req_id: str) -> None:
-        """Stop streaming for a request that finished or was aborted; its promotions' holds are
-        released (a part in flight still ends and releases its own rows)."""
+        """Stop streaming for a request that finished or was aborted; the holds on the chunks it
+        had not sent yet are released (a part in flight still ends and releases its own rows)."""
         stream = self._streams.pop(req_id, None)
-        if stream is not None and stream.promoting:
-            self.manager.release(stream.keys[: stream.promoting])
+        if stream is not None:
+            self.manager.release(stream.keys)
 
     def parts(self) -> list[Part]:
         """The parts ready to send this step; starts the promotions of the next batches."""
@@ -133,9 +133,10 @@ class LoadStreams:
 
     def _part(self, req_id: str, stream: _Stream, count: int, slots: tuple[int, ...]) -> Part:
         """The next `count` chunks as a part; without `slots`, a failed part that takes the rest
-        of the prefix with it (and so is the last)."""
+        of the prefix with it (and so is the last), releasing their holds."""
         if not slots:
             count = len(stream.keys)
+            self.manager.release(stream.keys)
         keys, stream.keys = stream.keys[:count], stream.keys[count:]
         sources, stream.sources = stream.sources[:count], stream.sources[count:]
         blocks, stream.block_ids = stream.block_ids[:count], stream.block_ids[count:]
