@@ -4,8 +4,9 @@ Called on the scheduler thread only, and never blocks it:
 - `lookup_prefix(keys)` finds how many leading chunks are ready in the host tier and, beyond them,
   which chunks the secondary tiers hold; it starts promoting those (secondary → host, the host slots
   allocated before the load and released if it fails) and reports them as pending until done.
-- `cascade(keys)` copies chunks the host tier just published to every secondary tier that admits
-  them, keeping the host slots pinned for reading until each copy finishes.
+- `publish(keys)` publishes a device → host store (settled or on probation, as the admission
+  policies say) and `cascade(keys)` copies settled chunks to every secondary tier that admits them,
+  keeping the host slots pinned for reading until each copy finishes.
 - `poll()` drains the tiers' completions and finishes promotions and cascades.
 
 A tier that fails or is down only turns its hits into misses: the engine recomputes.
@@ -16,6 +17,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
@@ -129,19 +131,15 @@ class TieringManager:
                     tier_name=tier.name, type=tier.type, module_path=tier.module_path,
                     options=tier.options, config_key=f"secondary_tiers[{i}]",
                     region_name=region.name, shm_dir=config.shm_dir, row_bytes=row_bytes,
-                    num_slots=num_slots, layout_fingerprint=layout_fingerprint,
-                )
-                proc = TierProcess(
-                    spec, job_timeout_s=config.tier_job_timeout_s,
-                    restart_backoff_s=config.tier_restart_backoff_s,
-                )
+                    num_slots=num_slots, layout_fingerprint=layout_fingerprint)
+                proc = TierProcess(spec, job_timeout_s=config.tier_job_timeout_s,
+                                   restart_backoff_s=config.tier_restart_backoff_s)
                 proc.launch()
                 started.append(proc)
             for proc in started:
                 proc.wait_ready()
-            settings = config.admission_settings()
-            admission = AdmissionChain([c(settings) for c in config.admission_classes])
-            manager = cls(host, started, admission, lookup_wait_s=config.tier_lookup_wait_s)
+            chain = AdmissionChain([c(config.admission_settings()) for c in config.admission_classes])
+            manager = cls(host, started, chain, lookup_wait_s=config.tier_lookup_wait_s)
         except BaseException:
             for proc in reversed(started):
                 proc.shutdown()
@@ -252,29 +250,37 @@ class TieringManager:
     # -- admission and cascades ----------------------------------------------------------------
 
     def record_request(self, keys: Sequence[ChunkKey]) -> None:
-        """A request whose prompt has these chunk keys arrived: called once per request, for the
-        admission policies that count sightings."""
+        """A request whose prompt has these chunk keys arrived: called once per request. Counts
+        the sightings for the admission policies; the host chunks among them that were on
+        probation are reused: they settle and cascade now (their first and only cascade)."""
         for key in keys:
             self.admission.record_access(key)
+        for priority, group in self.host.settle(keys).items():
+            self.metrics.inc("probation_reused_chunks", len(group), HOST)
+            self.cascade(group, priority)
 
     def admit(self, keys: Sequence[ChunkKey], tier: str, priority: int) -> list[ChunkKey]:
         """The `keys` the admission policies let into `tier` ("host" or a secondary tier's name)
         for a request of retention `priority`, in order; admitted and rejected chunks are counted."""
-        if self.admission.admits_all:
-            admitted = list(keys)
-        else:
-            admitted = []
-            rejected: dict[str, int] = {}
-            for key in keys:
-                reason = self.admission.rejected_by(key, tier, priority)
-                if reason is None:
-                    admitted.append(key)
-                else:
-                    rejected[reason] = rejected.get(reason, 0) + 1
-            for reason, count in rejected.items():
-                self.metrics.inc("rejected_chunks", count, tier, reason)
+        admitted, rejected = self.admission.split(keys, tier, priority)
+        for reason, count in rejected.items():
+            self.metrics.inc("rejected_chunks", count, tier, reason)
         self.metrics.inc("admitted_chunks", len(admitted), tier)
         return admitted
+
+    def publish(self, keys: Sequence[ChunkKey], ok: bool, priority: int, lead: ChunkKey | None) -> None:
+        """Publish (ok) or roll back the device → host store of `keys`; cascade the published chunks
+        not on probation. `lead`: the first chunk of the request that computed them, for the
+        policies' probation verdicts (None: all settled). A chunk on probation counts as rejected
+        by every enabled secondary tier (reason: the policy that put it there) until it settles."""
+        waiting = self.admission.probation(keys, lead) if ok and lead is not None else {}
+        self.host.complete_store(keys, ok, priority, {k: r for k, (r, _) in waiting.items()})
+        if ok:
+            for reason, count in Counter(reason for _, reason in waiting.values()).items():
+                self.metrics.inc("probation_chunks", count, HOST, reason)
+                for name in self.tiers.keys() - self._disabled:
+                    self.metrics.inc("rejected_chunks", count, name, reason)
+            self.cascade([k for k in keys if k not in waiting], priority)
 
     def cascade(
         self, keys: Sequence[ChunkKey], priority: int = DEFAULT_PRIORITY, skip: str | None = None

@@ -1,8 +1,8 @@
 """kvtier's Prometheus metrics, declared in one place (`METRICS`), all named `kvtier_*`.
 
 Labels are bounded: `tier` is "host" or a configured secondary tier's name; `op` is "store" or
-"load"; `reason` is a configured admission policy's name (`rejected_chunks`) or why a stored chunk
-was rejected (`bad_chunks`: a `ChunkError` value); `cause` one of
+"load"; `reason` is a configured admission policy's name (`rejected_chunks`, `probation_chunks`)
+or why a stored chunk was rejected (`bad_chunks`: a `ChunkError` value); `cause` one of
 `kvtier.tiers.process.FAILURE_CAUSES`; `config_info` carries the configuration
 (one series per engine); `source` is "device", "host", a
 secondary tier's name, or "recomputed". For the host tier,
@@ -72,7 +72,14 @@ METRICS: tuple[MetricSpec, ...] = (
                "Chunks not copied to the tier because their host rows could not be pinned", _T),
     MetricSpec("admitted_chunks", "counter", "Chunks the admission policies let into the tier", _T),
     MetricSpec("rejected_chunks", "counter",
-               "Chunks kept out of the tier, by the admission policy that refused them", ("tier", "reason")),
+               "Chunks kept out of the tier, by the admission policy that refused them (for a secondary "
+               "tier: or that put them on host probation; they may cascade later, once reused)",
+               ("tier", "reason")),
+    MetricSpec("probation_chunks", "counter",
+               "Chunks stored on probation (evicted first, not cascaded until reused), by the admission "
+               "policy that put them there", ("tier", "reason")),
+    MetricSpec("probation_reused_chunks", "counter",
+               "Probation chunks a later request reused: they settled and were cascaded then", _T),
     MetricSpec("tier_enabled", "gauge",
                "1 while the secondary tier takes loads and stores, 0 once disabled (guard or operator)", _T),
     MetricSpec("slo_rollbacks", "counter", "Secondary tiers the SLO guard disabled"),

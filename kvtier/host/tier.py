@@ -8,8 +8,9 @@ Every entry is in one of two states:
   count); `complete_load` releases it. Only READY entries with no pin are eviction candidates.
 
 Every READY entry has a retention priority (0-100, given at `complete_store`, raised by
-`raise_priority`): eviction takes lower priorities first, and the configured policy orders the
-entries within one priority (`policies/classes.py`).
+`raise_priority`) and a `Retention`: published on probation (COLD, WARM) or SETTLED, and settled by
+`settle` (reuse). Eviction takes probation entries first, then lower priorities first, and the
+configured policy orders the entries within one class (`policies/classes.py`).
 
 Holds after every call: each slot is free, WRITING or READY, exactly one of them, and
 free + WRITING + READY == capacity; the READY index and the policy hold the same key → slot pairs;
@@ -23,13 +24,13 @@ policy skips), never to the capacity; only the constructor and `check()` walk ev
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Container, Sequence
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 
 from kvtier.chunks import TierEvent, TierEventKind
 from kvtier.errors import KVTierError
-from kvtier.policies.base import DEFAULT_PRIORITY, EvictionPolicy
+from kvtier.policies.base import DEFAULT_PRIORITY, EvictionPolicy, Retention
 from kvtier.policies.classes import PriorityClasses
 
 
@@ -176,21 +177,27 @@ class HostTier:
         return slots, done
 
     def complete_store(
-        self, keys: Sequence[bytes], success: bool, priority: int = DEFAULT_PRIORITY
+        self, keys: Sequence[bytes], success: bool, priority: int = DEFAULT_PRIORITY,
+        probation: Mapping[bytes, Retention] | None = None,
     ) -> None:
         """Publish (success) or roll back the WRITING entries among `keys`; others are ignored.
-        Published entries get retention `priority`."""
+        Published entries get retention `priority`, SETTLED unless `probation` names them."""
         writing = self._writing
         take = writing.pop
         done = {key: take(key) for key in keys if key in writing}
         if not done:
             return
-        if success:
-            self._policy.insert_many(done, priority)
-            self._ready.update(done)
-            self._events.append(TierEvent(TierEventKind.STORED, tuple(done)))
-        else:
+        if not success:
             self._free.extend(done.values())
+            return
+        by_retention: dict[Retention, dict[bytes, int]] = {}
+        for key, slot in done.items():
+            retention = probation.get(key, Retention.SETTLED) if probation else Retention.SETTLED
+            by_retention.setdefault(retention, {})[key] = slot
+        for retention, part in by_retention.items():
+            self._policy.insert_many(part, priority, retention)
+        self._ready.update(done)
+        self._events.append(TierEvent(TierEventKind.STORED, tuple(done)))
 
     # Load: host → device or secondary tier.
 
@@ -214,6 +221,22 @@ class HostTier:
         to it (others are left alone). Returns how many moved."""
         lift = self._policy.raise_priority
         return sum(lift(key, priority) for key in keys)
+
+    def settle(self, keys: Sequence[bytes]) -> dict[int, list[bytes]]:
+        """Take the READY keys among `keys` off probation (a later request reused them); returns
+        those that were on probation, by priority."""
+        settled: dict[int, list[bytes]] = {}
+        policy = self._policy
+        for key in dict.fromkeys(keys):
+            cls = policy.class_of(key)
+            if cls is not None and policy.settle(key):
+                settled.setdefault(cls[1], []).append(key)
+        return settled
+
+    def on_probation(self, key: bytes) -> bool:
+        """Whether `key` is READY and on probation."""
+        cls = self._policy.class_of(key)
+        return cls is not None and cls[0] != Retention.SETTLED
 
     def priority_of(self, key: bytes) -> int | None:
         """The retention priority of a READY key, or None."""

@@ -1,13 +1,20 @@
 """The built-in admission policies beyond `all`, and the chain that composes a list of them.
 
-- `frequency` (TinyLFU style): a chunk is admitted once its key was seen in at least `min_seen`
-  requests within the recent window of a bounded frequency sketch (`sketch.py`), so one-off
-  prompts do not push out prefixes that are reused.
+- `frequency` (TinyLFU style, with W-TinyLFU's window as probation): sightings are counted per chunk
+  key in a bounded frequency sketch with aging (`sketch.py`), one per request that names the key.
+  At the host gate it refuses nothing: a chunk is SETTLED when seen in at least `min_seen` requests
+  (the request that computed it counts), else it waits on probation (`Retention`): WARM when the
+  request that computed it continues a reused prefix (its first chunk was seen `min_seen` times),
+  COLD otherwise. The host tier evicts probation chunks first, COLD before WARM, so one-off prompts
+  push out each other, then a conversation's newest turn, and never a settled (reused) prefix. At a
+  secondary tier's gate it admits a chunk seen `min_seen` times; a chunk on probation is not
+  cascaded at all until a later request reuses it, when it settles and cascades (once).
 - `priority`: a chunk is admitted into a tier only when its request's retention priority (0-100)
   is at least the tier's `min_retention_priority` (TensorRT-LLM's retention cut-off).
 
 `AdmissionChain` asks each configured policy in order; a chunk is admitted only when all of them
-admit it, and a rejection is attributed to the first policy that refused. Called on the scheduler
+admit it, and a rejection is attributed to the first policy that refused. Its retention is the
+lowest any policy gives, attributed to the first policy that gave it. Called on the scheduler
 thread only.
 """
 
@@ -15,12 +22,18 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.policies.base import DEFAULT_PRIORITY, AdmissionPolicy, AdmissionSettings
+from kvtier.chunks import HOST
+from kvtier.policies.base import (
+    DEFAULT_PRIORITY,
+    AdmissionPolicy,
+    AdmissionSettings,
+    Retention,
+)
 from kvtier.policies.sketch import FrequencySketch
 
 
 class FrequencyAdmission(AdmissionPolicy):
-    """Admit a chunk once the recent-frequency estimate of its key reaches `min_seen`."""
+    """Probation at the host gate, `min_seen` sightings at the secondary tiers' gates."""
 
     name = "frequency"
 
@@ -31,10 +44,17 @@ class FrequencyAdmission(AdmissionPolicy):
         self.sketch = sketch or FrequencySketch()
 
     def admit(self, key: bytes, tier: str, priority: int = DEFAULT_PRIORITY) -> bool:
-        return self.sketch.estimate(key) >= self.settings.min_seen
+        return tier == HOST or self.sketch.estimate(key) >= self.settings.min_seen
 
     def record_access(self, key: bytes) -> None:
         self.sketch.add(key)
+
+    def retention(self, key: bytes, lead: bytes) -> Retention:
+        # A chunk filled during decode was named by no request yet; its computing request saw it.
+        min_seen = self.settings.min_seen
+        if max(self.sketch.estimate(key), 1) >= min_seen:
+            return Retention.SETTLED
+        return Retention.WARM if self.sketch.estimate(lead) >= min_seen else Retention.COLD
 
 
 class PriorityAdmission(AdmissionPolicy):
@@ -59,11 +79,40 @@ class AdmissionChain:
                 return policy.name
         return None
 
+    def split(
+        self, keys: Sequence[bytes], tier: str, priority: int
+    ) -> tuple[list[bytes], dict[str, int]]:
+        """The `keys` admitted into `tier` in order, and how many were rejected per policy."""
+        if self.admits_all:
+            return list(keys), {}
+        admitted: list[bytes] = []
+        rejected: dict[str, int] = {}
+        for key in keys:
+            reason = self.rejected_by(key, tier, priority)
+            if reason is None:
+                admitted.append(key)
+            else:
+                rejected[reason] = rejected.get(reason, 0) + 1
+        return admitted, rejected
+
+    def probation(self, keys: Sequence[bytes], lead: bytes) -> dict[bytes, tuple[Retention, str]]:
+        """The `keys` (just computed by a request whose first chunk is `lead`) that enter the host
+        tier on probation: their retention and the first policy that gave it."""
+        if self.admits_all:
+            return {}
+        out: dict[bytes, tuple[Retention, str]] = {}
+        for key in keys:
+            verdicts = [(policy.retention(key, lead), policy.name) for policy in self.policies]
+            lowest = min(verdicts, key=lambda v: v[0])
+            if lowest[0] != Retention.SETTLED:
+                out[key] = lowest
+        return out
+
     def record_access(self, key: bytes) -> None:
         for policy in self.policies:
             policy.record_access(key)
 
     @property
     def admits_all(self) -> bool:
-        """Whether every chunk is admitted whatever its key (no policy to ask)."""
+        """Whether every chunk is admitted and settled whatever its key (no policy to ask)."""
         return all(policy.name == "all" for policy in self.policies)

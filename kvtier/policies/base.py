@@ -9,6 +9,7 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 from collections.abc import Container, Mapping
 from dataclasses import dataclass, field
+from enum import IntEnum
 from typing import ClassVar, Generic, TypeVar
 
 V = TypeVar("V")
@@ -66,6 +67,22 @@ DEFAULT_PRIORITY = 50
 """The retention priority of a request that names none (priorities run from 0 to 100)."""
 
 
+class Retention(IntEnum):
+    """How a chunk the admission policies let into the host tier is kept there; the host tier
+    evicts a lower value before any higher one, whatever their priorities (W-TinyLFU's window).
+
+    COLD and WARM are probation: the chunk was not reused yet, it is not cascaded to secondary
+    tiers, and it leaves probation (SETTLED, then cascaded) when a later request names it.
+    """
+
+    COLD = 0
+    """Probation: nothing of the request that computed it was reused (a one-off prompt)."""
+    WARM = 1
+    """Probation: it extends a prefix that earlier requests reused (a conversation's new turn)."""
+    SETTLED = 2
+    """Seen often enough, reused, or promoted: kept by priority and the eviction policy alone."""
+
+
 @dataclass(frozen=True)
 class AdmissionSettings:
     """What the built-in admission policies are configured with.
@@ -99,6 +116,12 @@ class AdmissionPolicy(ABC):
     def record_access(self, key: bytes) -> None:
         """A request with `key` in its prompt arrived (once per request). Optional hook for
         frequency-based policies."""
+
+    def retention(self, key: bytes, lead: bytes) -> Retention:
+        """How the host tier keeps `key`, a chunk this policy admitted there and a request whose
+        first chunk is `lead` just computed. Optional hook: SETTLED unless a policy keeps chunks
+        on probation."""
+        return Retention.SETTLED
 
 
 class AdmitAll(AdmissionPolicy):

@@ -123,21 +123,29 @@ def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> Non
 
 
 def test_one_off_prompts_do_not_evict_a_hot_prefix_under_frequency_admission() -> None:
-    config = KVTierConfig.from_dict({"cpu_bytes_to_use": 4 * ROW_BYTES, "admission_policy": "frequency"})
+    config = KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES, "admission_policy": "frequency"})
     s = KVTierScheduler(config, geometry(), 1)
     blocks: dict[str, list[int]] = {}
     s.bind_block_ids(lambda req_id: (blocks[req_id],))
     s.test_blocks = blocks  # type: ignore[attr-defined]
     try:
+        m = s.manager.metrics.value
         hot = s.hasher.keys(PROMPT)
-        for i in range(2):  # the second sighting is admitted
-            compute_prompt(s, FakeRequest(f"hot{i}", PROMPT), [8, 1, 2, 3])
-        assert s.manager.host.lookup(hot) == 3
-        for i in range(20):  # one-off prompts: never admitted, so they evict nothing
+        compute_prompt(s, FakeRequest("hot0", PROMPT), [8, 1, 2, 3])
+        assert s.manager.host.lookup(hot) == 3  # first sighting: stored, on probation
+        assert all(s.manager.host.on_probation(key) for key in hot)
+        again = FakeRequest("hot1", PROMPT)
+        assert s.get_num_new_matched_tokens(again, 0) == (12, True)  # type: ignore[arg-type]
+        assert not any(s.manager.host.on_probation(key) for key in hot)  # reused: settled
+        assert m("kvtier_probation_reused_chunks_total", tier="host") == 3
+        for i in range(20):  # one-off prompts: on probation, they push out each other only
             compute_prompt(s, FakeRequest(f"once{i}", [1000 + i, *PROMPT[1:]]), [4, 5, 6, 7])
         assert s.manager.host.lookup(hot) == 3
-        m = s.manager.metrics.value
-        assert m("kvtier_rejected_chunks_total", tier="host", reason="frequency") == 3 + 20 * 3
+        once = s.hasher.keys([1019, *PROMPT[1:]])
+        assert s.manager.host.lookup(once) == 3 and s.manager.host.on_probation(once[0])
+        assert m("kvtier_probation_chunks_total", tier="host", reason="frequency") == 3 + 20 * 3
+        assert m("kvtier_rejected_chunks_total", tier="host", reason="frequency") == 0
+        s.manager.host.check()
     finally:
         s.shutdown()
 
@@ -212,14 +220,14 @@ def test_host_admission_gate_frequency_and_priority() -> None:
     try:
         m = s.manager.metrics.value
         compute_prompt(s, FakeRequest("first", PROMPT), [4, 1, 2, 3])
-        assert s.manager.host.stats().ready == 0  # seen once: not admitted
-        assert m("kvtier_rejected_chunks_total", tier="host", reason="frequency") == 3
-        low = FakeRequest("low", PROMPT, kv_transfer_params={"kvtier": {"priority": 10}})
+        assert s.manager.host.stats().ready == 3  # seen once: admitted on probation
+        assert m("kvtier_probation_chunks_total", tier="host", reason="frequency") == 3
+        assert m("kvtier_admitted_chunks_total", tier="host") == 3
+        other = [7, *PROMPT[1:]]
+        low = FakeRequest("low", other, kv_transfer_params={"kvtier": {"priority": 10}})
         compute_prompt(s, low, [4, 1, 2, 3])
-        assert s.manager.host.stats().ready == 0
-        assert m("kvtier_rejected_chunks_total", tier="host", reason="priority") == 3
-        compute_prompt(s, FakeRequest("third", PROMPT), [4, 1, 2, 3])
         assert s.manager.host.stats().ready == 3
+        assert m("kvtier_rejected_chunks_total", tier="host", reason="priority") == 3
         assert m("kvtier_admitted_chunks_total", tier="host") == 3
     finally:
         s.shutdown()

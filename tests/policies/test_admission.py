@@ -10,7 +10,7 @@ from kvtier.chunks import HOST
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
 from kvtier.policies.admission import AdmissionChain, FrequencyAdmission, PriorityAdmission
-from kvtier.policies.base import AdmissionSettings, AdmitAll
+from kvtier.policies.base import AdmissionSettings, AdmitAll, Retention
 from kvtier.policies.sketch import COUNTER_MAX, FrequencySketch
 
 
@@ -60,14 +60,53 @@ def test_sketch_rejects_bad_geometry(kwargs: dict[str, int]) -> None:
         FrequencySketch(**kwargs)
 
 
-def test_frequency_admits_from_the_min_seen_th_sighting() -> None:
+def test_frequency_admits_into_secondary_tiers_from_the_min_seen_th_sighting() -> None:
     policy = FrequencyAdmission(AdmissionSettings(min_seen=3))
     seen = []
     for _ in range(4):
-        seen.append(policy.admit(b"a", HOST))
+        seen.append(policy.admit(b"a", "fs"))
         policy.record_access(b"a")
     assert seen == [False, False, False, True]
     assert policy.admit(b"a", "fs") and not policy.admit(b"b", "fs")
+
+
+def test_frequency_refuses_nothing_at_the_host_gate_and_ranks_probation() -> None:
+    policy = FrequencyAdmission(AdmissionSettings(min_seen=2))
+    lead, new, decoded = b"lead", b"new", b"decoded"
+    policy.record_access(lead)
+    policy.record_access(new)
+    assert policy.admit(new, HOST) and policy.admit(b"never seen", HOST)
+    # First request: nothing reused yet, so its chunks are cold probation.
+    assert policy.retention(new, lead) is Retention.COLD
+    # A later request continues the same prefix: its first chunk was seen twice, so a chunk it
+    # computes extends a reused prefix (warm), whether it came in the prompt or from decode.
+    policy.record_access(lead)
+    assert policy.retention(decoded, lead) is Retention.WARM
+    assert not policy.admit(decoded, "fs")  # seen by no request: not yet for a secondary tier
+    policy.record_access(new)
+    assert policy.retention(new, b"cold lead") is Retention.SETTLED
+    # With min_seen 1 the computing request's own sighting suffices, decode chunks included.
+    once = FrequencyAdmission(AdmissionSettings(min_seen=1))
+    assert once.retention(decoded, b"unseen") is Retention.SETTLED
+
+
+def test_chain_probation_takes_the_lowest_retention_and_names_its_policy() -> None:
+    settings = AdmissionSettings(min_seen=2)
+
+    class Warm(PriorityAdmission):
+        name = "warm"
+
+        def retention(self, key: bytes, lead: bytes) -> Retention:
+            return Retention.WARM
+
+    frequency = FrequencyAdmission(settings)
+    chain = AdmissionChain([Warm(settings), frequency])
+    frequency.record_access(b"a")
+    frequency.record_access(b"a")
+    assert chain.probation([b"a", b"b"], b"lead") == {
+        b"a": (Retention.WARM, "warm"), b"b": (Retention.COLD, "frequency")}
+    assert AdmissionChain([PriorityAdmission(settings), frequency]).probation([b"a"], b"lead") == {}
+    assert AdmissionChain([AdmitAll()]).probation([b"x"], b"lead") == {}
 
 
 def test_priority_uses_each_tiers_minimum() -> None:

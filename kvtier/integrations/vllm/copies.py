@@ -33,6 +33,9 @@ class CopyAcks:
 class StoreCopy(CopyAcks):
     keys: list[bytes] = field(default_factory=list)
     priority: int = DEFAULT_PRIORITY
+    lead: bytes | None = None
+    """The first chunk key of the request that computed them (admission's probation verdicts);
+    None: no verdict asked (published settled)."""
 
 
 @dataclass

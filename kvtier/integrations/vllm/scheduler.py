@@ -19,8 +19,8 @@ part of the next turn's prefix); a chunk the request only partly fills is never 
 pinned rows leave too little room, the leading chunks get rows and the rest wait for the
 request's next step, or after it finished as a tail (`tails.py`). The worker copies device → host
 from `wait_for_save`: on CPU before the step ends; on CUDA on a copy stream, the next forward pass
-ordered after it (`handle_preemptions`). `update_connector_output` publishes the rows
-(`complete_store`) once every worker reported its copy, then cascades them to secondary tiers.
+ordered after it (`handle_preemptions`). `update_connector_output` publishes the rows once every
+worker reported its copy (`publish`: settled or on probation), then cascades the settled ones.
 
 Per-request options (`options.py`, from `kv_transfer_params`) may skip the load or the store,
 restrict the secondary tiers a load may come from, and set the cascade's retention priority.
@@ -289,7 +289,8 @@ class KVTierScheduler:
             return None
         chunks = tuple(b for _, _, b in new)
         job_id = next(self._job_ids)
-        self._stores[job_id] = StoreCopy(keys=[key for _, key, _ in new], priority=state.priority)
+        self._stores[job_id] = StoreCopy(keys=[key for _, key, _ in new], priority=state.priority,
+                                         lead=state.keys[0])
         req_id = state.request.request_id
         new_keys = tuple(key for _, key, _ in new)
         return ChunkCopy(job_id, req_id, new_keys, chunks, tuple(slots[k] for k in new_keys))
@@ -310,9 +311,7 @@ class KVTierScheduler:
                     continue
                 del self._stores[job_id]
                 self.accounting.copied("store", len(store.keys), store.seconds, store.ok)
-                host.complete_store(store.keys, success=store.ok, priority=store.priority)
-                if store.ok:
-                    self.manager.cascade(store.keys, store.priority)
+                self.manager.publish(store.keys, store.ok, store.priority, store.lead)
         for req_id in output.finished_recving or ():
             keys = self._loading.pop(req_id, None)
             if keys is not None:
