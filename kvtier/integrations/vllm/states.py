@@ -117,8 +117,13 @@ def state_groups(
         return [tuple(reversed(s)) if i == 0 and not conv_first else tuple(s) for i, s in enumerate(shapes)]
 
     local = canonical(spec.shapes)
-    whole = canonical(whole_model_state_shapes(vllm_config)) if tp_size > 1 else local
-    sections = state_sections(kind, local, whole, tp_size) if tp_size > 1 else ()
+    whole = local
+    sections: tuple[tuple[Section, ...], ...] = ()
+    if tp_size > 1 and spec.tp_replicated:  # every rank holds the whole state
+        sections = tuple((Section(shape[0], replicated=True),) for shape in local)
+    elif tp_size > 1:
+        whole = canonical(whole_model_state_shapes(vllm_config))
+        sections = state_sections(kind, local, whole, tp_size)
     parts = [
         StatePart(shape, dtype, transposed=i == 0 and not conv_first)
         for i, (shape, dtype) in enumerate(zip(whole, spec.dtypes, strict=True))
