@@ -20,11 +20,11 @@ ranks' stored pages put together, byte for byte. Recurrent states likewise: each
 reloaded state is its shard of TP=1's stored state, and TP=1's reloaded state is TP=2's shards put
 together, cut and joined here by hand as vLLM cuts them (`SECTIONS`). The chunk files of Q written
 by TP=1 and by TP=2 have the same names (keys), headers (layout fingerprint, length) and
-first-layer bytes (a state row: the first recurrent layer's conv state, all channels in canonical
-order); their later layers differ, because the values do: TP=2 sums its ranks' partial products in
-another order (an all-reduce), which changes their last bits, and vLLM's CPU MLA differs between
-TP degrees by a few percent of a latent value (both TP degrees are that far from transformers' own
-DeepSeek-V2). So the
+first-layer bytes (of a state row: the first recurrent layer's conv state, every channel in
+canonical order; the hybrids' attention layers follow a recurrent one: none); their later layers
+differ, because the values do: TP=2 sums its ranks' partial products in another order (an
+all-reduce), which changes their last bits, and vLLM's CPU MLA differs between TP degrees by a few
+percent of a latent value (both TP degrees are that far from transformers' own DeepSeek-V2). So the
 reloads' greedy tokens equal a run from scratch of the reloading engine, and their logprobs are
 within 1e-4 of it (MLA: 5e-3; the two TP degrees' logprobs differ by 1.6e-3, and vLLM's MLA attends
 a prefill with a cached prefix by another path than a whole prefill, 8e-4 apart on one engine).
