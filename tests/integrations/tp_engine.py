@@ -233,7 +233,9 @@ def main() -> None:
     request = json.loads(sys.stdin.read())
     if request["mamba2_workaround"]:  # the test-only workaround of vLLM's CPU Mamba2 crash (module doc)
         _declare_no_mamba2_checkpoint()
-    config = {"cpu_bytes_to_use": 4 << 20,
+    # A tier process starved of CPU on a loaded 2-core machine (both cores pinned by the ranks)
+    # has gone a minute without answering, and a tier declared hung answers MISS: wait longer.
+    config = {"cpu_bytes_to_use": 4 << 20, "tier_job_timeout_s": 240.0,
               "secondary_tiers": [{"type": "fs", "root_dir": request["fs_dir"]}]}
     llm = LLM(model=request["model"], tensor_parallel_size=request["tp"],
               kv_transfer_config=transfer_config(config), **request["llm"])
