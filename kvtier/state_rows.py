@@ -17,6 +17,9 @@ of the chunks (`kvtier.layout`):
 - The description (`describe`) names the layers, shapes and dtypes; it is in the model
   fingerprint and the layout fingerprint, so engines whose states differ never share rows. A
   copier whose engine tensor has another dtype than the recorded one converts (`copy_`).
+- Tensor parallelism: a rank's engine tensors hold a shard of each canonical part (rows along its
+  first axis, `kvtier.state_shards`); its copier writes only the bytes of its shard into the
+  segment's rows, and reads its shard from them, so the rows are the same whatever the TP degree.
 
 A prefix of n chunks can be served only when the attention rows of chunks 0..n-1 and every part of
 the state at the end of chunk n-1 are held: a hybrid prefix comes back whole or not at all.
@@ -33,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from kvtier.errors import ConfigError
+from kvtier.state_shards import StateShard, merge_spans
 
 _STATE_TAG = b"kvtier.state.v1"
 
@@ -50,8 +54,15 @@ class StatePart:
     def nbytes(self) -> int:
         return math.prod(self.shape) * self.dtype.itemsize
 
-    def engine_shape(self) -> tuple[int, ...]:
-        return tuple(reversed(self.shape)) if self.transposed else self.shape
+    @property
+    def row_nbytes(self) -> int:
+        """Bytes of one row along the first canonical axis (a conv channel, a head)."""
+        return math.prod(self.shape[1:]) * self.dtype.itemsize
+
+    def engine_shape(self, rows: int | None = None) -> tuple[int, ...]:
+        """The engine tensor's shape of this part holding `rows` canonical rows (all by default)."""
+        shape = self.shape if rows is None else (rows, *self.shape[1:])
+        return tuple(reversed(shape)) if self.transposed else shape
 
 
 @dataclass(frozen=True)
@@ -119,56 +130,86 @@ class StateCopier:
     """Copies state segments between one rank's recurrent-layer state tensors and host rows.
 
     `tensors[l]` are layer l's state tensors (in `layout.parts` order), each `[num_blocks,
-    *engine_shape]`: block b's state is `tensor[b]`. A copy stages the segment in one contiguous
-    buffer, so a part may straddle two rows. Copies are synchronous; concurrent calls are safe when
-    their slots and blocks are disjoint.
+    *engine_shape]` holding the rank's shard (`shard`; default: the whole state, TP=1): block b's
+    state is `tensor[b]`. A copy stages the segment in one contiguous buffer, so a part may straddle
+    two rows; a store writes only the byte spans of the shard's written pieces (and the padding on
+    the first rank). Copies are synchronous; concurrent calls are safe when their slots and blocks
+    are disjoint, or when they come from distinct ranks of one shard map.
     """
 
-    def __init__(self, layout: StateLayout, tensors: Sequence[Sequence[torch.Tensor]]) -> None:
+    def __init__(
+        self,
+        layout: StateLayout,
+        tensors: Sequence[Sequence[torch.Tensor]],
+        shard: StateShard | None = None,
+    ) -> None:
+        shard = shard or StateShard.whole([part.shape[0] for part in layout.parts])
+        if len(shard.sections) != len(layout.parts) or any(
+            shard.canonical_rows(p) != part.shape[0] for p, part in enumerate(layout.parts)
+        ):
+            raise ValueError(f"shard sections {shard.sections} do not cover the parts {layout.parts}")
         if len(tensors) != len(layout.layers):
             layers = len(layout.layers)
             raise ValueError(f"{len(tensors)} recurrent layers of state tensors, the layout has {layers}")
         for layer, parts in zip(layout.layers, tensors, strict=True):
             if len(parts) != len(layout.parts):
                 raise ValueError(f"layer {layer}: {len(parts)} state tensors, expected {len(layout.parts)}")
-            for part, tensor in zip(layout.parts, parts, strict=True):
-                if tuple(tensor.shape[1:]) != part.engine_shape():
+            for p, (part, tensor) in enumerate(zip(layout.parts, parts, strict=True)):
+                expected = part.engine_shape(shard.local_rows(p))
+                if tuple(tensor.shape[1:]) != expected:
                     raise ValueError(
                         f"layer {layer}: state tensor {tuple(tensor.shape)} is not "
-                        f"[num_blocks, {', '.join(map(str, part.engine_shape()))}]"
+                        f"[num_blocks, {', '.join(map(str, expected))}]"
                     )
         self.layout = layout
+        self.shard = shard
         self.tensors = [list(parts) for parts in tensors]
         self._offsets = layout.offsets()
 
-    def _views(
+    def _pieces(
         self, staging: torch.Tensor, block_ids: Sequence[int]
-    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
-        """(engine view in canonical orientation, canonical view in `staging`) per layer and part."""
+    ) -> list[tuple[torch.Tensor, torch.Tensor, bool, tuple[int, int]]]:
+        """Per layer, part and piece of the shard: (engine view in canonical orientation, canonical
+        view in `staging`, whether this rank writes it, its byte span in the segment)."""
         if len(block_ids) != len(self.layout.layers):
             raise ValueError(f"one block per recurrent layer expected, got {list(block_ids)}")
-        pairs = []
+        out = []
         for parts, offsets, block in zip(self.tensors, self._offsets, block_ids, strict=True):
-            for part, tensor, offset in zip(self.layout.parts, parts, offsets, strict=True):
+            for p, (part, tensor, offset) in enumerate(zip(self.layout.parts, parts, offsets, strict=True)):
                 engine = tensor[block]
                 if part.transposed:
                     engine = engine.transpose(0, 1)
                 canon = staging[offset : offset + part.nbytes].view(part.dtype).view(part.shape)
-                pairs.append((engine, canon))
-        return pairs
+                for piece in self.shard.pieces(p):
+                    rows = piece.end - piece.start
+                    span = (offset + piece.start * part.row_nbytes, offset + piece.end * part.row_nbytes)
+                    out.append((engine[piece.local : piece.local + rows], canon[piece.start : piece.end],
+                                piece.writes, span))
+        return out
 
     def engine_to_host(self, block_ids: Sequence[int], rows: torch.Tensor, slots: Sequence[int]) -> None:
-        """Write the states of blocks `block_ids` (one per recurrent layer) to rows `slots`."""
+        """Write this rank's shard of the states of blocks `block_ids` (one per recurrent layer) to
+        rows `slots`."""
         staging = self._staging(slots, rows)
-        for engine, canon in self._views(staging, block_ids):
-            canon.copy_(engine)
-        rows[list(slots)] = staging.view(len(slots), self.layout.row_bytes)
+        spans = []
+        for engine, canon, writes, span in self._pieces(staging, block_ids):
+            if writes:
+                canon.copy_(engine)
+                spans.append(span)
+        if self.shard.writes_padding:
+            spans.append((self.layout.segment_bytes, len(staging)))
+        row_bytes = self.layout.row_bytes
+        for a, b in merge_spans(spans):
+            for j in range(a // row_bytes, -(-b // row_bytes)):
+                lo, hi = max(a, j * row_bytes), min(b, (j + 1) * row_bytes)
+                rows[slots[j], lo - j * row_bytes : hi - j * row_bytes] = staging[lo:hi]
 
     def host_to_engine(self, block_ids: Sequence[int], rows: torch.Tensor, slots: Sequence[int]) -> None:
-        """Write the state segment in rows `slots` into blocks `block_ids` (one per layer)."""
+        """Write this rank's shard of the state segment in rows `slots` into blocks `block_ids`
+        (one per layer)."""
         staging = self._staging(slots, rows)
         staging.view(len(slots), self.layout.row_bytes).copy_(rows[list(slots)])
-        for engine, canon in self._views(staging, block_ids):
+        for engine, canon, _, _ in self._pieces(staging, block_ids):
             engine.copy_(canon)
 
     def _staging(self, slots: Sequence[int], rows: torch.Tensor) -> torch.Tensor:
@@ -178,4 +219,3 @@ class StateCopier:
                 f"{len(slots)} slots of {tuple(rows.shape)}"
             )
         return torch.zeros(self.layout.rows * self.layout.row_bytes, dtype=torch.uint8)
-

@@ -25,32 +25,20 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvtier.integrations.vllm.launch import transfer_config
-from kvtier.layout import SKIP_BLOCK
 from tests.integrations.conftest import connector_halves
 from tests.integrations.prompts import PROMPTS
-from tests.integrations.shared_helpers import settle
+from tests.integrations.reload_helpers import TAIL, Result, Spy, generate, reload_check
 
 pytestmark = pytest.mark.slow
 
-TAIL = " Answer in one sentence, then stop."
 HOST_TOKENS = 320  # the host tier holds about two and a half prompts
 BLOCK = {"gemma3": 32, "mistral-sliding": 32, "deepseek-v2": 16}
-SCRATCH = {"kvtier": {"skip_load": True, "skip_store": True}}
 LOGPROB_TOLERANCE = {"deepseek-v2": 2e-3}
 """vLLM's MLA attends a prefill whose prefix is cached by up-projecting the cached latents in
 context chunks merged by log-sum-exp, a whole prefill in one pass: logprobs differ by up to 8e-4
 (measured) with byte-identical latents."""
-
-
-@dataclass(frozen=True)
-class Result:
-    prompt: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    cached: int
 
 
 @dataclass
@@ -73,19 +61,6 @@ def options(name: str) -> dict[str, Any]:
         "max_num_seqs": 2,
         "seed": 0,
     }
-
-
-def generate(llm: Any, prompt: str, max_tokens: int = 6, scratch: bool = False) -> Result:
-    """Greedy tokens for `prompt`, alone in the engine, with each token's logprob; `scratch`:
-    kvtier neither loads nor stores."""
-    from vllm import SamplingParams
-
-    extra = {"kv_transfer_params": SCRATCH} if scratch else None
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, extra_args=extra)
-    done = llm.generate([prompt], params, use_tqdm=False)[0]
-    out = done.outputs[0]
-    logprobs = [entry[tok].logprob for tok, entry in zip(out.token_ids, out.logprobs, strict=True)]
-    return Result(list(done.prompt_token_ids), list(out.token_ids), logprobs, done.num_cached_tokens)
 
 
 def num_blocks(llm: Any) -> int:
@@ -140,94 +115,16 @@ def _row_bytes(model: str, block: int) -> int:
     return layers * 2 * heads * block * dim * 4
 
 
-class PageSpy:
-    """Each layer's device bytes of each chunk (by key) when the worker stores it and after it
-    loads it; a load records only the layers whose group holds blocks for the chunk."""
-
-    def __init__(self, worker: Any, mp: pytest.MonkeyPatch) -> None:
-        self.stored: dict[bytes, dict[int, bytes]] = {}
-        self.loaded: dict[bytes, dict[int, bytes]] = {}
-        plan, tensors = worker.transfer.plan, worker.transfer.layer_tensors
-        bpc = plan.blocks_per_chunk
-        save, start_load = worker.save, worker.start_load
-
-        def pages(ids: tuple[int, ...]) -> dict[int, bytes]:
-            out = {}
-            for layer, kv in enumerate(tensors):
-                group = plan.layer_groups[layer]
-                blocks = list(ids[group * bpc : (group + 1) * bpc])
-                if SKIP_BLOCK not in blocks:
-                    out[layer] = kv[blocks].contiguous().view(torch.uint8).numpy().tobytes()
-            return out
-
-        def spy_save(meta: Any) -> None:
-            for job in meta.stores:
-                for key, ids in zip(job.keys, job.block_ids, strict=True):
-                    self.stored[key] = pages(ids)
-            save(meta)
-
-        def spy_load(meta: Any) -> None:
-            start_load(meta)
-            for job in meta.loads:
-                for key, ids in zip(job.keys, job.block_ids, strict=True):
-                    self.loaded[key] = pages(ids)
-
-        mp.setattr(worker, "save", spy_save)
-        mp.setattr(worker, "start_load", spy_load)
-
-    def check(self, keys: list[bytes], kinds: tuple[str, ...]) -> None:
-        """Every reloaded page equals the stored one; the pages of every chunk were loaded, but
-        sliding-window pages only for the chunks in the window before the hit point (64 tokens:
-        the last two chunks)."""
-        for i, key in enumerate(keys):
-            in_window = i >= len(keys) - 2
-            expected = {layer for layer, kind in enumerate(kinds) if in_window or "sliding" not in kind}
-            assert set(self.loaded[key]) == expected, (i, kinds)
-            assert set(self.stored[key]) == set(range(len(kinds)))
-            for layer in expected:
-                assert self.loaded[key][layer] == self.stored[key][layer], (i, layer)
-
-
 @pytest.fixture
-def spy(engine: Engine) -> Iterator[PageSpy]:
+def spy(engine: Engine) -> Iterator[Spy]:
     with pytest.MonkeyPatch.context() as mp:
-        yield PageSpy(connector_halves(engine.llm)[1], mp)
+        yield Spy(connector_halves(engine.llm)[1], mp)
 
 
-
-def loads(scheduler: Any, tier: str) -> float:
-    return scheduler.manager.metrics.value("kvtier_transfer_chunks_total", tier=tier, op="load")
-
-
-def reload_check(engine: Engine, spy: PageSpy, name: str, tier: str, evict: tuple[str, ...] = ()) -> None:
-    """Store PROMPTS[name], optionally evict it from the host tier, reset the device prefix cache,
-    then serve it with a tail: its prefix must come back from `tier`, exactly."""
-    llm = engine.llm
-    scheduler, _ = connector_halves(llm)
-    first = generate(llm, PROMPTS[name], max_tokens=1)
-    chunk = scheduler.geometry.chunk_tokens
-    keys = scheduler.hasher.keys(first.prompt)[: (len(first.prompt) - 1) // chunk]
-    assert len(keys) >= 3
-    settle(scheduler)
-    assert all(scheduler.manager.host.contains(k) for k in keys)
-    for filler in evict:
-        generate(llm, PROMPTS[filler], max_tokens=1)
-        settle(scheduler)
-    if evict:
-        assert not any(scheduler.manager.host.contains(k) for k in keys), "the fillers did not evict"
-    before = loads(scheduler, tier)
-
-    llm.reset_prefix_cache()
-    again = generate(llm, longer(name))
-
-    assert again.cached == len(keys) * chunk
-    assert loads(scheduler, tier) - before == len(keys)
-    ref = engine.reference[name]
-    assert again.prompt == ref.prompt
-    assert again.tokens == ref.tokens
-    tolerance = LOGPROB_TOLERANCE.get(engine.name, 1e-4)
-    assert max(abs(a - b) for a, b in zip(again.logprobs, ref.logprobs, strict=True)) < tolerance
-    spy.check(keys, scheduler.geometry.layout.kinds)
+def check(engine: Engine, spy: Spy, name: str, tier: str, evict: tuple[str, ...] = ()) -> None:
+    """PROMPTS[name]'s prefix comes back from `tier` (after `evict`'s prompts), exactly."""
+    reload_check(engine.llm, spy, PROMPTS[name], engine.reference[name], tier,
+                 fillers=tuple(PROMPTS[f] for f in evict), tolerance=LOGPROB_TOLERANCE.get(engine.name, 1e-4))
 
 
 def test_the_device_cache_keeps_as_many_blocks_as_without_kvtier(engine: Engine) -> None:
@@ -246,9 +143,9 @@ def test_the_device_cache_keeps_as_many_blocks_as_without_kvtier(engine: Engine)
         assert config.cache_config.enable_prefix_caching is False  # kvtier is the only reuse
 
 
-def test_a_longer_prompt_reloads_the_prefix_from_the_host_tier(engine: Engine, spy: PageSpy) -> None:
-    reload_check(engine, spy, "lighthouse", "host")
+def test_a_longer_prompt_reloads_the_prefix_from_the_host_tier(engine: Engine, spy: Spy) -> None:
+    check(engine, spy, "lighthouse", "host")
 
 
-def test_a_longer_prompt_reloads_the_prefix_from_fs_after_host_eviction(engine: Engine, spy: PageSpy) -> None:
-    reload_check(engine, spy, "bread", "fs", evict=("library", "birds", "railway"))
+def test_a_longer_prompt_reloads_the_prefix_from_fs_after_host_eviction(engine: Engine, spy: Spy) -> None:
+    check(engine, spy, "bread", "fs", evict=("library", "birds", "railway"))

@@ -27,14 +27,12 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 
 from kvtier.integrations.vllm.launch import transfer_config
-from kvtier.state_rows import state_keys
 from kvtier.tiers.fs.fsck import fsck
 from tests.integrations.conftest import connector_halves
 from tests.integrations.prompts import PROMPTS
-from tests.integrations.shared_helpers import settle
+from tests.integrations.reload_helpers import TAIL, Result, Spy, generate, reload_check
 
 pytestmark = pytest.mark.slow
 
@@ -50,28 +48,7 @@ TEXTS = {
     "filler2": PROMPTS["birds"] + " " + PROMPTS["railway"],
     "filler3": PROMPTS["garden"] + " " + PROMPTS["bread"],
 }
-TAIL = " Answer in one sentence, then stop."
-SCRATCH = {"kvtier": {"skip_load": True, "skip_store": True}}
 POISON = 7.0
-
-
-@dataclass(frozen=True)
-class Result:
-    prompt: list[int]
-    tokens: list[int]
-    logprobs: list[float]
-    cached: int
-
-
-def generate(llm: Any, prompt: str, max_tokens: int = 6, scratch: bool = False) -> Result:
-    from vllm import SamplingParams
-
-    extra = {"kv_transfer_params": SCRATCH} if scratch else None
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=0, extra_args=extra)
-    done = llm.generate([prompt], params, use_tqdm=False)[0]
-    out = done.outputs[0]
-    logprobs = [entry[tok].logprob for tok, entry in zip(out.token_ids, out.logprobs, strict=True)]
-    return Result(list(done.prompt_token_ids), list(out.token_ids), logprobs, done.num_cached_tokens)
 
 
 @dataclass
@@ -115,89 +92,16 @@ def engine(
     llm.llm_engine.engine_core.shutdown()
 
 
-def state_tensors(worker: Any) -> list[torch.Tensor]:
-    return [t for parts in worker.states.copier.tensors for t in parts]
-
-
-class Spy:
-    """The device bytes of each attention chunk and state segment (by key) when the worker stores
-    it and right after it loads it."""
-
-    def __init__(self, worker: Any, mp: pytest.MonkeyPatch) -> None:
-        self.stored: dict[bytes, bytes] = {}
-        self.loaded: dict[bytes, bytes] = {}
-        attention, states = worker.transfer.layer_tensors, worker.states.copier.tensors
-        save, start_load = worker.save, worker.start_load
-
-        def page(ids: tuple[int, ...]) -> bytes:
-            pages = (kv[list(ids)].contiguous().view(torch.uint8) for kv in attention)
-            return b"".join(p.numpy().tobytes() for p in pages)
-
-        def state(ids: tuple[int, ...]) -> bytes:
-            return b"".join(
-                t[block].contiguous().view(torch.uint8).numpy().tobytes()
-                for parts, block in zip(states, ids, strict=True) for t in parts
-            )
-
-        def spy_save(meta: Any) -> None:
-            for job in meta.stores:
-                self.stored.update((k, page(ids)) for k, ids in zip(job.keys, job.block_ids, strict=True))
-            self.stored.update((job.keys[0], state(job.block_ids)) for job in meta.state_stores)
-            save(meta)
-
-        def spy_load(meta: Any) -> None:
-            start_load(meta)
-            for job in meta.loads:
-                self.loaded.update((k, page(ids)) for k, ids in zip(job.keys, job.block_ids, strict=True))
-            self.loaded.update((job.keys[0], state(job.block_ids)) for job in meta.state_loads)
-
-        mp.setattr(worker, "save", spy_save)
-        mp.setattr(worker, "start_load", spy_load)
-
-
 @pytest.fixture
 def spy(engine: Engine) -> Iterator[Spy]:
     with pytest.MonkeyPatch.context() as mp:
         yield Spy(connector_halves(engine.llm)[1], mp)
 
 
-def loads(scheduler: Any, tier: str) -> float:
-    return scheduler.manager.metrics.value("kvtier_transfer_chunks_total", tier=tier, op="load")
-
-
-def reload_check(engine: Engine, spy: Spy, name: str, tier: str, evict: tuple[str, ...] = ()) -> None:
-    llm = engine.llm
-    scheduler, worker = connector_halves(llm)
-    first = generate(llm, TEXTS[name], max_tokens=1)
-    chunk = scheduler.geometry.chunk_tokens
-    keys = scheduler.hasher.keys(first.prompt)[: (len(first.prompt) - 1) // chunk]
-    assert len(keys) >= 3
-    state = state_keys(scheduler.states.layout, keys[-1])
-    assert len(state) == STATE_ROWS[engine.name]
-    settle(scheduler)
-    host = scheduler.manager.host
-    assert all(host.contains(k) for k in [*keys, *state])
-    for filler in evict:
-        generate(llm, TEXTS[filler], max_tokens=1)
-        settle(scheduler)
-    if evict:
-        held = [host.contains(k) for k in [*keys, *state]]
-        assert not any(held), f"the fillers did not evict {held}"
-    before = loads(scheduler, tier)
-
-    assert llm.reset_prefix_cache()
-    for tensor in [*worker.transfer.layer_tensors, *state_tensors(worker)]:
-        tensor.fill_(POISON)
-    again = generate(llm, TEXTS[name] + TAIL)
-
-    assert again.cached == len(keys) * chunk
-    assert loads(scheduler, tier) - before == len(keys) + len(state)  # rows: chunks and state
-    ref = engine.reference[name]
-    assert again.prompt == ref.prompt
-    assert again.tokens == ref.tokens
-    assert max(abs(a - b) for a, b in zip(again.logprobs, ref.logprobs, strict=True)) < 1e-4
-    for key in [*keys, state[0]]:
-        assert spy.loaded[key] == spy.stored[key]
+def check(engine: Engine, spy: Spy, name: str, tier: str, evict: tuple[str, ...] = ()) -> None:
+    """TEXTS[name]'s prefix and the state at its end come back from `tier` (after `evict`'s texts)."""
+    reload_check(engine.llm, spy, TEXTS[name], engine.reference[name], tier,
+                 fillers=tuple(TEXTS[f] for f in evict), poison=POISON)
 
 
 def test_the_states_are_segments_of_the_recurrent_layers(engine: Engine) -> None:
@@ -211,12 +115,12 @@ def test_the_states_are_segments_of_the_recurrent_layers(engine: Engine) -> None
 
 
 def test_a_longer_prompt_reloads_the_prefix_and_state_from_the_host_tier(engine: Engine, spy: Spy) -> None:
-    reload_check(engine, spy, "first", "host")
+    check(engine, spy, "first", "host")
 
 
 def test_a_longer_prompt_reloads_the_prefix_and_state_from_fs_after_host_eviction(
     engine: Engine, spy: Spy
 ) -> None:
-    reload_check(engine, spy, "second", "fs", evict=("filler1", "filler2", "filler3"))
+    check(engine, spy, "second", "fs", evict=("filler1", "filler2", "filler3"))
     report = fsck(str(engine.fs_root), repair=False)  # state rows are chunk files like any other
     assert not report.bad and report.good_files >= 4 + STATE_ROWS[engine.name]

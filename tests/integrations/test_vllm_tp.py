@@ -1,11 +1,14 @@
 """Real tensor parallelism on vLLM's CPU backend (one core per rank): chunks stored by a TP=1 engine
 reload into a TP=2 engine, and the reverse, through an fs directory.
 
-Tiny random-weight float32 models (`kvtier.tools.tiny_models`) whose KV head counts 2 divides:
+Tiny random-weight models (`kvtier.tools.tiny_models`) whose head counts 2 divides, float32:
 ``llama`` (full attention, 4 KV heads), ``gemma3`` (sliding window + full attention, 2 KV heads),
-``mistral-sliding`` (every layer slides, 2 KV heads) and ``deepseek-v2`` (MLA: one latent row per
-token, which every rank holds whole). Per model, three engines, one after the other, each in its
-own process (`tp_engine`):
+``mistral-sliding`` (every layer slides, 2 KV heads), ``deepseek-v2`` (MLA: one latent row per
+token, which every rank holds whole) and ``granite-hybrid`` (a Mamba2 layer, 4 heads and one group,
+then attention; THE ENGINES WORK AROUND vLLM's CPU Mamba2 crash in-process, `tp_engine`), and
+``qwen3-next`` (gated delta net, 2 key and 2 value heads, beside attention; bfloat16). The two
+recurrent hybrids reuse 64-token chunks of longer prompts, with the state at the hit point. Per
+model, three engines, one after the other, each in its own process (`tp_engine`):
 
 1. TP=1 serves the longer prompts from scratch (its references), then stores prompts P and Q;
 2. TP=2, on a directory holding only TP=1's chunks of P, reloads P for P + tail, then stores Q;
@@ -13,9 +16,13 @@ own process (`tp_engine`):
 
 What proves the format TP-independent is exact: each TP=2 rank's reloaded device pages are its
 heads of TP=1's stored pages (an MLA latent: all of it), and TP=1's reloaded pages are TP=2's
-ranks' stored pages put together, byte for byte. The chunk files of Q written by TP=1 and by TP=2
-have the same names (keys), headers (layout fingerprint, length) and first-layer bytes; their later
-layers differ, because the values do: TP=2 sums its ranks' partial products in another order (an
+ranks' stored pages put together, byte for byte. Recurrent states likewise: each TP=2 rank's
+reloaded state is its shard of TP=1's stored state, and TP=1's reloaded state is TP=2's shards put
+together, cut and joined here by hand as vLLM cuts them (`SECTIONS`). The chunk files of Q written
+by TP=1 and by TP=2 have the same names (keys), headers (layout fingerprint, length) and
+first-layer bytes (of a state row: the first recurrent layer's conv state, every channel in
+canonical order; the hybrids' attention layers follow a recurrent one: none); their later layers
+differ, because the values do: TP=2 sums its ranks' partial products in another order (an
 all-reduce), which changes their last bits, and vLLM's CPU MLA differs between TP degrees by a few
 percent of a latent value (both TP degrees are that far from transformers' own DeepSeek-V2). So the
 reloads' greedy tokens equal a run from scratch of the reloading engine, and their logprobs are
@@ -32,6 +39,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kvtier.state_rows import state_key
 from kvtier.tiers.common import chunkfmt
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.tp_engine import Pages, Served, Step, rank_pages, run_engine
@@ -39,8 +47,15 @@ from tests.integrations.tp_engine import Pages, Served, Step, rank_pages, run_en
 pytestmark = pytest.mark.slow
 
 TAIL = " Answer in one sentence, then stop."
-BLOCK = {"llama": 32, "gemma3": 32, "mistral-sliding": 32, "deepseek-v2": 16}
+BLOCK = {"llama": 32, "gemma3": 32, "mistral-sliding": 32, "deepseek-v2": 16, "qwen3-next": 64,
+         "granite-hybrid": 64}
 LATENT = {"deepseek-v2"}
+SECTIONS = {"qwen3-next": ((128, False),) * 3, "granite-hybrid": ((256, False), (16, True), (16, True))}
+"""The recurrent models' conv-state channels (canonical rows), in order, and whether every rank holds
+the section whole: gated delta net q, k, v (2 heads of 64 each); Mamba2 x (4 heads of 64), then B
+and C (one group of d_state 16: vLLM gives it to every rank). Recurrent states split by heads."""
+CONV_BYTES = {"qwen3-next": 384 * 3 * 2, "granite-hybrid": 288 * 3 * 4}
+"""Bytes of the first recurrent layer's conv state (kernel 4: 3 positions per channel)."""
 LOGPROB_ATOL = {"deepseek-v2": 5e-3}
 _CHECKSUM_AT = chunkfmt._FIXED.size - 16
 """Where the payload checksum starts in a chunk header (its last fixed field)."""
@@ -50,12 +65,57 @@ def llm_options(name: str) -> dict[str, Any]:
     return {
         "enforce_eager": True,
         "block_size": BLOCK[name],
-        "dtype": "float32",
-        "kv_cache_memory_bytes": 8 << 20,
-        "max_model_len": 256,
+        "dtype": "bfloat16" if name == "qwen3-next" else "float32",
+        "kv_cache_memory_bytes": (16 if name in SECTIONS else 8) << 20,
+        "max_model_len": 512 if name in SECTIONS else 256,
         "max_num_seqs": 2,
         "seed": 0,
     }
+
+
+def with_state(served: Served, keys: list[str]) -> list[str]:
+    """`keys` and, for a recurrent model, the rows of the state at the end of the last of them."""
+    last = bytes.fromhex(keys[-1])
+    return keys + [state_key(last, j).hex() for j in range(served.state_rows)]
+
+
+def cut(whole: np.ndarray, sections: tuple[tuple[int, bool], ...], rank: int, tp: int) -> np.ndarray:
+    """Rank `rank`'s shard of a whole state part (rows on axis 0), section by section."""
+    pieces, start = [], 0
+    for rows, replicated in sections:
+        size = rows if replicated else rows // tp
+        begin = start if replicated else start + rank * size
+        pieces.append(whole[begin : begin + size])
+        start += rows
+    return np.concatenate(pieces)
+
+
+def join(shards: list[np.ndarray], sections: tuple[tuple[int, bool], ...]) -> np.ndarray:
+    """The whole state part from its ranks' shards (a replicated section: the first rank's)."""
+    pieces, local = [], 0
+    for rows, replicated in sections:
+        size = rows if replicated else rows // len(shards)
+        owners = shards[:1] if replicated else shards
+        pieces += [shard[local : local + size] for shard in owners]
+        local += size
+    return np.concatenate(pieces)
+
+
+def assert_states_moved(name: str, src: list[Pages], dst: list[Pages], key: str) -> None:
+    """Every state part `dst`'s ranks loaded for the state keyed `key` is, byte for byte, what
+    `src`'s ranks stored, cut or joined for the other TP degree."""
+    indices = sorted(i for op, k, i in src[0] if op == "store-state" and k == key)
+    assert indices and indices == sorted(i for op, k, i in dst[0] if op == "load-state" and k == key)
+    for i in indices:
+        stored = [ranks[("store-state", key, i)] for ranks in src]
+        heads = stored[0].shape[0] * len(src)
+        sections = SECTIONS[name] if i % 2 == 0 else ((heads, False),)
+        if len(src) == 1:
+            want = [cut(stored[0], sections, rank, len(dst)) for rank in range(len(dst))]
+        else:
+            want = [join(stored, sections)]
+        for rank, part in enumerate(want):
+            assert dst[rank][("load-state", key, i)].tobytes() == part.tobytes(), (i, rank)
 
 
 def stored_keys(served: Served) -> list[str]:
@@ -126,7 +186,10 @@ def assert_same_files(tp1: dict[str, Path], tp2: dict[str, Path], first_layer_by
 
 
 def first_layer_bytes(name: str, block: int) -> int:
-    """Bytes of layer 0 in a row of one block (float32): K then V of every head, or one latent."""
+    """Bytes of layer 0 in a row of one block (float32): K then V of every head, or one latent;
+    none for the recurrent hybrids (their attention layers follow a recurrent layer)."""
+    if name in SECTIONS:
+        return 0
     if name in LATENT:
         return block * 576 * 4
     heads = 4 if name == "llama" else 2
@@ -138,26 +201,39 @@ def test_tp2_reloads_what_tp1_stored_and_the_reverse(name: str, vllm_env: Path, 
     from kvtier.tools.tiny_models import build_tiny_model
 
     model, options, latent = build_tiny_model(name), llm_options(name), name in LATENT
+    workaround = name == "granite-hybrid"
     p, q = PROMPTS["lighthouse"], PROMPTS["bread"]
+    if name in SECTIONS:  # three 64-token chunks or more
+        p, q = p + " " + q, PROMPTS["library"] + " " + PROMPTS["chess"]
 
     fs1, out1 = tmp_path / "fs-tp1", tmp_path / "tp1"
     _, ref_q1, stored_p, stored_q = run_engine(model, 1, fs1, options, [
         Step(p + TAIL, scratch=True), Step(q + TAIL, scratch=True), Step(p, max_tokens=1),
-        Step(q, max_tokens=1)], out1)
+        Step(q, max_tokens=1)], out1, mamba2_workaround=workaround)
     p_keys, q_keys = stored_keys(stored_p), stored_keys(stored_q)
     assert len(p_keys) >= 3 and len(q_keys) >= 3
+    assert stored_p.state_rows == (0 if name not in SECTIONS else 2 if name == "qwen3-next" else 1)
 
     fs2, out2 = tmp_path / "fs-tp2", tmp_path / "tp2"
-    copy_chunks(fs1, fs2, p_keys)
+    copy_chunks(fs1, fs2, with_state(stored_p, p_keys))
     ref_p2, reloaded_p, _ = run_engine(model, 2, fs2, options, [
-        Step(p + TAIL, scratch=True), Step(p + TAIL), Step(q, max_tokens=1)], out2)
+        Step(p + TAIL, scratch=True), Step(p + TAIL), Step(q, max_tokens=1)], out2,
+        mamba2_workaround=workaround)
     assert_reloaded(name, reloaded_p, ref_p2, p_keys)
     assert_pages_moved(rank_pages(out1, 1), rank_pages(out2, 2), p_keys, latent)
     first = first_layer_bytes(name, BLOCK[name])
     assert_same_files(chunk_files(fs1, q_keys), chunk_files(fs2, q_keys), first)
+    if name in SECTIONS:
+        state_p = with_state(stored_p, p_keys)[len(p_keys) :]
+        state_q = with_state(stored_q, q_keys)[len(q_keys) :]
+        assert_states_moved(name, rank_pages(out1, 1), rank_pages(out2, 2), state_p[0])
+        assert_same_files(chunk_files(fs1, state_q[:1]), chunk_files(fs2, state_q[:1]), CONV_BYTES[name])
+        assert_same_files(chunk_files(fs1, state_q), chunk_files(fs2, state_q), 0)
 
     fs3, out3 = tmp_path / "fs-tp1-again", tmp_path / "tp1-again"
-    copy_chunks(fs2, fs3, q_keys)
-    (reloaded_q,) = run_engine(model, 1, fs3, options, [Step(q + TAIL)], out3)
+    copy_chunks(fs2, fs3, with_state(stored_q, q_keys))
+    (reloaded_q,) = run_engine(model, 1, fs3, options, [Step(q + TAIL)], out3, mamba2_workaround=workaround)
     assert_reloaded(name, reloaded_q, ref_q1, q_keys)
     assert_pages_moved(rank_pages(out2, 2), rank_pages(out3, 1), q_keys, latent)
+    if name in SECTIONS:
+        assert_states_moved(name, rank_pages(out2, 2), rank_pages(out3, 1), state_q[0])

@@ -12,7 +12,16 @@ token's logprob; `scratch` steps neither load nor store through kvtier. Before e
 device prefix cache is reset, so whatever is reused comes from kvtier; after it the tier jobs are
 waited for, so its chunks are in `fs_dir` when the engine exits. Every rank records the device
 pages of each chunk it stores (as the store is submitted) and loads (once the load ended), by key
-and layer; `rank_pages(out_dir, tp)` reads them back.
+and layer, and the state of each recurrent layer and part (canonical orientation, channels first)
+it stores and loads, by the state's first row key and `layer * parts + part`; `rank_pages(out_dir,
+tp)` reads them back (as bytes: uint8 arrays whose last axis is the values' bytes).
+
+`mamba2_workaround`: vLLM 0.32's CPU Mamba2 layer crashes on the first prefill with prefix caching
+on (`test_vllm_states`); THE CHILD WORKS AROUND IT, in itself only: the engine core (in the child)
+sees the ranks' Mamba KV cache specs without the mid-prefill checkpoint, so the KV cache config
+every rank gets has none and the scheduler cuts prefills at block boundaries (the rank processes
+are spawned: vLLM's CPU platform forces it, so a patch of their layers would not reach them).
+kvtier itself patches nothing.
 """
 
 from __future__ import annotations
@@ -35,7 +44,9 @@ ROOT = Path(__file__).resolve().parents[2]
 REPLY = "@kvtier-tp@ "
 SCRATCH = {"kvtier": {"skip_load": True, "skip_store": True}}
 Pages = dict[tuple[str, str, int], np.ndarray]
-"""(op: "store" or "load", key hex, layer) -> that layer's device page of the chunk on one rank."""
+"""(op, key hex, index) -> bytes on one rank: op "store" or "load", a chunk's device page of
+attention layer `index`; op "store-state" or "load-state", part `index % parts` of recurrent layer
+`index // parts`'s state."""
 
 
 @dataclass(frozen=True)
@@ -57,10 +68,11 @@ class Served:
     logprobs: list[float]
     cached: int
     split: dict[str, int]
+    state_rows: int = 0
 
 
 def run_engine(model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], steps: list[Step],
-               out_dir: Path, timeout_s: float = 420) -> list[Served]:
+               out_dir: Path, timeout_s: float = 420, mamba2_workaround: bool = False) -> list[Served]:
     """Serve `steps` on a fresh engine of `model` with `tensor_parallel_size=tp` whose one
     secondary tier is fs on `fs_dir`; the ranks' pages and the engine's log (`engine.log`) go to
     `out_dir`. The child and its rank processes are killed (process group) past `timeout_s`."""
@@ -70,7 +82,8 @@ def run_engine(model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], steps: l
     out_dir.mkdir(parents=True, exist_ok=True)
     log_path = out_dir / "engine.log"
     request = {"model": str(model), "tp": tp, "fs_dir": str(fs_dir), "llm": llm,
-               "steps": [vars(step) for step in steps], "out_dir": str(out_dir)}
+               "steps": [vars(step) for step in steps], "out_dir": str(out_dir),
+               "mamba2_workaround": mamba2_workaround}
     with open(log_path, "ab") as log:
         proc = subprocess.Popen(
             [sys.executable, "-m", "tests.integrations.tp_engine"], cwd=ROOT, env=env,
@@ -121,7 +134,22 @@ def _record(half: Any, op: str, jobs: Any) -> None:
                 group = plan.layer_groups[layer]
                 blocks = list(ids[group * bpc : (group + 1) * bpc])
                 if SKIP_BLOCK not in blocks:
-                    _RECORDED[f"{op}.{key.hex()}.{layer}"] = kv[blocks].numpy().copy()
+                    _RECORDED[f"{op}.{key.hex()}.{layer}"] = _bytes(kv[blocks])
+
+
+def _record_states(half: Any, op: str, jobs: Any) -> None:
+    copier = half.states.copier
+    for job in jobs:
+        for layer, (parts, block) in enumerate(zip(copier.tensors, job.block_ids, strict=True)):
+            for p, (part, tensor) in enumerate(zip(copier.layout.parts, parts, strict=True)):
+                state = tensor[block].transpose(0, 1) if part.transposed else tensor[block]
+                _RECORDED[f"{op}-state.{job.keys[0].hex()}.{layer * len(parts) + p}"] = _bytes(state)
+
+
+def _bytes(tensor: Any) -> np.ndarray:
+    import torch
+
+    return tensor.contiguous().view(torch.uint8).numpy().copy()
 
 
 def install_spy(_vllm_worker: Any) -> None:
@@ -133,11 +161,15 @@ def install_spy(_vllm_worker: Any) -> None:
 
     def spy_save(meta: Any) -> None:
         _record(half, "store", meta.stores)
+        if meta.state_stores:
+            _record_states(half, "store", meta.state_stores)
         save(meta)
 
     def spy_load(meta: Any) -> None:
         start_load(meta)
         _record(half, "load", meta.loads)
+        if meta.state_loads:
+            _record_states(half, "load", meta.state_loads)
 
     half.save, half.start_load = spy_save, spy_load
 
@@ -168,7 +200,28 @@ def _serve(llm: Any, scheduler: Any, step: dict[str, Any]) -> dict[str, Any]:
         "logprobs": [entry[tok].logprob for tok, entry in zip(out.token_ids, out.logprobs, strict=True)],
         "cached": done.num_cached_tokens,
         "split": (done.kv_transfer_params or {}).get("kvtier", {}).get("tokens", {}),
+        "state_rows": scheduler.geometry.states.layout.rows if scheduler.geometry.states else 0,
     }
+
+
+def _declare_no_mamba2_checkpoint() -> None:
+    """Make the engine core see every Mamba state group without a mid-prefill checkpoint."""
+    import dataclasses
+
+    from vllm.v1.executor.abstract import Executor
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    specs_of = Executor.get_kv_cache_specs
+    none = {"num_prefill_checkpoint_blocks": 0, "prefill_checkpoint_alignment": None}
+
+    def without_checkpoint(executor: Any) -> list[dict[str, Any]]:
+        return [
+            {name: dataclasses.replace(spec, **none) if isinstance(spec, MambaSpec) else spec
+             for name, spec in specs.items()}
+            for specs in specs_of(executor)
+        ]
+
+    Executor.get_kv_cache_specs = without_checkpoint  # type: ignore[method-assign]
 
 
 def main() -> None:
@@ -178,7 +231,11 @@ def main() -> None:
     from tests.integrations import tp_engine
 
     request = json.loads(sys.stdin.read())
-    config = {"cpu_bytes_to_use": 4 << 20,
+    if request["mamba2_workaround"]:  # the test-only workaround of vLLM's CPU Mamba2 crash (module doc)
+        _declare_no_mamba2_checkpoint()
+    # A tier process starved of CPU on a loaded 2-core machine (both cores pinned by the ranks)
+    # has gone a minute without answering, and a tier declared hung answers MISS: wait longer.
+    config = {"cpu_bytes_to_use": 4 << 20, "tier_job_timeout_s": 240.0,
               "secondary_tiers": [{"type": "fs", "root_dir": request["fs_dir"]}]}
     llm = LLM(model=request["model"], tensor_parallel_size=request["tp"],
               kv_transfer_config=transfer_config(config), **request["llm"])

@@ -100,7 +100,7 @@ def engine_geometry(
         latent=found.latent,
     )
     tp_size = vllm_config.parallel_config.tensor_parallel_size
-    states = state_groups(kv_cache_config, layout.row_bytes, tp_size)
+    states = state_groups(vllm_config, kv_cache_config, layout.row_bytes)
     extra = [("layer_kinds", ",".join(kinds))] if kinds else []
     if states is not None:
         layout = dataclasses.replace(layout, segments=states.layout.describe())

@@ -11,16 +11,18 @@ the block at index `T / block_size - 1` of each state group for the state at T (
 null block), and kvtier loads the state there. The canonical format is `kvtier.state_rows`.
 
 Held: GDN and Mamba2 groups (`MambaAttentionBackendEnum.GDN_ATTN`, `MAMBA2`) in "align" mode, at
-TP=1 (the canonical format is the whole model's state; writing a rank's shard of it is not
-implemented). Other state groups (Mamba1, short conv, linear attention, ...) are refused by
-`groups.layer_groups`. vLLM 0.32's CPU Mamba2 layer asks for a mid-prefill checkpoint its CPU
-chunk scan does not produce and crashes on the first prefill with prefix caching on
-(`notes/vllm-hybrid.md`); kvtier does not work around it (the tests do, in-process, and say so).
+any TP degree vLLM runs them with: the canonical format is the whole model's state, and each rank
+copies its shard of it (`state_tp.py` says how vLLM shards them). Other state groups (Mamba1, short
+conv, linear attention, ...) are refused by `groups.layer_groups`. vLLM 0.32's CPU Mamba2 layer asks
+for a mid-prefill checkpoint its CPU chunk scan does not produce and crashes on the first prefill
+with prefix caching on (`notes/vllm-hybrid.md`); kvtier does not work around it (the tests do,
+in-process, and say so).
 """
 
 from __future__ import annotations
 
 import logging
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
@@ -30,10 +32,13 @@ import torch
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
 from kvtier.integrations.vllm.metadata import StateCopy
+from kvtier.integrations.vllm.state_tp import state_sections, whole_model_state_shapes
 from kvtier.layout import host_rows
 from kvtier.state_rows import StateCopier, StateLayout, StatePart
+from kvtier.state_shards import Section, StateShard
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
 
 log = logging.getLogger("kvtier.vllm.states")
@@ -51,12 +56,21 @@ def held_state(spec: KVCacheSpec) -> bool:
 
 @dataclass(frozen=True)
 class StateGroups:
-    """The recurrent layers in model order, the vLLM KV cache group of each, and their format."""
+    """The recurrent layers in model order, the vLLM KV cache group of each, and their format;
+    `sections` (default: each part whole) and `tp_size` say which shard of it each rank holds."""
 
     layout: StateLayout
     layer_names: tuple[str, ...]
     group_ids: tuple[int, ...]
     block_size: int
+    sections: tuple[tuple[Section, ...], ...] = ()
+    tp_size: int = 1
+
+    def shard(self, rank: int) -> StateShard:
+        """The rows of each state part TP rank `rank` holds."""
+        if not self.sections:
+            return StateShard.whole([part.shape[0] for part in self.layout.parts])
+        return StateShard(self.sections, self.tp_size, rank)
 
     def load_blocks(self, block_ids: Sequence[Sequence[int]], tokens: int) -> tuple[int, ...] | None:
         """The block of each recurrent layer that is to hold the state at `tokens` (a hit point),
@@ -71,7 +85,9 @@ class StateGroups:
         return tuple(out)
 
 
-def state_groups(kv_cache_config: KVCacheConfig, row_bytes: int, tp_size: int) -> StateGroups | None:
+def state_groups(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, row_bytes: int
+) -> StateGroups | None:
     """The recurrent-state groups kvtier holds (None: the model has none); ConfigError for a
     configuration whose states kvtier cannot store."""
     from vllm.model_executor.layers.mamba.mamba_utils import is_conv_state_dim_first
@@ -87,9 +103,6 @@ def state_groups(kv_cache_config: KVCacheConfig, row_bytes: int, tp_size: int) -
         return None
     found.sort(key=lambda item: extract_layer_index(item[0]))
     spec = found[0][2]
-    if tp_size != 1:
-        raise ConfigError("tensor_parallel_size", tp_size, "1 for a model with recurrent (GDN, Mamba2) "
-                          "layers (kvtier does not write a rank's shard of a recurrent state yet)")
     if spec.mamba_cache_mode != "align":
         raise ConfigError("mamba_cache_mode", spec.mamba_cache_mode, "'align' (vLLM sets it with "
                           "enable_prefix_caching): kvtier stores the states vLLM keeps at block boundaries")
@@ -97,13 +110,26 @@ def state_groups(kv_cache_config: KVCacheConfig, row_bytes: int, tp_size: int) -
         if (other.shapes, other.dtypes, other.block_size) != (spec.shapes, spec.dtypes, spec.block_size):
             raise ConfigError("model", (spec.shapes, other.shapes), "the same state shape in every layer")
     conv_first = is_conv_state_dim_first()
-    parts = []
-    for i, (shape, dtype) in enumerate(zip(spec.shapes, spec.dtypes, strict=True)):
-        transposed = i == 0 and not conv_first
-        canonical = tuple(reversed(shape)) if transposed else tuple(shape)
-        parts.append(StatePart(canonical, dtype, transposed))
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    kind = HELD_STATE_TYPES[spec.mamba_type.name]
+
+    def canonical(shapes: Sequence[Sequence[int]]) -> list[tuple[int, ...]]:
+        return [tuple(reversed(s)) if i == 0 and not conv_first else tuple(s) for i, s in enumerate(shapes)]
+
+    local = canonical(spec.shapes)
+    whole = local
+    sections: tuple[tuple[Section, ...], ...] = ()
+    if tp_size > 1 and spec.tp_replicated:  # every rank holds the whole state
+        sections = tuple((Section(shape[0], replicated=True),) for shape in local)
+    elif tp_size > 1:
+        whole = canonical(whole_model_state_shapes(vllm_config))
+        sections = state_sections(kind, local, whole, tp_size)
+    parts = [
+        StatePart(shape, dtype, transposed=i == 0 and not conv_first)
+        for i, (shape, dtype) in enumerate(zip(whole, spec.dtypes, strict=True))
+    ]
     layout = StateLayout(
-        kind=HELD_STATE_TYPES[spec.mamba_type.name],
+        kind=kind,
         layers=tuple(extract_layer_index(name) for name, _, _ in found),
         parts=tuple(parts),
         row_bytes=row_bytes,
@@ -113,36 +139,42 @@ def state_groups(kv_cache_config: KVCacheConfig, row_bytes: int, tp_size: int) -
         layer_names=tuple(name for name, _, _ in found),
         group_ids=tuple(g for _, g, _ in found),
         block_size=spec.block_size,
+        sections=sections,
+        tp_size=tp_size,
     )
 
 
-def state_views(layout: StateLayout, pages: torch.Tensor) -> list[torch.Tensor]:
-    """A recurrent layer's state tensors `[num_blocks, *engine_shape]`, one per part, in the raw
-    page view vLLM 0.32 hands the connector (`[num_blocks, 1, 1, page_bytes]` int8: each block's
-    page holds the parts end to end, as `MambaBase.bind_kv_cache` unpacks it)."""
+def state_views(layout: StateLayout, shard: StateShard, pages: torch.Tensor) -> list[torch.Tensor]:
+    """A recurrent layer's state tensors `[num_blocks, *engine_shape]` on one rank (its `shard`),
+    one per part, in the raw page view vLLM 0.32 hands the connector (`[num_blocks, 1, 1,
+    page_bytes]` int8: each block's page holds the parts end to end, as `MambaBase.bind_kv_cache`
+    unpacks it)."""
+    shapes = [part.engine_shape(shard.local_rows(p)) for p, part in enumerate(layout.parts)]
+    sizes = [math.prod(shape) * part.dtype.itemsize for shape, part in zip(shapes, layout.parts, strict=True)]
     raw = pages.reshape(pages.shape[0], -1) if pages.dim() > 2 else pages
-    if raw.dim() != 2 or raw.element_size() != 1 or raw.shape[1] < layout.layer_bytes:
+    if raw.dim() != 2 or raw.element_size() != 1 or raw.shape[1] < sum(sizes):
         raise ValueError(f"kvtier: state pages {tuple(pages.shape)} {pages.dtype} are not "
-                         f"[num_blocks, 1, 1, >= {layout.layer_bytes}] bytes")
+                         f"[num_blocks, 1, 1, >= {sum(sizes)}] bytes")
     views = []
     offset = 0
-    for part in layout.parts:
-        views.append(raw[:, offset : offset + part.nbytes].view(part.dtype).view(-1, *part.engine_shape()))
-        offset += part.nbytes
+    for part, shape, size in zip(layout.parts, shapes, sizes, strict=True):
+        views.append(raw[:, offset : offset + size].view(part.dtype).view(-1, *shape))
+        offset += size
     return views
 
 
 class StateWorker:
     """One rank's state copies: run synchronously in the step that plans them."""
 
-    def __init__(self, groups: StateGroups, kv_caches: dict[str, Any]) -> None:
-        """`kv_caches`: vLLM's layer name → KV cache. Raises ValueError when a recurrent layer's is
-        missing or too small for its states."""
+    def __init__(self, groups: StateGroups, kv_caches: dict[str, Any], tp_rank: int = 0) -> None:
+        """`kv_caches`: vLLM's layer name → KV cache, on TP rank `tp_rank`. Raises ValueError when
+        a recurrent layer's is missing or too small for its states."""
         missing = [name for name in groups.layer_names if name not in kv_caches]
         if missing:
             raise ValueError(f"kvtier: no state tensors for layers {missing}")
-        tensors = [state_views(groups.layout, kv_caches[name]) for name in groups.layer_names]
-        self.copier = StateCopier(groups.layout, tensors)
+        shard = groups.shard(tp_rank)
+        tensors = [state_views(groups.layout, shard, kv_caches[name]) for name in groups.layer_names]
+        self.copier = StateCopier(groups.layout, tensors, shard)
         self._region: HostRegion | None = None
         self._rows: torch.Tensor | None = None
 

@@ -87,7 +87,7 @@ class KVTierWorker:
             self._check(name, plan, kv)
         self.transfer = self._transfer_factory(plan, tensors)
         if geometry.states is not None:
-            self.states = StateWorker(geometry.states, kv_caches)
+            self.states = StateWorker(geometry.states, kv_caches, self.shard.rank)
 
     def _check(self, name: str, plan: CopyPlan, kv: torch.Tensor) -> None:
         if not holds(kv.dtype, self.geometry.layout.dtype):
