@@ -140,7 +140,7 @@ def _predict(trace: Trace, distances: np.ndarray, at: Sequence[int],
     for b in at:
         size = b // chunk_bytes
         around = _around(size, width)
-        hits = {s: host_hits(trace, s) for s in around}
+        hits = dict(zip(around, host_hits(trace, around), strict=True))
         (lru,) = lru_hit_ratios(distances, [size])
         changed = changed_requests(trace, hits[size])
         cliff = _cliff(around, [sum(h) / refs for h in hits.values()], chunk_bytes)

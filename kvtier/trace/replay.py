@@ -27,7 +27,8 @@ replay finds host chunks where the trace recorded none, so the prefill would wai
 unrecorded length) keeps the recorded step.
 
 Lookups and steps of all requests are replayed in time order (a pin's release, then a lookup,
-then a step at equal times, as the engine's scheduler runs them). Traces recorded before `st`
+then a step at equal times, as the engine's scheduler runs them); a request whose next step is
+recorded at or before its lookup (a trace without timings) pins nothing. Traces recorded before `st`
 existed read as one step at the first token completing every chunk. The device hits are taken as
 recorded: the replay assumes they do not depend on the host size (the device cache is the same
 whatever the host holds), and that requests arrive as recorded (a closed-loop client whose next
@@ -72,30 +73,44 @@ def schedule_s(trace: Trace) -> float | None:
 def host_hit_ratios(trace: Trace, sizes: Sequence[int]) -> list[float]:
     """Host hits over chunk references for an LRU host tier of each size (chunks)."""
     refs = len(trace.refs)
-    return [sum(host_hits(trace, size)) / refs if refs else 0.0 for size in sizes]
+    return [sum(hits) / refs if refs else 0.0 for hits in host_hits(trace, sizes)]
 
 
-def host_hits(trace: Trace, size: int) -> list[int]:
-    """Per record, the chunks an LRU host tier of `size` chunks serves it."""
+def host_hits(trace: Trace, sizes: Sequence[int]) -> list[list[int]]:
+    """Per size (chunks of an LRU host tier), the chunks it serves each record."""
     refs = trace.refs.tolist()
     starts, counts = trace.starts.tolist(), trace.counts.tolist()
-    device = (trace.device // trace.header.chunk_tokens).tolist()
     decoded = trace.decode_refs.tolist()
     dstarts = np.concatenate(([0], np.cumsum(trace.decode_counts)[:-1])).tolist()
     dcounts = trace.decode_counts.tolist()
     chunks = [refs[starts[r] : starts[r] + counts[r]] + decoded[dstarts[r] : dstarts[r] + dcounts[r]]
               for r in range(trace.records)]
+    events = _events(trace)
     delay = schedule_s(trace)
     movable = ((trace.host > 0) & (trace.beyond == 0) & trace.stepped).tolist()
+    moves = [trace.stores[r][0][1] if delay is not None and movable[r] and trace.stores[r] else None
+             for r in range(trace.records)]
+    return [_replay(trace, chunks, events, moves, delay or 0.0, size) for size in sizes]
+
+
+def _replay(trace: Trace, chunks: list[list[int]], events: list[tuple[float, int, int, int]],
+            moves: list[int | None], delay: float, size: int) -> list[int]:
+    """The chunks a host tier of `size` serves each record. `moves[r]`: the chunks record r's
+    first step completes, when that step is taken `delay` after a lookup that finds nothing (None:
+    the recorded step is kept)."""
+    counts = trace.counts.tolist()
+    device = (trace.device // trace.header.chunk_tokens).tolist()
     hits = [0] * trace.records
     cache: OrderedDict[int, None] = OrderedDict()
     pins: Counter[int] = Counter()
     held: dict[int, list[int]] = {}
+    released = [False] * trace.records
     done = [0] * trace.records
-    queue = _events(trace)  # sorted: a heap already
+    queue = list(events)  # sorted: a heap already
     while queue:
         at, kind, r, n = heapq.heappop(queue)
         if kind == RELEASE:
+            released[r] = True
             pins.subtract(held.pop(r, ()))
             continue
         if kind == LOOKUP:
@@ -106,10 +121,12 @@ def host_hits(trace: Trace, size: int) -> list[int]:
                 found.append(key)
                 cache.move_to_end(key)
             hits[r] = len(found)
-            pins.update(found)
-            held[r] = found
-            if delay is not None and not found and movable[r] and trace.stores[r]:
-                heapq.heappush(queue, (at + delay, STORE, r, trace.stores[r][0][1]))
+            if not released[r]:
+                pins.update(found)
+                held[r] = found
+            first = moves[r]
+            if first is not None and not found:
+                heapq.heappush(queue, (at + delay, STORE, r, first))
             continue
         step = chunks[r][done[r] : n]
         done[r] = max(done[r], n)

@@ -37,8 +37,8 @@ def test_a_request_that_misses_the_host_is_scheduled_at_its_lookup(tmp_path: Pat
     # at t=2 finds nothing, so the engine recomputes it at once (t=2.002, not t=5 after a load),
     # and its rows for A, B evict C, D before the lookup at t=3, which misses too. The replay that
     # kept the recorded step at t=5 served C, D at t=3 (2 of 9 references).
-    assert host_hits(trace, 4) == [0, 0, 2, 2]
-    assert host_hits(trace, 2) == [0, 0, 0, 0]
+    assert host_hits(trace, [4]) == [[0, 0, 2, 2]]
+    assert host_hits(trace, [2]) == [[0, 0, 0, 0]]
     assert host_hit_ratios(trace, [2, 4]) == [0.0, 4 / 9]
 
 
@@ -48,7 +48,7 @@ def test_the_moved_step_comes_after_the_lookups_of_its_scheduler_step(tmp_path: 
     trace = _trace(tmp_path, [*QUIET, LOADED_AB, same_step])
     # Looked up 1 ms after the request at t=2, within `schedule_s`: the engine reserves that
     # step's rows after both lookups, so C, D are found (and pinned: A, B get no row).
-    assert host_hits(trace, 2) == [0, 0, 0, 2]
+    assert host_hits(trace, [2]) == [[0, 0, 0, 2]]
 
 
 def test_nothing_moves_without_steps_or_for_a_load_from_another_tier(tmp_path: Path) -> None:
@@ -58,11 +58,11 @@ def test_nothing_moves_without_steps_or_for_a_load_from_another_tier(tmp_path: P
     old[2]["ttft"] = 3.0
     trace = _trace(tmp_path, [*old, later_cd])
     assert schedule_s(trace) is None
-    assert host_hits(trace, 2) == [0, 0, 0, 2]  # the store stays at t=5, after t=3's lookup
+    assert host_hits(trace, [2]) == [[0, 0, 0, 2]]  # the store stays at t=5, after t=3's lookup
     from_fs = {**LOADED_AB, "src": {"device": 0, "fs": 32, "recomputed": 17}}
     trace = _trace(tmp_path, [*QUIET, from_fs, {**later_cd, "st": [[0.5, 2]]}])
     # A, B still come from the fs tier at a smaller host: the prefill still waits for that copy.
-    assert host_hits(trace, 2) == [0, 0, 0, 2]
+    assert host_hits(trace, [2]) == [[0, 0, 0, 2]]
 
 
 def _cycle(conversations: int = 4, chunks: int = 3, rounds: int = 4) -> list[dict]:
@@ -110,3 +110,13 @@ def test_recommendation_says_when_it_sits_on_a_cliff_of_the_lru_curve(tmp_path: 
     assert rec["cpu_bytes_to_use"] == 12_000
     assert rec["cpu_cliff"] == {"range_bytes": [9000, 15_000], "hit_ratio_range": [0.0, 0.75],
                                 "cliff": True}
+
+
+def test_a_trace_without_timings_pins_nothing_for_ever(tmp_path: Path) -> None:
+    records = [{"t": float(i), "keys": keys, "prompt": 16 * len(keys), "src": {"device": 0}}
+               for i, keys in enumerate([[A], [A], [B, C], [B, C]])]
+    trace = _trace(tmp_path, records)
+    # Lookup and step at the same time (no `lookup`, `ttft` or `st`): the second request's hit on
+    # A is over at once, so B and C push A out and the last request finds both. (A pin released
+    # before the lookup that took it held A for ever: C found no row, and the last request only B.)
+    assert host_hits(trace, [2]) == [[0, 1, 0, 2]]
