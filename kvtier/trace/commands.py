@@ -65,10 +65,19 @@ def summary(report: dict[str, Any]) -> str:
         mb=rec["max_bytes"], mb_hit=rec["max_bytes_hit_ratio"], policy=rec["eviction_policy"],
         bpc=rec["blocks_per_chunk"], adm=json.dumps(rec["admission"]),
     )
+    if rec["cpu_cliff"]["cliff"]:
+        lines += f"\n  cpu_bytes_to_use is on a cliff of the LRU curve: {_cliff(rec['cpu_cliff'])}"
     for p in report.get("predict", ()):
         lines += (f"\nhost tier of {p['bytes']} bytes: LRU hit ratio {p['lru_hit_ratio']:.1%}, "
                   f"host share behind the device {p['host_hit_ratio']:.1%}")
+        if p["cliff"]:
+            lines += f"\n  on a cliff: {_cliff(p)}; not a forecast, size away from it"
     return lines
+
+
+def _cliff(row: dict[str, Any]) -> str:
+    lo, hi = row["hit_ratio_range"]
+    return f"{lo:.1%} to {hi:.1%} between {row['range_bytes'][0]} and {row['range_bytes'][1]} bytes"
 
 
 def run(args: argparse.Namespace) -> int:

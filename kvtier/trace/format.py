@@ -44,6 +44,7 @@ from kvtier.errors import KVTierError
 FORMAT_VERSION = 1
 KEY_BYTES = 8
 SOURCES = ("connector", "kv_events")
+NOT_BEYOND = ("device", "host", "recomputed")
 
 
 class TraceError(KVTierError):
@@ -99,6 +100,12 @@ class Trace:
     lookup: np.ndarray
     """Seconds from arrival to the lookup the request was served on (`lookup`; 0 when not
     recorded)."""
+    host: np.ndarray
+    """Prompt tokens the host tier served (`src.host`)."""
+    beyond: np.ndarray
+    """Prompt tokens the tiers beyond the host served (every `src` but device, host, recomputed)."""
+    stepped: np.ndarray
+    """Whether the record lists its steps (`st`); without them `stores` is one step at `ttft`."""
     stores: list[list[tuple[float, int]]]
     """Per record, the steps that completed its chunks: (seconds after arrival, chunks of its
     refs then decode refs complete after that step)."""
@@ -147,6 +154,9 @@ class _Reader:
         self.device: list[int] = []
         self.ttft: list[float] = []
         self.lookup: list[float] = []
+        self.host: list[int] = []
+        self.beyond: list[int] = []
+        self.stepped: list[bool] = []
         self.dkeys: list[bytes] = []
         self.stores: list[list[tuple[float, int]]] = []
         self.counts: list[int] = []
@@ -201,6 +211,9 @@ class _Reader:
         self.device.append(sources.get("device", 0))
         self.ttft.append(ttft)
         self.lookup.append(lookup)
+        self.host.append(sources.get("host", 0))
+        self.beyond.append(sum(v for k, v in sources.items() if k not in NOT_BEYOND))
+        self.stepped.append(steps is not None)
         self.dkeys.append(dkeys)
         self.stores.append(stores)
         self.counts.append(len(keys) // KEY_BYTES)
@@ -223,6 +236,9 @@ class _Reader:
             device=np.asarray(self.device, dtype=np.int64)[order],
             ttft=np.asarray(self.ttft, dtype=np.float64)[order],
             lookup=np.asarray(self.lookup, dtype=np.float64)[order],
+            host=np.asarray(self.host, dtype=np.int64)[order],
+            beyond=np.asarray(self.beyond, dtype=np.int64)[order],
+            stepped=np.asarray(self.stepped, dtype=bool)[order],
             decode_counts=np.asarray([len(self.dkeys[i]) // KEY_BYTES for i in order], dtype=np.int64),
             decode_refs=np.frombuffer(b"".join(self.dkeys[i] for i in order), dtype=">u8").astype(np.uint64),
             stores=[self.stores[i] for i in order],

@@ -13,6 +13,17 @@ each tier, recomputed) over the chunk references' tokens; `predict` (sizes given
 gives, per host size, the LRU hit ratio and the host tier's own hit ratio behind the recorded
 device hits (`replay.py`: what kvtier's host tier would serve at that size).
 
+Cliffs: the replay is exact for the recorded order of events, but the order itself moves with the
+host size where a request's host hits at that size differ from those recorded (`changed_requests`):
+one recomputed instead of loaded finishes later, and a closed-loop client sends its next request
+later. So each prediction comes with the range of the replay over the sizes within one request's
+chunks of it (`cliff_chunks`: the median chunks a request stores, prompt and decode; sampled at -1,
+-1/2, 0, +1/2, +1 of it), and is marked `cliff` where requests changed and that range spans more
+than `CLIFF` (5 points, the accuracy asked of a prediction): there, one request more or less in the
+host decides the hit ratio, and the number is not a forecast; size away from the cliff.
+`recommend.cpu_cliff` gives the range of the LRU curve around `cpu_bytes_to_use` the same way
+(`cliff`: it spans more than `CLIFF`).
+
 Recommendations: `cpu_bytes_to_use` captures 90% of the reachable reuse and `max_bytes` (the
 secondary tier) 99%, each with the hit ratio it buys; `blocks_per_chunk` is the largest chunk
 that keeps 95% of the reusable tokens within the host transfer budget; admission keeps at least
@@ -33,12 +44,13 @@ from kvtier.policies.arc import ARCPolicy
 from kvtier.trace import analysis
 from kvtier.trace.format import Trace, TraceError
 from kvtier.trace.mrc import lru_hit_ratios, sample_rate, simulate, stack_distances
-from kvtier.trace.replay import host_hit_ratios
+from kvtier.trace.replay import host_hits
 
 LRU_POINTS = 64
 ARC_POINTS = 16
 CAPTURE = (0.90, 0.95, 0.99)
 GIB = 1 << 30
+CLIFF = 0.05
 
 
 def measure_host_bytes_per_s(nbytes: int = 64 << 20, repeat: int = 3) -> float:
@@ -96,15 +108,45 @@ def _observed(trace: Trace) -> dict[str, float]:
     return {k: v / tokens for k, v in trace.sources.items()} if tokens else {}
 
 
+def cliff_chunks(trace: Trace) -> int:
+    """One request's chunks: the median a record stores (prompt and decode), at least 1."""
+    return max(1, int(np.median(trace.counts + trace.decode_counts)))
+
+
+def _around(size: int, width: int) -> list[int]:
+    """The sizes within `width` of `size` a cliff is looked for at (>= 0)."""
+    return sorted({max(0, size + width * i // 2) for i in (-2, -1, 0, 1, 2)})
+
+
+def _cliff(sizes: list[int], ratios: list[float], chunk_bytes: int) -> dict[str, Any]:
+    lo, hi = min(ratios), max(ratios)
+    return {"range_bytes": [sizes[0] * chunk_bytes, sizes[-1] * chunk_bytes],
+            "hit_ratio_range": [lo, hi], "cliff": hi - lo > CLIFF}
+
+
+def changed_requests(trace: Trace, hits: Sequence[int]) -> int:
+    """Requests whose host hits (chunks, per record) differ from the host chunks they recorded."""
+    recorded = (trace.host // trace.header.chunk_tokens).tolist()
+    return sum(1 for h, r in zip(hits, recorded, strict=True) if h != r)
+
+
 def _predict(trace: Trace, distances: np.ndarray, at: Sequence[int],
              chunk_bytes: int) -> list[dict[str, Any]]:
     """Hit ratios of host tiers of `at` bytes: the LRU curve's, and the host tier's own behind the
-    recorded device hits (`replay.py`)."""
-    sizes = [b // chunk_bytes for b in at]
-    lru = lru_hit_ratios(distances, sizes)
-    host = host_hit_ratios(trace, sizes)
-    return [{"bytes": b, "lru_hit_ratio": h, "host_hit_ratio": r}
-            for b, h, r in zip(at, lru, host, strict=True)]
+    recorded device hits (`replay.py`), with its range over the sizes around each."""
+    width = cliff_chunks(trace)
+    refs = max(1, len(trace.refs))
+    rows = []
+    for b in at:
+        size = b // chunk_bytes
+        around = _around(size, width)
+        hits = dict(zip(around, host_hits(trace, around), strict=True))
+        (lru,) = lru_hit_ratios(distances, [size])
+        changed = changed_requests(trace, hits[size])
+        cliff = _cliff(around, [sum(h) / refs for h in hits.values()], chunk_bytes)
+        rows.append({"bytes": b, "lru_hit_ratio": lru, "host_hit_ratio": sum(hits[size]) / refs,
+                     "changed_requests": changed, **cliff, "cliff": cliff["cliff"] and changed > 0})
+    return rows
 
 
 def plan(trace: Trace, chunk_bytes: int | None = None,
@@ -135,6 +177,7 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
     cpu = _capture(distances, refs, CAPTURE[0])
     secondary = _capture(distances, refs, CAPTURE[-1])
     cpu_hit, secondary_hit = lru_hit_ratios(distances, [cpu, secondary])
+    cpu_around = _around(cpu, cliff_chunks(trace))
     arc_at_cpu = simulate(ARCPolicy, trace.refs, [cpu], sample_rate(trace.refs))[0]
     report: dict[str, Any] = {
         "requests": int((trace.prompt > 0).sum()) or trace.records,
@@ -145,6 +188,7 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
         "chunk_references": refs,
         "chunk_tokens": trace.header.chunk_tokens,
         "chunk_bytes": chunk_bytes,
+        "cliff_chunks": cliff_chunks(trace),
         "token_sources": trace.sources,
         "observed_hit_ratio": _observed(trace),
         **analysis.shared_prefixes(stream),
@@ -163,6 +207,7 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
         "recommend": {
             "cpu_bytes_to_use": cpu * chunk_bytes,
             "cpu_hit_ratio": cpu_hit,
+            "cpu_cliff": _cliff(cpu_around, lru_hit_ratios(distances, cpu_around), chunk_bytes),
             "eviction_policy": "arc" if arc_at_cpu > cpu_hit + 0.01 else "lru",
             "max_bytes": secondary * chunk_bytes,
             "max_bytes_hit_ratio": secondary_hit,

@@ -16,16 +16,29 @@ which the replay copies per request:
   that step (the engine reserves the rows when it schedules the step and publishes them once the
   step's forward pass is over, before any later lookup: so nothing looks them up in between).
 
+The replay's own hits move a request's first step where the trace says how: a request that loads
+nothing is scheduled on the step of its lookup (its prefill does not wait for a copy), so when the
+trace recorded a load from the host alone (`src.host` and no other tier) and the replay finds no
+host chunk for it, its first step is taken `schedule_s` after its lookup, not at the recorded time
+(which waited for that load). `schedule_s` is the longest time the trace records from a lookup to
+the step of a request that loaded nothing (the rest of that scheduler step's lookups come before
+its stores); a trace without such a record (or without `st`) moves nothing. The converse (the
+replay finds host chunks where the trace recorded none, so the prefill would wait for a load of
+unrecorded length) keeps the recorded step.
+
 Lookups and steps of all requests are replayed in time order (a pin's release, then a lookup,
-then a step at equal times, as the engine's scheduler runs them). Traces recorded before `st`
+then a step at equal times, as the engine's scheduler runs them); a request whose next step is
+recorded at or before its lookup (a trace without timings) pins nothing. Traces recorded before `st`
 existed read as one step at the first token completing every chunk. The device hits are taken as
 recorded: the replay assumes they do not depend on the host size (the device cache is the same
-whatever the host holds). Cost: O(references) per size, plus the pinned chunks skipped per
-eviction.
+whatever the host holds), and that requests arrive as recorded (a closed-loop client whose next
+request waits for a slower recompute is not replayed). Cost: O(references) per size, plus the
+pinned chunks skipped per eviction.
 """
 
 from __future__ import annotations
 
+import heapq
 from collections import Counter, OrderedDict
 from collections.abc import Sequence
 
@@ -48,49 +61,82 @@ def _events(trace: Trace) -> list[tuple[float, int, int, int]]:
     return events
 
 
+def schedule_s(trace: Trace) -> float | None:
+    """The longest recorded time from a lookup to the first step of a request that loaded nothing
+    (None: no such record with steps)."""
+    quiet = trace.stepped & (trace.host == 0) & (trace.beyond == 0)
+    delays = [trace.stores[r][0][0] - trace.lookup[r] for r in np.flatnonzero(quiet).tolist()
+              if trace.stores[r]]
+    return max(0.0, *delays) if delays else None
+
+
 def host_hit_ratios(trace: Trace, sizes: Sequence[int]) -> list[float]:
     """Host hits over chunk references for an LRU host tier of each size (chunks)."""
+    refs = len(trace.refs)
+    return [sum(hits) / refs if refs else 0.0 for hits in host_hits(trace, sizes)]
+
+
+def host_hits(trace: Trace, sizes: Sequence[int]) -> list[list[int]]:
+    """Per size (chunks of an LRU host tier), the chunks it serves each record."""
     refs = trace.refs.tolist()
     starts, counts = trace.starts.tolist(), trace.counts.tolist()
-    device = (trace.device // trace.header.chunk_tokens).tolist()
     decoded = trace.decode_refs.tolist()
     dstarts = np.concatenate(([0], np.cumsum(trace.decode_counts)[:-1])).tolist()
     dcounts = trace.decode_counts.tolist()
     chunks = [refs[starts[r] : starts[r] + counts[r]] + decoded[dstarts[r] : dstarts[r] + dcounts[r]]
               for r in range(trace.records)]
     events = _events(trace)
-    out = []
-    for size in sizes:
-        hits = 0
-        cache: OrderedDict[int, None] = OrderedDict()
-        pins: Counter[int] = Counter()
-        held: dict[int, list[int]] = {}
-        done = [0] * trace.records
-        for _, kind, r, n in events:
-            if kind == RELEASE:
-                pins.subtract(held.pop(r, ()))
-                continue
-            if kind == LOOKUP:
-                found = []
-                for key in chunks[r][device[r] : counts[r]]:
-                    if key not in cache:
-                        break
-                    found.append(key)
-                    cache.move_to_end(key)
-                hits += len(found)
+    delay = schedule_s(trace)
+    movable = ((trace.host > 0) & (trace.beyond == 0) & trace.stepped).tolist()
+    moves = [trace.stores[r][0][1] if delay is not None and movable[r] and trace.stores[r] else None
+             for r in range(trace.records)]
+    return [_replay(trace, chunks, events, moves, delay or 0.0, size) for size in sizes]
+
+
+def _replay(trace: Trace, chunks: list[list[int]], events: list[tuple[float, int, int, int]],
+            moves: list[int | None], delay: float, size: int) -> list[int]:
+    """The chunks a host tier of `size` serves each record. `moves[r]`: the chunks record r's
+    first step completes, when that step is taken `delay` after a lookup that finds nothing (None:
+    the recorded step is kept)."""
+    counts = trace.counts.tolist()
+    device = (trace.device // trace.header.chunk_tokens).tolist()
+    hits = [0] * trace.records
+    cache: OrderedDict[int, None] = OrderedDict()
+    pins: Counter[int] = Counter()
+    held: dict[int, list[int]] = {}
+    released = [False] * trace.records
+    done = [0] * trace.records
+    queue = list(events)  # sorted: a heap already
+    while queue:
+        at, kind, r, n = heapq.heappop(queue)
+        if kind == RELEASE:
+            released[r] = True
+            pins.subtract(held.pop(r, ()))
+            continue
+        if kind == LOOKUP:
+            found = []
+            for key in chunks[r][device[r] : counts[r]]:
+                if key not in cache:
+                    break
+                found.append(key)
+                cache.move_to_end(key)
+            hits[r] = len(found)
+            if not released[r]:
                 pins.update(found)
                 held[r] = found
+            first = moves[r]
+            if first is not None and not found:
+                heapq.heappush(queue, (at + delay, STORE, r, first))
+            continue
+        step = chunks[r][done[r] : n]
+        done[r] = max(done[r], n)
+        for key in step if size > 0 else ():
+            if key in cache:
                 continue
-            step = chunks[r][done[r] : n]
-            done[r] = max(done[r], n)
-            for key in step if size > 0 else ():
-                if key in cache:
-                    continue
-                if len(cache) >= size and not _evict(cache, pins, step):
-                    break
-                cache[key] = None
-        out.append(hits / len(refs) if refs else 0.0)
-    return out
+            if len(cache) >= size and not _evict(cache, pins, step):
+                break
+            cache[key] = None
+    return hits
 
 
 def _evict(cache: OrderedDict[int, None], pins: Counter[int], named: Sequence[int]) -> bool:
