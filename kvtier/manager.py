@@ -22,7 +22,8 @@ from typing import Protocol
 
 from kvtier.chunks import HOST, ChunkKey, TierEvent
 from kvtier.config import KVTierConfig
-from kvtier.host.region import HostRegion
+from kvtier.host import generations
+from kvtier.host.region import PAGE, HostRegion
 from kvtier.host.tier import HostTier
 from kvtier.metrics import KVTierMetrics
 from kvtier.policies.admission import AdmissionChain
@@ -117,19 +118,22 @@ class TieringManager:
         All-or-nothing: if any part fails (a tier rejects its options, the region does not fit),
         what was already built is shut down in reverse order and the error is re-raised.
         """
-        region = HostRegion.create(config.cpu_bytes_to_use, shm_dir=config.shm_dir, min_bytes=row_bytes,
-                                   guard=True)
+        rows_bytes = -(-config.cpu_bytes_to_use // PAGE) * PAGE
+        num_slots = rows_bytes // row_bytes
+        region = HostRegion.create(config.cpu_bytes_to_use + generations.nbytes(num_slots),
+                                   shm_dir=config.shm_dir, min_bytes=row_bytes, guard=True)
         started: list[TierProcess] = []
         try:
-            num_slots = region.size // row_bytes
             policy = config.eviction_class(num_slots)
-            host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy)
+            gens = generations.view(region.buf, rows_bytes, num_slots)
+            host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy, gens)
             for i, tier in enumerate(config.secondary_tiers):
                 spec = TierSpec(
                     tier_name=tier.name, type=tier.type, module_path=tier.module_path,
                     options=tier.options, config_key=f"secondary_tiers[{i}]",
                     region_name=region.name, shm_dir=config.shm_dir, row_bytes=row_bytes,
                     num_slots=num_slots, layout_fingerprint=layout_fingerprint,
+                    generations_offset=rows_bytes,
                 )
                 proc = TierProcess(
                     spec, job_timeout_s=config.tier_job_timeout_s,
