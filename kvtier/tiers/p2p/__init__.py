@@ -37,6 +37,8 @@ Security: every peer holds a shared secret (`secret` or `secret_file`, never sen
 shown in errors). Control messages carry an HMAC-SHA256 over their whole content plus a send time
 (a stale one is refused); a data connection starts with a mutual challenge-response over fresh
 nonces. Every size, count and key length is checked before use (`protocol`); nothing is unpickled.
+A row voided by an ABORTED trailer may carry bytes of the chunk that reused the slot: only an
+authenticated peer receives them, and its fetcher never uses them (the key fails).
 With `curve_secret_key` (or `_file`), the control channel is also ZMQ CURVE: encrypted, and only
 peers holding the fleet's CURVE key complete the ZMQ handshake (`curve`). Refusals are counted
 (`auth_refused`, `malformed`) and logged once per cause. Without TLS, the data stream after the
