@@ -9,6 +9,9 @@ process that reads a slot's generation, then the row, then the generation again,
 value both times, read bytes of that one allocation (a seqlock read; the row's bytes are read
 before the second load of the word: the p2p server's kernel copy ends before its system call
 returns). Words are 8-byte aligned, so each load and store of one is a single access.
+
+Processes that count the region's rows as `size // row_bytes` may count one more row over these
+words; the host tier never hands that slot out, so nothing writes it as a row.
 """
 
 from __future__ import annotations
