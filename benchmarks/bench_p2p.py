@@ -15,8 +15,8 @@ connections and threads:
   `--raw-variants` also runs weaker raw copies (rows where numpy puts them, 16 bytes into a page; a
   plain `recv_into` loop; one request per batch of up to 64 rows; all three: the raw copy measured
   before) that explain why raw baselines measured here differed.
-- hash (`hash_store`): what a p2p STORE computes, bare: the row's xxh3-128 and per-piece xxh3-64
-  digests (`rowhash.row_digests`), one thread, over the same rows. A p2p store moves no bytes; this
+- hash (`hash_store`): what a p2p STORE computes, bare: the row's xxh3-128 (`chunkfmt.checksum`),
+  one thread, over the same rows. A p2p store moves no bytes; this
   is the like-for-like reference for it.
 - tier: `kvtier tier-bench --tier p2p --json` (a holder peer process serving its host region; a p2p
   tier process loading into its own, each job through the engine-side proxy as in serving): its
@@ -43,7 +43,7 @@ import threading
 import time
 
 from benchmarks import rawio
-from kvtier.tiers.p2p import rowhash
+from kvtier.tiers.common import chunkfmt
 
 BATCH = 64
 """Rows per request in the batched raw variant: the p2p tier's own limit (MAX_FETCH_KEYS)."""
@@ -125,10 +125,9 @@ class RawCopy:
 
 def hash_store(rows: memoryview, chunks: int, row_bytes: int) -> float:
     """Seconds for one thread to compute what a p2p STORE computes for every row."""
-    spans = rowhash.piece_spans(row_bytes)
     start = time.perf_counter()
     for v in range(chunks):
-        rowhash.row_digests(rows[v * row_bytes : (v + 1) * row_bytes], spans)
+        chunkfmt.checksum(rows[v * row_bytes : (v + 1) * row_bytes])
     return time.perf_counter() - start
 
 

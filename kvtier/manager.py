@@ -24,6 +24,7 @@ from typing import Protocol
 
 from kvtier.chunks import HOST, ChunkKey, TierEvent
 from kvtier.config import KVTierConfig
+from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
 from kvtier.metrics import KVTierMetrics
@@ -114,24 +115,21 @@ class TieringManager:
     def from_config(
         cls, config: KVTierConfig, row_bytes: int, layout_fingerprint: str
     ) -> TieringManager:
-        """Create the host region and tier, and start every secondary tier's process.
-
-        All-or-nothing: if any part fails (a tier rejects its options, the region does not fit),
-        what was already built is shut down in reverse order and the error is re-raised.
-        """
-        region = HostRegion.create(config.cpu_bytes_to_use, shm_dir=config.shm_dir, min_bytes=row_bytes,
-                                   guard=True)
+        """Create the host region and tier, and start every secondary tier's process; all or
+        nothing: when a part fails, what was built is shut down in reverse order, the error raised."""
+        rows = generations.create_region(config.cpu_bytes_to_use, row_bytes, config.shm_dir)
+        region, num_slots = rows.region, rows.num_slots
         started: list[TierProcess] = []
         try:
-            num_slots = region.size // row_bytes
-            policy = config.eviction_class(num_slots)
-            host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy)
+            policy, gens = config.eviction_class(num_slots), rows.generations
+            host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy, gens)
             for i, tier in enumerate(config.secondary_tiers):
                 spec = TierSpec(
                     tier_name=tier.name, type=tier.type, module_path=tier.module_path,
                     options=tier.options, config_key=f"secondary_tiers[{i}]",
                     region_name=region.name, shm_dir=config.shm_dir, row_bytes=row_bytes,
-                    num_slots=num_slots, layout_fingerprint=layout_fingerprint)
+                    num_slots=num_slots, layout_fingerprint=layout_fingerprint,
+                    generations_offset=rows.offset)
                 proc = TierProcess(spec, job_timeout_s=config.tier_job_timeout_s,
                                    restart_backoff_s=config.tier_restart_backoff_s)
                 proc.launch()

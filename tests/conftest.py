@@ -10,6 +10,7 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.chunks import ChunkKey
+from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import JobResult, LookupResult, TierContext
 
@@ -26,7 +27,7 @@ LAYOUT_FP = "00112233445566778899aabbccddeeff"
 
 @pytest.fixture
 def region() -> Iterator[HostRegion]:
-    r = HostRegion.create(ROW_BYTES * SLOTS)
+    r = HostRegion.create(ROW_BYTES * SLOTS + generations.nbytes(SLOTS))
     yield r
     r.close()
 
@@ -36,6 +37,7 @@ def ctx(region: HostRegion) -> TierContext:
     return TierContext(
         region=region.buf, row_bytes=ROW_BYTES, num_slots=SLOTS,
         layout_fingerprint=LAYOUT_FP, tier_name="test",
+        generations=generations.view(region.buf, ROW_BYTES * SLOTS, SLOTS),
     )
 
 

@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import numpy as np
 
+from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
 from kvtier.tiers.process import TierProcess, TierSpec
@@ -80,14 +81,15 @@ def holder_peer(
 ) -> Iterator[Holder]:
     """A p2p peer process over its own copy of `rows` (one row per slot), holding nothing yet."""
     chunks, row_bytes = rows.shape
-    region = HostRegion.create(rows.nbytes, key="--chunks")
+    region = HostRegion.create(rows.nbytes + generations.nbytes(chunks), key="--chunks")
     proc: TierProcess | None = None
     try:
-        np.frombuffer(region.buf, dtype=np.uint8).reshape(rows.shape)[:] = rows
+        np.frombuffer(region.buf, dtype=np.uint8, count=rows.nbytes).reshape(rows.shape)[:] = rows
         spec = TierSpec(
             tier_name="p2p-holder", type="p2p", module_path=None, options=options,
             config_key="--tier", region_name=region.name, shm_dir=os.path.dirname(region.path),
             row_bytes=row_bytes, num_slots=chunks, layout_fingerprint=layout_fingerprint,
+            generations_offset=rows.nbytes,
         )
         proc = TierProcess(spec, job_timeout_s=timeout_s)
         proc.start()

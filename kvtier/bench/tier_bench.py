@@ -24,6 +24,7 @@ from typing import Any
 import numpy as np
 import xxhash
 
+from kvtier.host import generations
 from kvtier.host.region import PAGE, HostRegion
 from kvtier.tiers.base import Job, JobKind, JobResult
 from kvtier.tiers.process import TierProcess, TierSpec
@@ -68,11 +69,11 @@ def run_tier_bench(
     opts = dict(options)
     for name in THREAD_OPTIONS.get(tier, ()):
         opts.setdefault(name, threads)
-    region = HostRegion.create(row * chunks, key="--chunks")
+    region = HostRegion.create(row * chunks + generations.nbytes(chunks), key="--chunks")
     proc: TierProcess | None = None
     stack = contextlib.ExitStack()
     try:
-        rows = np.frombuffer(region.buf, dtype=np.uint8).reshape(chunks, row)
+        rows = np.frombuffer(region.buf, dtype=np.uint8, count=row * chunks).reshape(chunks, row)
         rows[:] = np.random.default_rng(0).integers(0, 256, size=rows.shape, dtype=np.uint8)
         digests = [xxhash.xxh3_64_digest(rows[i]) for i in range(chunks)]
 
@@ -96,7 +97,7 @@ def run_tier_bench(
         spec = TierSpec(
             tier_name=tier, type=tier, module_path=None, options=opts, config_key="--tier",
             region_name=region.name, shm_dir=os.path.dirname(region.path), row_bytes=row,
-            num_slots=chunks, layout_fingerprint=BENCH_LAYOUT_FP,
+            num_slots=chunks, layout_fingerprint=BENCH_LAYOUT_FP, generations_offset=row * chunks,
         )
         proc = TierProcess(spec, job_timeout_s=600)
         proc.start()

@@ -77,9 +77,12 @@ class HostTier:
     `buf` holds `len(buf) // row_bytes` rows; row `s` is `buf[s*row_bytes:(s+1)*row_bytes]`, page
     aligned when `buf` is and `row_bytes` is a multiple of the page size. `policy` must be empty and
     is owned by the tier from now on; its capacity must be at least the number of slots.
+    `generations` (uint64 per slot, `host.generations`): each slot's word is incremented whenever
+    `prepare_store` hands the slot out, so other processes can tell a reused slot from its old row.
     """
 
-    def __init__(self, buf: memoryview, row_bytes: int, policy: EvictionPolicy[int]) -> None:
+    def __init__(self, buf: memoryview, row_bytes: int, policy: EvictionPolicy[int],
+                 generations: memoryview | None = None) -> None:
         if row_bytes < 1:
             raise ValueError(f"row_bytes must be >= 1, got {row_bytes}")
         num_slots = len(buf) // row_bytes
@@ -99,6 +102,9 @@ class HostTier:
         # A stack: slot 0 is handed out first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._events: list[TierEvent] = []
+        if generations is not None and len(generations) < num_slots:
+            raise ValueError(f"{len(generations)} slot generations for {num_slots} slots")
+        self._generations = generations
 
     # Queries: no pin, no recency change.
 
@@ -151,6 +157,10 @@ class HostTier:
         taken = free[-count:]
         del free[-count:]
         taken.reverse()
+        gens = self._generations
+        if gens is not None:
+            for slot in taken:
+                gens[slot] += 1
         new = dict(zip(wanted, taken, strict=True))
         writing.update(new)
         return new

@@ -101,6 +101,9 @@ class TierContext:
     num_slots: int
     layout_fingerprint: str
     tier_name: str
+    generations: memoryview | None = None
+    """The slots' generations (`host.generations`: uint64 per slot, bumped whenever the host tier
+    hands the slot out for writing), when the region has them."""
     wakeup: Callable[[], None] = field(default=lambda: None)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("kvtier.tier"))
 

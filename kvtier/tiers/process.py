@@ -60,6 +60,7 @@ class TierSpec:
     row_bytes: int
     num_slots: int
     layout_fingerprint: str
+    generations_offset: int | None = None  # where the slot generations start (`host.generations`)
 
 
 @dataclass
@@ -133,8 +134,7 @@ class TierProcess:
 
         Raises ConfigError with the tier's own message when it rejects its options, and
         TierStartError when the process dies or does not answer within `timeout_s`; the process is
-        shut down in both cases.
-        """
+        shut down in both cases."""
         deadline = time.monotonic() + timeout_s
         while self._gen is not None and not self._gen.ready:
             if time.monotonic() > deadline:

@@ -29,6 +29,7 @@ from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, SecondaryTier, TierContext
 from kvtier.tiers.registry import resolve_tier
@@ -119,6 +120,7 @@ def main() -> None:
     region = None
     try:
         region = HostRegion.attach(spec["region_name"], shm_dir=spec["shm_dir"])
+        gens_at = spec.get("generations_offset")
         wake = _Wakeup()
         ctx = TierContext(
             region=region.buf,
@@ -126,6 +128,7 @@ def main() -> None:
             num_slots=spec["num_slots"],
             layout_fingerprint=spec["layout_fingerprint"],
             tier_name=spec["tier_name"],
+            generations=None if gens_at is None else generations.view(region.buf, gens_at, spec["num_slots"]),
             wakeup=wake,
             log=logging.getLogger(f"kvtier.tier.{spec['tier_name']}"),
         )

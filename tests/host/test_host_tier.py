@@ -380,3 +380,16 @@ def test_clear_drops_unpinned_ready_entries_only(buf: memoryview, policy_name: s
     tier.check()
     assert tier.clear() == 8 and tier.clear() == 0
     tier.check()
+
+
+def test_every_slot_handed_out_for_writing_gets_a_new_generation() -> None:
+    gens = memoryview(bytearray(8 * 2)).cast("Q")
+    host = HostTier(memoryview(bytearray(2 * ROW)), ROW, LRUPolicy(2), gens)
+    assert host.prepare_store(ks(1, 2)) == {k(1): 0, k(2): 1} and list(gens) == [1, 1]
+    host.complete_store(ks(1, 2), True)
+    assert host.prepare_store(ks(1)) == {} and host.prepare_load(ks(2)) == [1]
+    assert list(gens) == [1, 1]  # present keys and loads leave the generations alone
+    host.complete_load(ks(2))
+    assert host.prepare_store(ks(3)) == {k(3): 0} and list(gens) == [2, 1]  # k(1) evicted
+    host.complete_store(ks(3), False)
+    assert host.prepare_store(ks(4)) == {k(4): 0} and list(gens) == [3, 1]  # rolled back, reused

@@ -19,7 +19,10 @@ import pytest
 import zmq
 
 from kvtier.errors import ConfigError
+from kvtier.host import generations
 from kvtier.host.region import HostRegion
+from kvtier.host.tier import HostTier
+from kvtier.policies.lru import LRUPolicy
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
@@ -63,11 +66,12 @@ def make_peer() -> Iterator[Callable[..., Peer]]:
     made: list[Peer] = []
 
     def make(row_bytes: int = ROW_BYTES, slots: int = SLOTS, **options: object) -> Peer:
-        region = HostRegion.create(row_bytes * slots)
+        region = HostRegion.create(row_bytes * slots + generations.nbytes(slots))
         spec = TierSpec(
             tier_name="p2p", type="p2p", module_path=None, options={"secret": SECRET, **options},
             config_key="secondary_tiers[0]", region_name=region.name, shm_dir="/dev/shm",
             row_bytes=row_bytes, num_slots=slots, layout_fingerprint=LAYOUT_FP,
+            generations_offset=row_bytes * slots,
         )
         proc = TierProcess(spec, job_timeout_s=30)
         made.append((proc, region))
@@ -82,7 +86,8 @@ def make_peer() -> Iterator[Callable[..., Peer]]:
 
 def ctx_of(region: HostRegion, row_bytes: int = ROW_BYTES, slots: int = SLOTS) -> TierContext:
     return TierContext(region=region.buf, row_bytes=row_bytes, num_slots=slots,
-                       layout_fingerprint=LAYOUT_FP, tier_name="p2p")
+                       layout_fingerprint=LAYOUT_FP, tier_name="p2p",
+                       generations=generations.view(region.buf, row_bytes * slots, slots))
 
 
 def store(proc: TierProcess, keys: list[bytes], slots: list[int], job_id: int = 1) -> None:
@@ -148,12 +153,16 @@ def test_slot_reused_after_store_is_a_miss_never_wrong_bytes(make_peer) -> None:
     a, a_region = make_peer()
     b, b_region = make_peer(peers=[address(a)])
     a_ctx, b_ctx = ctx_of(a_region), ctx_of(b_region)
+    host = HostTier(a_region.buf[: 2 * ROW_BYTES], ROW_BYTES, LRUPolicy(2), a_ctx.generations)
     keys = [random_key(), random_key()]
+    assert host.prepare_store(keys) == {keys[0]: 0, keys[1]: 1}
     fill_slot(a_ctx, 0)
     kept = fill_slot(a_ctx, 1)
+    host.complete_store(keys, True)
     store(a, keys, [0, 1])
     assert settle_lookup(b, keys) == [LookupResult.HIT] * 2
-    fill_slot(a_ctx, 0)  # the host tier evicted keys[0] and reused its slot for another chunk
+    assert host.prepare_store([random_key()]) is not None  # evicts keys[0]: its slot, reused
+    fill_slot(a_ctx, 0)
     b_ctx.slot_view(3)[:] = bytes(ROW_BYTES)
     b.submit_load(Job(2, JobKind.LOAD, tuple(keys), (3, 4)))
     [result] = wait_jobs(b, 1)

@@ -1,7 +1,9 @@
 """The p2p data path in one process: a real `P2PServer` over a bytearray region, a real `Fetcher`.
 
-Covers what the two-process tests cannot steer: the per-piece checksums, a slot reused while its row
-is being sent (the row is aborted, the connection goes on), and many keys per request.
+Covers what the two-process tests cannot steer: a slot reused before or while its row is being sent
+(a real race: the server's thread sends while the test's thread reuses the slot; the row is voided,
+the connection goes on), a row changed in place (the requester's checksum rejects it), and many
+keys per request.
 """
 
 from __future__ import annotations
@@ -9,10 +11,12 @@ from __future__ import annotations
 import itertools
 import os
 import socket
+import threading
 import time
 from collections.abc import Iterator
 
 import pytest
+import xxhash
 import zmq
 
 from kvtier.tiers.base import TierContext
@@ -32,30 +36,42 @@ SLOTS = 6
 
 
 class Holder:
-    """A serving half over its own region, and a requester's fetcher pointed at it."""
+    """A serving half over its own region (rows of `row_bytes`, with slot generations), and a
+    requester's fetcher pointed at it."""
 
-    def __init__(self, idle_timeout_s: float = 30) -> None:
-        self.region = memoryview(bytearray(os.urandom(ROW * SLOTS)))
-        self.index = ChunkIndex(SLOTS)
-        self.spans = rowhash.piece_spans(ROW)
-        ctx = TierContext(self.region, ROW, SLOTS, LAYOUT_FP, "holder")
+    def __init__(self, idle_timeout_s: float = 30, row_bytes: int = ROW, slots: int = SLOTS) -> None:
+        self.row_bytes = row_bytes
+        self.region = memoryview(bytearray(os.urandom(row_bytes * slots)))
+        self.generations = memoryview(bytearray(8 * slots)).cast("Q")
+        self.index = ChunkIndex(slots)
+        self.spans = rowhash.piece_spans(row_bytes)
+        ctx = TierContext(self.region, row_bytes, slots, LAYOUT_FP, "holder", self.generations)
         self.book = TierBook(ctx)
         self.zctx: zmq.Context[zmq.Socket[bytes]] = zmq.Context()
         self.server = P2PServer(
-            self.zctx, "tcp://127.0.0.1:0", SECRET, self.index, self.region, ROW, FP, os.urandom(16),
+            self.zctx, "tcp://127.0.0.1:0", SECRET, self.index, self.region, self.generations,
+            row_bytes, FP, os.urandom(16),
             self.book, FailureLog(ctx.log, "holder"), max_connections=4, handshake_timeout_s=5,
             idle_timeout_s=idle_timeout_s, transfer_timeout_s=5,
         )
         self.address = ("127.0.0.1", self.server.data_port)
-        self.requester = TierBook(TierContext(memoryview(bytearray(0)), ROW, 0, LAYOUT_FP, "req"))
-        self.fetcher = Fetcher(SECRET, FP, ROW, self.requester, FailureLog(ctx.log, "req"),
+        self.requester = TierBook(TierContext(memoryview(bytearray(0)), row_bytes, 0, LAYOUT_FP, "req"))
+        self.fetcher = Fetcher(SECRET, FP, row_bytes, self.requester, FailureLog(ctx.log, "req"),
                                connect_timeout_s=2, transfer_timeout_s=5, reconnect_interval_s=1)
 
     def row(self, slot: int) -> memoryview:
-        return self.region[slot * ROW : (slot + 1) * ROW]
+        return self.region[slot * self.row_bytes : (slot + 1) * self.row_bytes]
 
     def store(self, key: bytes, slot: int) -> None:
-        self.index.remember(key, Claim(slot, *rowhash.row_digests(self.row(slot), self.spans)))
+        """What a STORE job does: remember the slot's checksum and generation."""
+        self.index.remember(key, Claim(slot, chunkfmt.checksum(self.row(slot)), self.generations[slot]))
+
+    def reuse(self, slot: int) -> bytes:
+        """What the host tier and a writer do to a reused slot: a new generation, then new bytes."""
+        self.generations[slot] += 1
+        data = os.urandom(self.row_bytes)
+        self.row(slot)[:] = data
+        return data
 
     def close(self) -> None:
         self.fetcher.close()
@@ -78,16 +94,15 @@ def idle_closing_holder() -> Iterator[Holder]:
 
 
 @pytest.mark.parametrize("row_bytes", [4096, rowhash.PIECE_BYTES, ROW, 5 * rowhash.PIECE_BYTES])
-def test_piecewise_digest_is_the_chunk_checksum(row_bytes: int) -> None:
+def test_the_requesters_piecewise_digest_is_the_chunk_checksum(row_bytes: int) -> None:
     row = memoryview(os.urandom(row_bytes))
     spans = rowhash.piece_spans(row_bytes)
     assert spans[0][0] == 0 and spans[-1][1] == row_bytes
     assert all(a[1] == b[0] for a, b in itertools.pairwise(spans))
-    whole, pieces = rowhash.row_digests(row, spans)
-    assert whole == chunkfmt.checksum(row)
-    assert len(pieces) == rowhash.PIECE_DIGEST_BYTES * len(spans)
-    assert all(rowhash.piece_matches(row[a:b], pieces, i) for i, (a, b) in enumerate(spans))
-    assert not rowhash.piece_matches(row[spans[0][0] : spans[0][1] - 1], pieces, 0)
+    whole = xxhash.xxh3_128()
+    for a, b in spans:
+        whole.update(row[a:b])
+    assert whole.digest() == chunkfmt.checksum(row)
 
 
 def test_one_request_carries_many_keys_hits_and_misses(holder: Holder) -> None:
@@ -105,37 +120,109 @@ def test_one_request_carries_many_keys_hits_and_misses(holder: Holder) -> None:
     assert counts["data_requests"] == 1 and counts["chunks_served"] == 4 and counts["serve_misses"] == 2
 
 
-def test_a_slot_reused_mid_row_aborts_the_row_and_the_connection_goes_on(holder: Holder) -> None:
-    stale, fresh, early = random_key(), random_key(), random_key()
-    holder.store(stale, 0)
+def test_a_reused_slot_is_a_miss_and_a_row_changed_in_place_is_rejected(holder: Holder) -> None:
+    reused, fresh, changed = random_key(), random_key(), random_key()
+    holder.store(reused, 0)
     holder.store(fresh, 1)
-    holder.store(early, 2)
-    holder.row(0)[ROW - 10 :] = os.urandom(10)  # the host tier rewrote the end of slot 0
-    holder.row(2)[:10] = os.urandom(10)  # and the start of slot 2
+    holder.store(changed, 2)
+    holder.reuse(0)
+    holder.row(2)[ROW - 10 :] = os.urandom(10)  # corrupted in place: no new generation
     outs = [memoryview(bytearray(ROW)) for _ in range(3)]
-    assert holder.fetcher.fetch(holder.address, list(zip([stale, fresh, early], outs, strict=True))) \
+    assert holder.fetcher.fetch(holder.address, list(zip([reused, fresh, changed], outs, strict=True))) \
         == [False, True, False]
     assert bytes(outs[1]) == bytes(holder.row(1))
-    # The aborted row carries only pieces that matched, then zeros: never the new bytes.
-    last = holder.spans[-1][0]
-    assert bytes(outs[0][:last]) == bytes(holder.row(0)[:last]) and not any(outs[0][last:])
+    assert not any(outs[0])  # a miss: no byte of the reused slot was sent
     counts = holder.book.counters()
-    assert counts["serve_aborted"] == 1 and counts["serve_misses"] == 1
-    assert holder.index.holds([stale, fresh, early]) == [False, True, False]
-    assert holder.requester.counters()["load_misses"] == 2
+    assert counts["serve_misses"] == 1 and counts["chunks_served"] == 2
+    assert holder.index.holds([reused, fresh, changed]) == [False, True, True]
+    assert holder.requester.counters()["load_misses"] == 1
+    assert holder.requester.counters()["bad_chunks"] == 1  # the requester's checksum caught it
     assert "peer_errors" not in holder.requester.counters() and holder.server.connections() == 1
     again = memoryview(bytearray(ROW))
     assert holder.fetcher.fetch(holder.address, [(fresh, again)]) == [True]
     assert holder.server.connections() == 1
 
 
+BIG_ROW = 16 << 20
+"""More than loopback's socket buffers hold: a holder sending one such row to a requester that
+stops reading blocks mid-row."""
+
+
+@pytest.fixture
+def big_holder() -> Iterator[Holder]:
+    h = Holder(row_bytes=BIG_ROW, slots=2)
+    yield h
+    h.close()
+
+
+def test_a_slot_reused_while_its_row_is_being_sent_voids_the_row(big_holder: Holder) -> None:
+    """A real race: the server's thread is blocked sending the row (the requester stopped reading)
+    while this thread reuses the slot; the rest of the row after the piece in flight goes as
+    zeros, never the new chunk's bytes, and the trailer voids the row."""
+    holder, block, header = big_holder, protocol.BLOCK, chunkfmt.HEADER_BYTES
+    key, other = random_key(), random_key()
+    holder.store(key, 0)
+    holder.store(other, 1)
+    old = bytes(holder.row(0))
+    with socket.socket() as conn:
+        conn.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 64 << 10)
+        conn.settimeout(10)
+        conn.connect(holder.address)
+        protocol.client_handshake(conn, SECRET, FP, BIG_ROW)
+        conn.sendall(protocol.encode_get([key, other]))
+        first = protocol.recv_bytes(conn, block + header + rowhash.PIECE_BYTES)
+        time.sleep(0.3)  # the server's thread fills the socket buffers and blocks mid-row
+        assert holder.book.counters().get("chunks_served", 0) == 0
+        new = holder.reuse(0)
+        rest = protocol.recv_bytes(conn, BIG_ROW - rowhash.PIECE_BYTES + block)
+        answer = first + rest
+        row, trailer = answer[block + header : block + header + BIG_ROW], answer[-block:]
+        piece = rowhash.PIECE_BYTES
+        assert row[:piece] == old[:piece]
+        assert row[-piece:] == bytes(piece) != new[-piece:]  # the race happened: zeros follow
+        pieces = [row[i : i + piece] for i in range(0, BIG_ROW, piece)]
+        mixed = [i for i, p in enumerate(pieces) if p not in (old[i * piece : (i + 1) * piece], bytes(piece))]
+        assert len(mixed) <= 1  # only the piece in flight may carry the new chunk's bytes
+        assert trailer == protocol.TRAILER_ABORTED
+        # The connection goes on: the next key of the request is served whole.
+        second = protocol.recv_bytes(conn, block + header + BIG_ROW + block)
+        assert second[:block] == protocol.STATUS_CHUNK and second[-block:] == protocol.TRAILER_OK
+        assert second[block + header : -block] == bytes(holder.row(1))
+    counts = holder.book.counters()
+    assert counts["serve_aborted"] == 1 and counts["chunks_served"] == 1
+    assert holder.index.holds([key, other]) == [False, True]
+
+
+def test_the_requester_never_accepts_a_row_whose_slot_was_reused_during_the_send(
+    big_holder: Holder,
+) -> None:
+    """The fetcher loads while another thread reuses the slot a moment later, many times: every
+    row it reports loaded is the stored one; the voided ones are failed loads, not bad chunks."""
+    holder, verdicts = big_holder, []
+    for delay_ms in itertools.islice(itertools.cycle([0, 1, 2, 4]), 16):
+        key = random_key()
+        holder.store(key, 0)
+        stored = bytes(holder.row(0))
+        out = memoryview(bytearray(BIG_ROW))
+        reuser = threading.Timer(delay_ms / 1000, holder.reuse, args=(0,))
+        reuser.start()
+        [loaded] = holder.fetcher.fetch(holder.address, [(key, out)])
+        reuser.join()
+        if loaded:
+            assert bytes(out) == stored
+        verdicts.append(loaded)
+    counts, served = holder.requester.counters(), holder.book.counters()
+    assert counts.get("load_misses", 0) == verdicts.count(False)
+    assert "bad_chunks" not in counts and "peer_errors" not in counts
+    assert served.get("serve_aborted", 0) >= 1  # the race was caused, mid-row, at least once
+
+
 def test_a_wrong_checksum_from_the_holder_is_a_bad_chunk(holder: Holder) -> None:
     key = random_key()
-    whole, pieces = rowhash.row_digests(holder.row(3), holder.spans)
-    holder.index.remember(key, Claim(3, bytes(16), pieces))  # the header will carry a wrong digest
+    holder.index.remember(key, Claim(3, bytes(16), holder.generations[3]))  # a wrong digest in the header
     out = memoryview(bytearray(ROW))
     assert holder.fetcher.fetch(holder.address, [(key, out)]) == [False]
-    assert whole != bytes(16) and holder.requester.counters()["bad_chunks"] == 1
+    assert chunkfmt.checksum(holder.row(3)) != bytes(16) and holder.requester.counters()["bad_chunks"] == 1
 
 
 def test_requests_sent_ahead_are_answered_in_order_on_one_connection(holder: Holder) -> None:

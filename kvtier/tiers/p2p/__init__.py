@@ -2,13 +2,15 @@
 
 What a peer serves: the chunks its own host tier holds. The tier learns them from the cascade: a
 STORE job names (key, host slot) pairs while the slots are pinned; the tier computes each row's
-checksums then (the whole row's xxh3-128 and one xxh3-64 per 512 KiB piece, `rowhash`), remembers
-key -> (slot, checksums) in a bounded LRU index (`index.ChunkIndex`, `num_slots` entries) and
-completes the job at once: nothing is copied. The host tier later evicts and reuses slots without
-notice, so the index is only a claim: when a peer asks for a chunk, each piece of the row is
-checked against its digest right before it is sent straight from the region. A reused slot is a
-miss; a slot reused while its row is being sent ends the row with zeros and an ABORTED trailer
-(the key is a miss). A newer STORE naming a slot also drops whatever key the slot held before.
+checksum then (xxh3-128, the chunk header's), remembers key -> (slot, checksum, the slot's
+generation) in a bounded LRU index (`index.ChunkIndex`, `num_slots` entries) and completes the job
+at once: nothing is copied. The host tier later evicts and reuses slots without notice, but bumps
+a slot's generation (`host.generations`, in the shared region) whenever it hands the slot out
+again, so the index is only a claim, checked when a peer asks for a chunk: the slot's generation
+is read before the row is sent straight from the region and again after. A reused slot is a miss;
+a slot reused while its row was being sent gets an ABORTED trailer after the row, which voids its
+bytes (the key is a miss at the requester, which never uses them). A newer STORE naming a slot
+also drops whatever key the slot held before. The tier needs a region with slot generations.
 
 Lookups (`lookup.PeerLookup`): keys not known yet answer RETRY and are asked of every peer at once
 over ZMQ (DEALER -> ROUTER), in batches; a peer silent for `lookup_timeout_s` counts as holding
@@ -35,6 +37,9 @@ Security: every peer holds a shared secret (`secret` or `secret_file`, never sen
 shown in errors). Control messages carry an HMAC-SHA256 over their whole content plus a send time
 (a stale one is refused); a data connection starts with a mutual challenge-response over fresh
 nonces. Every size, count and key length is checked before use (`protocol`); nothing is unpickled.
+A row voided by an ABORTED trailer may carry, in the one piece in flight when the host tier reused
+its slot, bytes of the chunk that reused it (the rest of the row goes as zeros): only an
+authenticated peer receives them, and its fetcher never uses them (the key fails).
 With `curve_secret_key` (or `_file`), the control channel is also ZMQ CURVE: encrypted, and only
 peers holding the fleet's CURVE key complete the ZMQ handshake (`curve`). Refusals are counted
 (`auth_refused`, `malformed`) and logged once per cause. Without TLS, the data stream after the

@@ -1,9 +1,10 @@
-"""What this instance's host tier held when it was cascaded: key -> (slot, checksums), bounded LRU.
+"""What this instance's host tier held when it was cascaded: key -> (slot, checksum, generation), bounded LRU.
 
 The host tier evicts and reuses slots without telling secondary tiers, so an entry is only a claim:
-slot `s` held the row of `key` when the STORE job named it, with the whole-row xxh3-128 `digest`
-and the per-piece digests `pieces` (`rowhash`). The server checks each piece against the claim
-right before sending it, and calls `forget` when a piece no longer matches (a reused slot).
+slot `s` held the row of `key` when the STORE job named it, with the whole-row xxh3-128 `digest`,
+while the slot's generation (`host.generations`) was `generation`. The server sends the row only
+while the slot's generation is still that one (read before and after the send), and calls `forget`
+when it is not (a reused slot).
 
 A newer STORE naming a slot drops the entry of whatever key that slot held before. At most
 `capacity` entries are kept (the least recently stored or served go first).
@@ -21,7 +22,7 @@ from typing import NamedTuple
 class Claim(NamedTuple):
     slot: int
     digest: bytes
-    pieces: bytes
+    generation: int
 
 
 class ChunkIndex:
@@ -64,7 +65,7 @@ class ChunkIndex:
             return entry
 
     def forget(self, key: bytes, slot: int) -> None:
-        """Drop `key` if it still names `slot` (its row there was found changed)."""
+        """Drop `key` if it still names `slot` (the slot was found reused)."""
         with self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry.slot == slot:

@@ -17,8 +17,8 @@ Data (plain TCP, one connection per requester thread and peer, persistent):
   Then requests: `_GET` = magic, count (1..MAX_FETCH_KEYS), followed by `count` keys. The server
   answers the keys in order, back to back: per key one status block (STATUS_MISS or STATUS_CHUNK)
   and, for a chunk, the 4 KiB chunk header, the row, and one trailer block: TRAILER_OK, or
-  TRAILER_ABORTED when the holder found part of the row changed (the rest of the row was sent as
-  zeros; the key is a miss, the connection stays usable).
+  TRAILER_ABORTED when the holder's slot was reused while the row was being sent (the row's bytes
+  are void: the requester fails the key and never uses them; the connection stays usable).
   Everything the server sends comes in whole BLOCKs (rows are multiples of the host region's
   ROW_ALIGN), so every row starts at a BLOCK-aligned offset of the stream, and the kernel copies it
   into the page-aligned slot at full speed: rows one byte off that alignment cost the receiving

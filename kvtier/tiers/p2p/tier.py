@@ -14,11 +14,12 @@ import zmq
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.base import Job, LookupResult, TierContext, TierUsage
+from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog
 from kvtier.tiers.common.booked import BookedTier
 from kvtier.tiers.common.iopool import IoPool, JobTracker
 from kvtier.tiers.common.options import Kind, Option, check_options, count, hidden, seconds, word
-from kvtier.tiers.p2p import protocol, rowhash
+from kvtier.tiers.p2p import protocol
 from kvtier.tiers.p2p.auth import Secret, load_secret
 from kvtier.tiers.p2p.curve import Curve, CurveGate, load_curve
 from kvtier.tiers.p2p.discovery import Discovery
@@ -108,8 +109,10 @@ class P2PTier(BookedTier):
         curve = load_curve(o["curve_secret_key"], o["curve_secret_key_file"])
         tls = load_tls(o["tls_cert_file"], o["tls_key_file"], o["tls_ca_file"])
         self._failures = FailureLog(ctx.log, f"p2p tier {ctx.tier_name}")
+        if ctx.generations is None:
+            raise ValueError("the p2p tier serves host rows only from a region with slot generations")
+        self._generations = ctx.generations
         self._index = ChunkIndex(ctx.num_slots)
-        self._spans = rowhash.piece_spans(ctx.row_bytes)
         self._batch_keys = max(1, min(protocol.MAX_FETCH_KEYS, BATCH_BYTES // ctx.row_bytes))
         self._threads = o["io_threads"]
         self._pending: deque[tuple[JobTracker, int]] = deque()
@@ -137,8 +140,8 @@ class P2PTier(BookedTier):
             self._built.append(CurveGate(self._zctx, curve, self._book, self._failures))
         try:
             self._server = P2PServer(
-                self._zctx, o["listen"], key, self._index, self.ctx.region, self.ctx.row_bytes,
-                self._fp, self._instance_id, self._book, self._failures,
+                self._zctx, o["listen"], key, self._index, self.ctx.region, self._generations,
+                self.ctx.row_bytes, self._fp, self._instance_id, self._book, self._failures,
                 max_connections=o["max_connections"], handshake_timeout_s=o["handshake_timeout_s"],
                 idle_timeout_s=o["idle_timeout_s"], transfer_timeout_s=o["transfer_timeout_s"],
                 curve=curve, tls=tls,
@@ -234,10 +237,12 @@ class P2PTier(BookedTier):
     # ---- I/O threads -------------------------------------------------------------------------
 
     def _store_key(self, tracker: JobTracker, i: int) -> None:
-        """Remember where the host tier holds the key, with its checksums: nothing is copied."""
+        """Remember where the host tier holds the key, with its checksum and the slot's generation
+        (stable: the slot is pinned while the STORE job is in flight): nothing is copied."""
         slot = tracker.job.slots[i]
-        digest, pieces = rowhash.row_digests(self.ctx.slot_view(slot), self._spans)
-        self._index.remember(tracker.job.keys[i], Claim(slot, digest, pieces))
+        generation = self._generations[slot]
+        digest = chunkfmt.checksum(self.ctx.slot_view(slot))
+        self._index.remember(tracker.job.keys[i], Claim(slot, digest, generation))
         self._book.finish_key(tracker, i, True)
 
     def _drain_loads(self) -> None:
