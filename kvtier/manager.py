@@ -226,15 +226,17 @@ class TieringManager:
         priority: int,
     ) -> int:
         """Allocate host slots for the leading `keys` that fit and load each from its source tier;
-        returns how many fitted (READY or WRITING afterwards).
-
-        The `ready` chunks before them are named too, so making room never evicts the prefix the
-        promotion extends. A chunk is useful only after every chunk before it: when the host tier
-        cannot take them all, the first ones are promoted; the rest are the caller's to stream
-        (`promote` later) or recompute.
-        """
-        slots, fitted = self.host.prepare_store_prefix([*ready, *keys])
+        returns how many fitted. Those already READY are held like the promoted ones (`release`),
+        so none is evicted while the rest load. The `ready` chunks before them are named too, so
+        making room never evicts the prefix the promotion extends. A chunk is useful only after
+        every chunk before it: when the host tier cannot take them all, the first ones are
+        promoted; the rest are the caller's to stream (`promote` later) or recompute."""
+        host = self.host
+        slots, fitted = host.prepare_store_prefix([*ready, *keys])
         fitted -= len(ready)
+        present = [k for k in keys[:fitted] if k not in slots and k not in self._held and host.contains(k)]
+        if present and host.prepare_load(present) is not None:
+            self._held.update(present)
         by_tier: dict[str, list[ChunkKey]] = {}
         for key, source in zip(keys[:fitted], sources, strict=False):
             if key in slots:

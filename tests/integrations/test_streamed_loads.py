@@ -179,3 +179,26 @@ def test_promoted_chunks_a_stream_takes_over_stay_held_until_it_sends_them(
         "kvtier": {"tokens": {"device": 0, "host": 0, "memory": 12, "recomputed": 2}}}
     assert [host.pin_count(k) for k in keys] == [0, 0, 0]
     host.check()
+
+
+def test_chunks_already_in_the_host_tier_stay_held_while_the_rest_of_the_run_is_promoted(
+    sched3: KVTierScheduler,
+) -> None:
+    keys = sched3.hasher.keys(PROMPT)
+    host = sched3.manager.host
+    assert host.prepare_store(keys[1:]) is not None  # chunks 1 and 2 are in the host tier, 0 is not
+    host.complete_store(keys[1:], success=True)
+    req = FakeRequest("b", PROMPT)
+    assert sched3.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
+    # While chunk 0 comes back from the memory tier, a store wants a row: chunks 1 and 2 are held
+    # for the request, so it gets none (it took chunk 1's before: the request then loaded 1 chunk).
+    assert host.prepare_store([b"other-chunk"]) is None
+    assert matched_from(sched3, req, 0) == 12
+    sched3.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
+    load = next_load(sched3)
+    assert (list(load.keys), len(load.slots), load.last) == (keys, 3, True)
+    ack(sched3, load, ok=True)
+    tokens = sched3.request_finished(req)["kvtier"]["tokens"]  # type: ignore[arg-type,index]
+    assert tokens["recomputed"] == 2 and sum(tokens.values()) == 14
+    assert [host.pin_count(k) for k in keys] == [0, 0, 0]
+    host.check()
