@@ -57,9 +57,9 @@ class PrefixLookup:
 
     `ready` leading chunks are in the host tier now. `pending` holds when more chunks may become
     ready soon (a promotion or a tier lookup is in flight): ask again on a later step. `promoting`
-    names the source tier of each chunk after the `ready` ones whose promotion this call started
-    (chunk `ready + i` comes from `promoting[i]`), so a caller can tell host hits from promotions.
-    """
+    names the source of each chunk after the `ready` ones whose promotion this call started
+    (chunk `ready + i` comes from `promoting[i]`; "host" for one the host tier already held behind
+    a missing one, now held for the caller), so a caller can tell host hits from promotions."""
 
     ready: int
     pending: bool
@@ -181,7 +181,7 @@ class TieringManager:
             # Only a fully known run is promoted: the caller promotes once per request, so a
             # promotion started on a partial answer would cap the hit at its first chunks.
             fitted = self._promote(keys[:ready], rest[: len(sources)], sources, priority)
-            promoting = tuple(sources[:fitted])
+            promoting = tuple(HOST if self.host.contains(rest[i]) else sources[i] for i in range(fitted))
             if stream:
                 beyond = tuple(sources[fitted:])
             else:

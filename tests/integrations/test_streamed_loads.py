@@ -198,7 +198,7 @@ def test_chunks_already_in_the_host_tier_stay_held_while_the_rest_of_the_run_is_
     load = next_load(sched3)
     assert (list(load.keys), len(load.slots), load.last) == (keys, 3, True)
     ack(sched3, load, ok=True)
-    tokens = sched3.request_finished(req)["kvtier"]["tokens"]  # type: ignore[arg-type,index]
-    assert tokens["recomputed"] == 2 and sum(tokens.values()) == 14
+    assert sched3.request_finished(req) == {  # type: ignore[arg-type]  # 1 and 2 count as host hits
+        "kvtier": {"tokens": {"device": 0, "host": 8, "memory": 4, "recomputed": 2}}}
     assert [host.pin_count(k) for k in keys] == [0, 0, 0]
     host.check()
