@@ -293,7 +293,7 @@ class TieringManager:
             admitted = self.admit(keys, name, priority)
             resident = [k for k in admitted if self.host.contains(k)]
             self.metrics.inc("cascade_skipped_chunks", len(admitted) - len(resident), name)
-            slots = self.host.prepare_load(resident) if resident else None
+            slots = self.host.prepare_load(resident, access=False) if resident else None
             if slots is not None:
                 tier.submit_store(self._job(name, JobKind.STORE, resident, slots, priority))
 

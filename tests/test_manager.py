@@ -266,6 +266,21 @@ def test_a_cascade_stores_the_chunks_still_resident(manager: TieringManager) -> 
     assert skipped == 1
 
 
+def test_a_cascade_is_no_reuse_for_the_host_eviction_order(manager: TieringManager) -> None:
+    """Copying a chunk to the secondary tiers does not make it more recent (nor, under ARC,
+    frequent): the host tier still evicts it before a chunk stored after it."""
+    first, second = random_key(), random_key()
+    for key in (first, second):
+        slots = manager.host.prepare_store([key])
+        assert slots is not None
+        manager.host.complete_store([key], success=True)
+    manager.cascade([first])
+    drain(manager)
+    filler = [random_key() for _ in range(HOST_SLOTS - 1)]
+    assert manager.host.prepare_store(filler) is not None
+    assert not manager.host.contains(first) and manager.host.contains(second)
+
+
 @pytest.mark.parametrize("wait_s", [0.0, 5.0])
 def test_a_new_prompt_is_answered_within_the_lookup_wait(tmp_path: Path, wait_s: float) -> None:
     m = start("lru", [{"type": "fs", "root_dir": str(tmp_path / "fs")}], tier_lookup_wait_s=wait_s)

@@ -211,19 +211,21 @@ class HostTier:
 
     # Load: host → device or secondary tier.
 
-    def prepare_load(self, keys: Sequence[bytes]) -> list[int] | None:
+    def prepare_load(self, keys: Sequence[bytes], *, access: bool = True) -> list[int] | None:
         """Pin every key and return its slot, in order; None (nothing pinned) if any is not READY.
 
-        Counts as an access for the eviction policy. A key named twice is pinned twice.
+        Counts as an access for the eviction policy unless `access` is False (a copy to a
+        secondary tier is no reuse). A key named twice is pinned twice.
         """
         try:
             slots = list(map(self._ready.__getitem__, keys))
         except KeyError:
             return None
         self._pins.update(keys)
-        touch = self._policy.touch
-        for key in keys:
-            touch(key)
+        if access:
+            touch = self._policy.touch
+            for key in keys:
+                touch(key)
         return slots
 
     def raise_priority(self, keys: Sequence[bytes], priority: int) -> int:

@@ -145,6 +145,17 @@ def test_eviction_takes_least_recently_used(buf: memoryview, policy_name: str) -
     tier.check()
 
 
+def test_a_load_that_is_no_access_leaves_the_eviction_order(buf: memoryview, policy_name: str) -> None:
+    tier = make_tier(buf, policy_name, slots=4)
+    store(tier, ks(0, 1, 2, 3))
+    assert tier.prepare_load(ks(0), access=False) is not None  # a copy to a secondary tier
+    tier.complete_load(ks(0))
+    tier.take_events()
+    assert tier.prepare_store(ks(4)) is not None
+    assert tier.take_events() == [TierEvent(REMOVED, (k(0),))]  # still the oldest
+    tier.check()
+
+
 def test_pinned_slots_never_evicted(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
     store(tier, ks(0, 1, 2, 3))
