@@ -197,9 +197,7 @@ class TieringManager:
         once loaded, until `release`d."""
         return self._promote((), keys, sources, priority)
 
-    def _find(
-        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None
-    ) -> tuple[list[str], bool]:
+    def _find(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None) -> tuple[list[str], bool]:
         """The source tier of each of the leading keys some tier holds, and whether the run stopped
         on a key whose presence is not known yet."""
         names = [n for n in self.tiers if (tiers is None or n in tiers) and n not in self._disabled]
@@ -222,19 +220,20 @@ class TieringManager:
         return sources, False
 
     def _promote(
-        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str],
-        priority: int,
+        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str], priority: int
     ) -> int:
         """Allocate host slots for the leading `keys` that fit and load each from its source tier;
-        returns how many fitted. Those already READY are held like the promoted ones (`release`),
-        so none is evicted while the rest load. The `ready` chunks before them are named too, so
-        making room never evicts the prefix the promotion extends. A chunk is useful only after
-        every chunk before it: when the host tier cannot take them all, the first ones are
-        promoted; the rest are the caller's to stream (`promote` later) or recompute."""
+        returns how many fitted. When any did, the `ready` chunks before them and those of `keys`
+        already READY are held like the promoted ones (`release`), so no store evicts the prefix
+        the promotion extends while the rest load (the promoted chunks would be useless without
+        it). A chunk is useful only after every chunk before it: when the host tier cannot take
+        them all, the first ones are promoted; the rest are the caller's to stream (`promote`
+        later) or recompute."""
         host = self.host
         slots, fitted = host.prepare_store_prefix([*ready, *keys])
         fitted -= len(ready)
-        present = [k for k in keys[:fitted] if k not in slots and k not in self._held and host.contains(k)]
+        run = [*ready, *keys[:fitted]] if fitted > 0 else []
+        present = [k for k in run if k not in slots and k not in self._held and host.contains(k)]
         if present and host.prepare_load(present) is not None:
             self._held.update(present)
         by_tier: dict[str, list[ChunkKey]] = {}

@@ -15,6 +15,7 @@ from collections.abc import Iterable
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.chunks import HOST
 from kvtier.config import KVTierConfig
 from kvtier.control import ControlServer, default_control_dir
 from kvtier.guard import SLOGuard
@@ -68,7 +69,7 @@ class Operations:
             return
         since = self._waiting.pop(req_id, None)
         if since is not None:
-            for tier in set(sources):
+            for tier in set(sources) - {HOST}:
                 self.manager.metrics.observe("promotion_wait_seconds", now - since, tier)
 
     def _health(self) -> None:

@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from kvtier.chunks import HOST
 from kvtier.integrations.vllm.accounting import RequestHits
 from kvtier.integrations.vllm.options import RequestOptions, retention_priority
 from kvtier.keys import ChunkHasher
@@ -52,11 +53,13 @@ class RequestState:
         prefix recomputed."""
         return self.promoted_at is None or start < self.promoted_at
 
-    def record_promotion(self, start: int, first: int, tiers: Sequence[str]) -> None:
-        """A lookup from chunk `start` promotes chunks `first`, `first + 1`, ... from `tiers`."""
-        for i, tier in enumerate(tiers, first):
-            self.promoted_from.setdefault(i, tier)
+    def record_promotion(self, start: int, ready: int, tiers: Sequence[str]) -> None:
+        """A lookup from chunk `start` found `ready` chunks in the host tier and promotes the
+        chunks after them from `tiers`. The ready ones count as promoted from the host tier: the
+        promotion holds them too, and the request releases them with the rest."""
         if tiers:
+            for i, tier in enumerate((*(HOST,) * ready, *tiers), start):
+                self.promoted_from.setdefault(i, tier)
             self.promoted_at = start
 
     @classmethod

@@ -140,7 +140,7 @@ class KVTierScheduler:
             keys, state.options.load_tiers, promote=state.may_promote(start),
             stream=self.stream_promotions, priority=state.priority,
         )
-        state.record_promotion(start, start + found.ready, (*found.promoting, *found.beyond))
+        state.record_promotion(start, found.ready, (*found.promoting, *found.beyond))
         if found.beyond:
             at = start + found.ready + len(found.promoting)
             state.streamed = range(at, at + len(found.beyond))
