@@ -181,46 +181,31 @@ def test_promoted_chunks_a_stream_takes_over_stay_held_until_it_sends_them(
     host.check()
 
 
-def test_chunks_already_in_the_host_tier_stay_held_while_the_rest_of_the_run_is_promoted(
-    sched3: KVTierScheduler,
+@pytest.mark.parametrize(("in_host", "tokens"), [
+    # Chunks 1 and 2 are in the host tier, 0 is not: while chunk 0 comes back from the memory
+    # tier they are held for the request (a store took chunk 1's before: it then loaded 1 chunk).
+    # They count as host hits.
+    (slice(1, 3), {"device": 0, "host": 8, "memory": 4, "recomputed": 2}),
+    # Chunk 0 is in the host tier, 1 and 2 are not: the host hit the promotion extends is held
+    # (a store took chunk 0's before, and the request, finding no host hit, recomputed the whole
+    # prefix behind it: cpu preset, 16 conversations).
+    (slice(0, 1), {"device": 0, "host": 4, "memory": 8, "recomputed": 2}),
+], ids=["run-chunks-in-host", "host-hits-before-the-run"])
+def test_host_chunks_stay_held_while_a_promotion_runs(
+    sched3: KVTierScheduler, in_host: slice, tokens: dict[str, int],
 ) -> None:
     keys = sched3.hasher.keys(PROMPT)
     host = sched3.manager.host
-    assert host.prepare_store(keys[1:]) is not None  # chunks 1 and 2 are in the host tier, 0 is not
-    host.complete_store(keys[1:], success=True)
+    assert host.prepare_store(keys[in_host]) is not None
+    host.complete_store(keys[in_host], success=True)
     req = FakeRequest("b", PROMPT)
     assert sched3.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
-    # While chunk 0 comes back from the memory tier, a store wants a row: chunks 1 and 2 are held
-    # for the request, so it gets none (it took chunk 1's before: the request then loaded 1 chunk).
-    assert host.prepare_store([b"other-chunk"]) is None
+    assert host.prepare_store([b"other-chunk"]) is None  # every row is held for the request
     assert matched_from(sched3, req, 0) == 12
     sched3.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
     load = next_load(sched3)
     assert (list(load.keys), len(load.slots), load.last) == (keys, 3, True)
     ack(sched3, load, ok=True)
-    assert sched3.request_finished(req) == {  # type: ignore[arg-type]  # 1 and 2 count as host hits
-        "kvtier": {"tokens": {"device": 0, "host": 8, "memory": 4, "recomputed": 2}}}
-    assert [host.pin_count(k) for k in keys] == [0, 0, 0]
-    host.check()
-
-
-def test_the_host_hits_a_promotion_extends_stay_held_while_it_runs(sched3: KVTierScheduler) -> None:
-    keys = sched3.hasher.keys(PROMPT)
-    host = sched3.manager.host
-    assert host.prepare_store(keys[:1]) is not None  # chunk 0 is in the host tier, 1 and 2 are not
-    host.complete_store(keys[:1], success=True)
-    req = FakeRequest("b", PROMPT)
-    assert sched3.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
-    # While chunks 1 and 2 come back from the memory tier, a store wants a row: chunk 0 is held
-    # for the request, so the store gets none (it took chunk 0's before, and the request, finding
-    # no host hit, recomputed the whole prefix behind it: cpu preset, 16 conversations).
-    assert host.prepare_store([b"other-chunk"]) is None
-    assert matched_from(sched3, req, 0) == 12
-    sched3.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
-    load = next_load(sched3)
-    assert (list(load.keys), len(load.slots), load.last) == (keys, 3, True)
-    ack(sched3, load, ok=True)
-    tokens = sched3.request_finished(req)["kvtier"]["tokens"]  # type: ignore[arg-type,index]
-    assert tokens == {"device": 0, "host": 4, "memory": 8, "recomputed": 2}
+    assert sched3.request_finished(req) == {"kvtier": {"tokens": tokens}}  # type: ignore[arg-type]
     assert [host.pin_count(k) for k in keys] == [0, 0, 0]
     host.check()
