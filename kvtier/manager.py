@@ -234,7 +234,7 @@ class TieringManager:
         fitted -= len(ready)
         run = [*ready, *keys[:fitted]] if fitted > 0 else []
         present = [k for k in run if k not in slots and k not in self._held and host.contains(k)]
-        if present and host.prepare_load(present) is not None:
+        if present and host.prepare_load(present, access=False) is not None:
             self._held.update(present)
         by_tier: dict[str, list[ChunkKey]] = {}
         for key, source in zip(keys[:fitted], sources, strict=False):
@@ -347,7 +347,7 @@ class TieringManager:
         self._claimed.difference_update(failed)
         hold = [k for k in done if k in self._claimed]
         self._claimed.difference_update(hold)
-        if hold and self.host.prepare_load(hold) is not None:
+        if hold and self.host.prepare_load(hold, access=False) is not None:
             self._held.update(hold)
         for priority, keys in by_priority.items():
             self.cascade(keys, priority, skip=transfer.tier)

@@ -214,8 +214,9 @@ class HostTier:
     def prepare_load(self, keys: Sequence[bytes], *, access: bool = True) -> list[int] | None:
         """Pin every key and return its slot, in order; None (nothing pinned) if any is not READY.
 
-        Counts as an access for the eviction policy unless `access` is False (a copy to a
-        secondary tier is no reuse). A key named twice is pinned twice.
+        Counts as an access for the eviction policy unless `access` is False: a copy to a
+        secondary tier is no reuse, and the connector records a request's use when the request
+        finishes (`used_prefix`). A key named twice is pinned twice.
         """
         try:
             slots = list(map(self._ready.__getitem__, keys))
@@ -227,6 +228,16 @@ class HostTier:
             for key in keys:
                 touch(key)
         return slots
+
+    def used_prefix(self, keys: Sequence[bytes]) -> None:
+        """A request has used the prefix `keys` (head first), from whichever cache served it: its
+        READY chunks become the most recent, the head last, so eviction takes a prefix's tail
+        before its head (a tail is useless without its head, which every request sharing the
+        prefix needs). Chunks that are not READY are left alone."""
+        ready, touch = self._ready, self._policy.touch
+        for key in reversed(keys):
+            if key in ready:
+                touch(key)
 
     def raise_priority(self, keys: Sequence[bytes], priority: int) -> int:
         """A request of retention `priority` reuses `keys`: READY keys of a lower priority move up

@@ -100,6 +100,8 @@ class Trace:
     lookup: np.ndarray
     """Seconds from arrival to the lookup the request was served on (`lookup`; 0 when not
     recorded)."""
+    finish: np.ndarray
+    """Seconds from arrival to the request's end (`end`; when not recorded, its last step)."""
     host: np.ndarray
     """Prompt tokens the host tier served (`src.host`)."""
     beyond: np.ndarray
@@ -154,6 +156,7 @@ class _Reader:
         self.device: list[int] = []
         self.ttft: list[float] = []
         self.lookup: list[float] = []
+        self.finish: list[float] = []
         self.host: list[int] = []
         self.beyond: list[int] = []
         self.stepped: list[bool] = []
@@ -203,6 +206,8 @@ class _Reader:
             steps = raw.get("st")
             stores = ([(max(ttft, lookup), chunks)] if steps is None
                       else [(float(dt), min(int(n), chunks)) for dt, n in steps])
+            last = max([lookup, *(dt for dt, _ in stores)])
+            finish = last if raw.get("end") is None else max(last, float(raw["end"]) - t)
         except (ValueError, KeyError, TypeError) as e:
             raise TraceError(f"{path}:{number}: not a trace record ({e!r})") from None
         self.t.append(t)
@@ -211,6 +216,7 @@ class _Reader:
         self.device.append(sources.get("device", 0))
         self.ttft.append(ttft)
         self.lookup.append(lookup)
+        self.finish.append(finish)
         self.host.append(sources.get("host", 0))
         self.beyond.append(sum(v for k, v in sources.items() if k not in NOT_BEYOND))
         self.stepped.append(steps is not None)
@@ -236,6 +242,7 @@ class _Reader:
             device=np.asarray(self.device, dtype=np.int64)[order],
             ttft=np.asarray(self.ttft, dtype=np.float64)[order],
             lookup=np.asarray(self.lookup, dtype=np.float64)[order],
+            finish=np.asarray(self.finish, dtype=np.float64)[order],
             host=np.asarray(self.host, dtype=np.int64)[order],
             beyond=np.asarray(self.beyond, dtype=np.int64)[order],
             stepped=np.asarray(self.stepped, dtype=bool)[order],

@@ -5,16 +5,19 @@ host tier sees something else, and kvtier's host tier (`kvtier.host.tier`) does 
 which the replay copies per request:
 
 - at its lookup (arrival + `lookup`: the lookup its blocks were allocated on), the request's
-  leading `src.device` tokens came from the device: their chunks are not looked up (nor refreshed)
-  in the host tier; past them the host is asked chunk by chunk until the first chunk it lacks (a
-  lookup is a prefix): each found chunk is a host hit, becomes most recently used, and is pinned
-  (not evictable) while it is copied to the device, until the request's next step that completes
-  chunks (its load is over before that step is scheduled);
+  leading `src.device` tokens came from the device: their chunks are not looked up in the host
+  tier; past them the host is asked chunk by chunk until the first chunk it lacks (a lookup is a
+  prefix): each found chunk is a host hit and is pinned (not evictable) while it is copied to the
+  device, until the request's next step that completes chunks (its load is over before that step
+  is scheduled); a lookup or a load changes no recency;
 - at each step that completes chunks of the request (`st`: the prompt's chunks as the prefill
   computes them, then those decode fills), every completed chunk the host lacks gets a row as
   most recently used, evicting the least recently used chunk that is neither pinned nor named by
   that step (the engine reserves the rows when it schedules the step and publishes them once the
-  step's forward pass is over, before any later lookup: so nothing looks them up in between).
+  step's forward pass is over, before any later lookup: so nothing looks them up in between);
+- when it finishes (`end`), every chunk of the request the host holds (device hits included)
+  becomes the most recently used, its last chunk first and its first chunk last
+  (`HostTier.used_prefix`).
 
 The replay's own hits move a request's first step where the trace says how: a request that loads
 nothing is scheduled on the step of its lookup (its prefill does not wait for a copy), so when the
@@ -26,9 +29,11 @@ its stores); a trace without such a record (or without `st`) moves nothing. The 
 replay finds host chunks where the trace recorded none, so the prefill would wait for a load of
 unrecorded length) keeps the recorded step.
 
-Lookups and steps of all requests are replayed in time order (a pin's release, then a lookup,
-then a step at equal times, as the engine's scheduler runs them); a request whose next step is
-recorded at or before its lookup (a trace without timings) pins nothing. Traces recorded before `st`
+Lookups, steps and ends of all requests are replayed in time order (a pin's release, then a
+lookup, then a step, then an end at equal times, as the engine's scheduler runs them); a request
+whose next step is recorded at or before its lookup (a trace without timings) pins nothing. A
+request ends as recorded, even when its first step moved (a trace without `end`: at its last
+step). Traces recorded before `st`
 existed read as one step at the first token completing every chunk. The device hits are taken as
 recorded: the replay assumes they do not depend on the host size (the device cache is the same
 whatever the host holds), and that requests arrive as recorded (a closed-loop client whose next
@@ -46,14 +51,16 @@ import numpy as np
 
 from kvtier.trace.format import Trace
 
-RELEASE, LOOKUP, STORE = 0, 1, 2
+RELEASE, LOOKUP, STORE, FINISH = 0, 1, 2, 3
 
 
 def _events(trace: Trace) -> list[tuple[float, int, int, int]]:
     """(time, kind, record, chunks complete for a STORE) in replay order."""
     events = []
-    for r, (t, lookup) in enumerate(zip(trace.t.tolist(), trace.lookup.tolist(), strict=True)):
+    times = zip(trace.t.tolist(), trace.lookup.tolist(), trace.finish.tolist(), strict=True)
+    for r, (t, lookup, finish) in enumerate(times):
         events.append((t + lookup, LOOKUP, r, 0))
+        events.append((t + finish, FINISH, r, 0))
         steps = trace.stores[r]
         events.append((t + (steps[0][0] if steps else lookup), RELEASE, r, 0))
         events.extend((t + dt, STORE, r, n) for dt, n in steps)
@@ -119,7 +126,6 @@ def _replay(trace: Trace, chunks: list[list[int]], events: list[tuple[float, int
                 if key not in cache:
                     break
                 found.append(key)
-                cache.move_to_end(key)
             hits[r] = len(found)
             if not released[r]:
                 pins.update(found)
@@ -127,6 +133,11 @@ def _replay(trace: Trace, chunks: list[list[int]], events: list[tuple[float, int
             first = moves[r]
             if first is not None and not found:
                 heapq.heappush(queue, (at + delay, STORE, r, first))
+            continue
+        if kind == FINISH:
+            for key in reversed(chunks[r]):
+                if key in cache:
+                    cache.move_to_end(key)
             continue
         step = chunks[r][done[r] : n]
         done[r] = max(done[r], n)

@@ -156,6 +156,19 @@ def test_a_load_that_is_no_access_leaves_the_eviction_order(buf: memoryview, pol
     tier.check()
 
 
+def test_a_used_prefix_keeps_its_head_longest(buf: memoryview) -> None:
+    tier = make_tier(buf, "lru", slots=5)
+    store(tier, ks(0, 1, 2, 3))
+    tier.used_prefix(ks(0, 1, 2, 9))  # 9 is not resident: left alone
+    tier.take_events()
+    order = []
+    for new in (5, 6, 7, 8):
+        assert tier.prepare_store(ks(new)) is not None
+        order += [key for event in tier.take_events() for key in event.keys]
+    assert order == ks(3, 2, 1)  # 3 was not used; then the prefix's tail first, its head last
+    tier.check()
+
+
 def test_pinned_slots_never_evicted(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
     store(tier, ks(0, 1, 2, 3))

@@ -122,6 +122,26 @@ def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> Non
     assert [sched.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
 
 
+def test_a_finished_request_makes_its_prefix_the_most_recent_in_the_host_tier(
+    sched: KVTierScheduler,
+) -> None:
+    """Device hits count too: a prefix the device served is what the next turn needs from the host
+    tier once the device evicts it (vLLM's own CPU tier ranks the same way)."""
+    compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3])
+    keys, host = sched.hasher.keys(PROMPT), sched.manager.host
+    others = [bytes([i]) * 16 for i in range(5)]  # stored after the prompt: the host tier is full
+    assert host.prepare_store(others) is not None
+    host.complete_store(others, success=True)
+    req = FakeRequest("b", PROMPT)
+    assert sched.get_num_new_matched_tokens(req, 12) == (0, False)  # type: ignore[arg-type]
+    sched.update_state_after_alloc(req, FakeBlocks([4, 1, 2, 3]), 0)  # type: ignore[arg-type]
+    sched.request_finished(req)  # type: ignore[arg-type]
+    host.take_events()
+    assert host.prepare_store([b"new" * 8]) is not None
+    (removed,) = host.take_events()
+    assert list(removed.keys) == others[:1] and host.lookup(keys) == 3
+
+
 def test_one_off_prompts_do_not_evict_a_hot_prefix_under_frequency_admission() -> None:
     config = KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES, "admission_policy": "frequency"})
     s = KVTierScheduler(config, geometry(), 1)

@@ -243,9 +243,10 @@ def test_replay_stores_the_chunks_decode_filled(tmp_path: Path) -> None:
     ]
     trace = read_traces([write_trace(tmp_path / "t.jsonl", records)])
     assert list(trace.decode_counts) == [1, 0, 2, 0] and list(trace.decode_refs) == [B, D, E]
-    # B, stored by the first request's decode, serves the second; D and E (never asked for) push
-    # A out of a 4-chunk host before the last request, not out of a 5-chunk one.
-    assert host_hit_ratios(trace, [4, 5]) == [2 / 5, 3 / 5]
+    # B, stored by the first request's decode, serves the second; C, D and E (never asked for) push
+    # A out of a 3-chunk host before the last request. A 4-chunk one gives up B instead: the
+    # second request's end made A, the head of its prefix, the most recent.
+    assert host_hit_ratios(trace, [3, 4]) == [2 / 5, 3 / 5]
 
 
 def test_replay_follows_the_recorded_steps_and_pins_loads(tmp_path: Path) -> None:

@@ -120,3 +120,28 @@ def test_a_trace_without_timings_pins_nothing_for_ever(tmp_path: Path) -> None:
     # A is over at once, so B and C push A out and the last request finds both. (A pin released
     # before the lookup that took it held A for ever: C found no row, and the last request only B.)
     assert host_hits(trace, [2]) == [[0, 1, 0, 2]]
+
+
+@pytest.mark.parametrize(("end", "last_hits"), [(2.6, 2), (10.0, 1)])
+def test_a_request_refreshes_its_prefix_when_it_ends_not_when_it_loads(
+    tmp_path: Path, end: float, last_hits: int
+) -> None:
+    records = [
+        {"t": 0.0, "end": 0.2, "lookup": 0.0, "st": [[0.1, 2]], "keys": [A, B], "prompt": 33,
+         "src": {"device": 0, "recomputed": 33}},
+        {"t": 1.0, "end": 1.2, "lookup": 0.0, "st": [[0.1, 1]], "keys": [C], "prompt": 17,
+         "src": {"device": 0, "recomputed": 17}},
+        {"t": 2.0, "end": end, "lookup": 0.0, "st": [[0.5, 2]], "keys": [A, B], "prompt": 33,
+         "src": {"device": 0, "host": 32, "recomputed": 1}},
+        {"t": 3.0, "end": 3.2, "lookup": 0.0, "st": [[0.1, 1]], "keys": [D], "prompt": 17,
+         "src": {"device": 0, "recomputed": 17}},
+        {"t": 4.0, "end": 4.5, "lookup": 0.0, "st": [[0.1, 2]], "keys": [A, B], "prompt": 33,
+         "src": {"device": 0, "host": 32, "recomputed": 1}},
+    ]
+    trace = _trace(tmp_path, records)
+    assert trace.finish.tolist() == pytest.approx([0.2, 0.2, end - 2.0, 0.2, 0.5])
+    # 3 rows: after the first request A is the most recent, B before it, then C. The third request
+    # loads A and B, which refreshes nothing. Ended at 2.6 it makes B, then A the most recent, so D
+    # (t=3.1) evicts C and the last request finds A and B; still running at 3.1 (end 10), it has
+    # refreshed nothing yet, so D evicts B, the least recent, and the last request finds A alone.
+    assert host_hits(trace, [3]) == [[0, 0, 2, 0, last_hits]]

@@ -170,7 +170,7 @@ class KVTierScheduler:
         count = num_external_tokens // self.geometry.chunk_tokens
         streamed = len(state.streamed) if count >= len(state.streamed) else 0
         head = state.keys[first : first + count - streamed]  # ready in the host tier
-        slots = self.manager.host.prepare_load(head) if head else None
+        slots = self.manager.host.prepare_load(head, access=False) if head else None
         sources = [state.promoted_from.get(c, HOST) for c in range(first, first + count)]
         self._release_promoted(state, keep=range(first + count - streamed, first + count))
         ok = slots is not None or not head
@@ -346,6 +346,7 @@ class KVTierScheduler:
         if state is None:
             return None
         self.tails.hold(state, request.num_computed_tokens)
+        self.manager.host.used_prefix(state.keys)
         self.ops.finished(request)
         self._release_promoted(state)
         self.streams.drop(request.request_id)
