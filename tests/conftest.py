@@ -6,6 +6,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -30,6 +31,15 @@ os.environ["TORCH_COMPILE_DISABLE"] = "1"
 ROW_BYTES = 3 * 4096
 SLOTS = 32
 LAYOUT_FP = "00112233445566778899aabbccddeeff"
+
+
+@pytest.fixture(scope="session")
+def vllm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `VLLM_CACHE_ROOT` for every engine and server the suite starts itself (in place of each
+    isolated env's own): a process whose cache root lacks the record of a model class (its
+    `modelinfos/` file) inspects the class in a fresh subprocess that imports vLLM, about 12 s on 2
+    cores. The root stays private to this test session."""
+    return tmp_path_factory.mktemp("vllm-cache")
 
 
 @pytest.fixture
