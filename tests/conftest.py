@@ -6,6 +6,7 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
@@ -19,10 +20,26 @@ pytest_plugins = ["tests.services.redis_server", "tests.services.s3"]
 # The suite starts vLLM engines in this process after `kvtier plan` ran here: keep numba (and
 # llvmlite) out of it (see kvtier.trace.mrc); the compiled path is tested in a child process.
 os.environ["KVTIER_NUMBA"] = "0"
+# Every engine here runs eager (`enforce_eager`, `--enforce-eager`), yet vLLM still compiles one
+# sampler helper with torch.compile, the rank of each sampled token among its logits
+# (`vllm.v1.sample.ops.logprobs.batched_count_greater_than`), the first time a process samples with
+# logprobs: 8-25 s of tracing and inductor C++ builds per fresh process on 2 cores, paid again by
+# every engine child (`tp_engine`, `engine_child`). Run eagerly it counts the same integers. The
+# variable reaches this process's engines and every child the suite starts (they inherit it).
+os.environ["TORCH_COMPILE_DISABLE"] = "1"
 
 ROW_BYTES = 3 * 4096
 SLOTS = 32
 LAYOUT_FP = "00112233445566778899aabbccddeeff"
+
+
+@pytest.fixture(scope="session")
+def vllm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """One `VLLM_CACHE_ROOT` for every engine and server the suite starts itself (in place of each
+    isolated env's own): a process whose cache root lacks the record of a model class (its
+    `modelinfos/` file) inspects the class in a fresh subprocess that imports vLLM, about 12 s on 2
+    cores. The root stays private to this test session."""
+    return tmp_path_factory.mktemp("vllm-cache")
 
 
 @pytest.fixture

@@ -278,14 +278,14 @@ def _get(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> s
 
 
 @pytest.mark.slow
-def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path) -> None:
+def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path, vllm_cache_root: Path) -> None:
     """vLLM's CPU backend with its defaults would reserve 92% of memory and compile for minutes:
     `kvtier serve` given a vLLM tiering config and no size or eager flag starts and serves."""
     from kvtier.tools.models import prepare_smollm2
 
     model = prepare_smollm2(quiet=True)
     port = _free_port()
-    env = {**os.environ, **isolated_env(tmp_path, in_process=False)}
+    env = {**os.environ, **isolated_env(tmp_path, in_process=False), "VLLM_CACHE_ROOT": str(vllm_cache_root)}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     config = _write(tmp_path, {**_seed(tmp_path, kv_connector="OffloadingConnector")})
     vllm_args = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smol",
