@@ -102,6 +102,7 @@ class HostTier:
         # A stack: slot 0 is handed out first.
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._events: list[TierEvent] = []
+        self._uses: list[list[bytes]] = []
         if generations is not None and len(generations) < num_slots:
             raise ValueError(f"{len(generations)} slot generations for {num_slots} slots")
         self._generations = generations
@@ -129,6 +130,8 @@ class HostTier:
         slot), or None when not enough slots can be freed: eviction takes unpinned READY entries
         that this call does not name, all-or-nothing, and a None result changes nothing.
         """
+        if self._uses:
+            self._apply_uses()
         ready, writing = self._ready, self._writing
         wanted = dict.fromkeys(keys)
         present = wanted.keys() & ready.keys()
@@ -233,11 +236,20 @@ class HostTier:
         """A request has used the prefix `keys` (head first), from whichever cache served it: its
         READY chunks become the most recent, the head last, so eviction takes a prefix's tail
         before its head (a tail is useless without its head, which every request sharing the
-        prefix needs). Chunks that are not READY are left alone."""
+        prefix needs). Chunks that are not READY then are left alone.
+
+        The use takes effect at the next allocation (`prepare_store`), after the stores published
+        before it: a chunk ranks from its allocation, as in vLLM's CPU tier, so the chunks of a
+        store in flight when the request finished rank before its use once published."""
+        self._uses.append(list(keys))
+
+    def _apply_uses(self) -> None:
         ready, touch = self._ready, self._policy.touch
-        for key in reversed(keys):
-            if key in ready:
-                touch(key)
+        uses, self._uses = self._uses, []
+        for keys in uses:
+            for key in reversed(keys):
+                if key in ready:
+                    touch(key)
 
     def raise_priority(self, keys: Sequence[bytes], priority: int) -> int:
         """A request of retention `priority` reuses `keys`: READY keys of a lower priority move up

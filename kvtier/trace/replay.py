@@ -12,9 +12,10 @@ which the replay copies per request:
   is scheduled); a lookup or a load changes no recency;
 - at each step that completes chunks of the request (`st`: the prompt's chunks as the prefill
   computes them, then those decode fills), every completed chunk the host lacks gets a row as
-  most recently used, evicting the least recently used chunk that is neither pinned nor named by
-  that step (the engine reserves the rows when it schedules the step and publishes them once the
-  step's forward pass is over, before any later lookup: so nothing looks them up in between);
+  most recently used (a chunk ranks from its allocation), evicting the least recently used chunk
+  that is neither pinned nor named by that step (the engine reserves the rows when it schedules
+  the step and publishes them once the step's forward pass is over, before any later lookup: so
+  nothing looks them up in between);
 - when it finishes (`end`), every chunk of the request the host holds (device hits included)
   becomes the most recently used, its last chunk first and its first chunk last
   (`HostTier.used_prefix`).

@@ -169,6 +169,22 @@ def test_a_used_prefix_keeps_its_head_longest(buf: memoryview) -> None:
     tier.check()
 
 
+def test_a_use_ranks_after_the_chunks_allocated_before_it(buf: memoryview) -> None:
+    """vLLM finishes a request before it reports the step's stores: a chunk allocated before the
+    use but published after it still ranks before it, as its allocation does in vLLM's CPU tier."""
+    tier = make_tier(buf, "lru", slots=4)
+    store(tier, ks(0, 1))
+    in_flight = tier.prepare_store(ks(2))
+    assert in_flight is not None
+    tier.used_prefix(ks(0, 1))  # the request finished while chunk 2's store was in flight
+    tier.complete_store(ks(2), True)
+    tier.take_events()
+    assert tier.prepare_store(ks(3, 4)) is not None
+    (removed,) = tier.take_events()
+    assert list(removed.keys) == ks(2)  # not chunk 1 (the use's tail), as an immediate touch has it
+    tier.check()
+
+
 def test_pinned_slots_never_evicted(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
     store(tier, ks(0, 1, 2, 3))
