@@ -103,6 +103,7 @@ class HostTier:
         self._free: list[int] = list(range(num_slots - 1, -1, -1))
         self._events: list[TierEvent] = []
         self._uses: list[list[bytes]] = []
+        self._fresh: set[bytes] = set()  # READY, and used by no request since published
         if generations is not None and len(generations) < num_slots:
             raise ValueError(f"{len(generations)} slot generations for {num_slots} slots")
         self._generations = generations
@@ -153,6 +154,7 @@ class HostTier:
             evicted = [key for key, _ in victims]
             for key in evicted:
                 del ready[key]
+            self._fresh.difference_update(evicted)
             free.extend([slot for _, slot in victims])
             self._events.append(TierEvent(TierEventKind.REMOVED, tuple(evicted)))
         if not count:
@@ -210,6 +212,7 @@ class HostTier:
         for retention, part in by_retention.items():
             self._policy.insert_many(part, priority, retention)
         self._ready.update(done)
+        self._fresh.update(done)
         self._events.append(TierEvent(TierEventKind.STORED, tuple(done)))
 
     # Load: host → device or secondary tier.
@@ -230,13 +233,16 @@ class HostTier:
             touch = self._policy.touch
             for key in keys:
                 touch(key)
+            self._fresh.difference_update(keys)
         return slots
 
     def used_prefix(self, keys: Sequence[bytes]) -> None:
         """A request has used the prefix `keys` (head first), from whichever cache served it: its
         READY chunks become the most recent, the head last, so eviction takes a prefix's tail
         before its head (a tail is useless without its head, which every request sharing the
-        prefix needs). Chunks that are not READY then are left alone.
+        prefix needs). Chunks that are not READY then are left alone. A chunk's first use since it
+        was published is no reuse (the request that stored it, or promoted it, is using it): it
+        is refreshed, not accessed (`EvictionPolicy.refresh`; under ARC it stays "seen once").
 
         The use takes effect at the next allocation (`prepare_store`), after the stores published
         before it: a chunk ranks from its allocation, as in vLLM's CPU tier, so the chunks of a
@@ -244,12 +250,15 @@ class HostTier:
         self._uses.append(list(keys))
 
     def _apply_uses(self) -> None:
-        ready, touch = self._ready, self._policy.touch
+        ready, fresh, policy = self._ready, self._fresh, self._policy
         uses, self._uses = self._uses, []
         for keys in uses:
             for key in reversed(keys):
-                if key in ready:
-                    touch(key)
+                if key in fresh:
+                    fresh.discard(key)
+                    policy.refresh(key)
+                elif key in ready:
+                    policy.touch(key)
 
     def raise_priority(self, keys: Sequence[bytes], priority: int) -> int:
         """A request of retention `priority` reuses `keys`: READY keys of a lower priority move up
@@ -308,6 +317,7 @@ class HostTier:
         for key in dropped:
             self._policy.remove(key)
             self._free.append(self._ready.pop(key))
+        self._fresh.difference_update(dropped)
         if dropped:
             self._events.append(TierEvent(TierEventKind.REMOVED, tuple(dropped)))
         return len(dropped)
@@ -365,6 +375,8 @@ class HostTier:
             policy.check()
         except RuntimeError as e:
             raise HostTierError(str(e)) from e
+        if not self._fresh <= ready.keys():
+            raise HostTierError("a key used by no request since published is not READY")
         if len(policy) != len(ready):
             raise HostTierError(f"policy holds {len(policy)} keys, READY index {len(ready)}")
         for key, slot in ready.items():

@@ -12,7 +12,8 @@ The owner decides when to evict, so ARC's request handling is split in two:
   it (LRU of B1 when |T1|+|B1| reaches c, else LRU of B2 when the directory reaches 2c).
 - `insert_many` is `insert` of each key in order; when none is a ghost, the trimming is computed
   in bulk.
-- `touch` is ARC's hit (Case I): the key moves to the MRU end of T2.
+- `touch` is ARC's hit (Case I): the key moves to the MRU end of T2; `refresh` (a use that is no
+  reuse) moves it to the MRU end of its own list.
 - `evict(n)` runs ARC's REPLACE `n` times: take from T1 while |T1| > p, else from T2, moving each
   victim to its ghost list. The incoming key is not known at eviction time, so REPLACE's tie-break
   for a B2 hit at |T1| == p is left out. Protected keys are skipped (when one list has no
@@ -122,6 +123,13 @@ class ARCPolicy(EvictionPolicy[V]):
         value = self._t1.pop(key, None)
         if value is not None:
             t2[key] = value
+
+    def refresh(self, key: bytes) -> None:
+        """The key moves to the MRU end of its own list: a key seen once stays in T1."""
+        for resident in (self._t1, self._t2):
+            if key in resident:
+                resident.move_to_end(key)
+                return
 
     def evict(self, n: int, protected: Container[bytes]) -> list[tuple[bytes, V]] | None:
         if n < 0:

@@ -48,6 +48,12 @@ class EvictionPolicy(ABC, Generic[V]):
     def touch(self, key: bytes) -> None:
         """Record an access to a resident key; ignores keys that are not resident."""
 
+    def refresh(self, key: bytes) -> None:
+        """Make a resident key as recent as an access would, without counting one: the first use
+        by the request that stored it is no reuse. Ignores keys that are not resident. This
+        default is `touch`, right for policies whose only history is recency."""
+        self.touch(key)
+
     @abstractmethod
     def evict(self, n: int, protected: Container[bytes]) -> list[tuple[bytes, V]] | None:
         """Remove and return `n` victims, none of them in `protected`.

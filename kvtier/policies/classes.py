@@ -77,6 +77,12 @@ class PriorityClasses(Generic[V]):
         if cls is not None:
             self._classes[cls].touch(key)
 
+    def refresh(self, key: bytes) -> None:
+        """A use of a resident key that is no reuse, recorded by its class's policy."""
+        cls = self._class_of.get(key)
+        if cls is not None:
+            self._classes[cls].refresh(key)
+
     def _move(self, key: bytes, cls: Class) -> bool:
         """Move a resident key up to class `cls`, as its most recent entry, when that is above its
         own class; True when it moved."""

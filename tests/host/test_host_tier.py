@@ -185,6 +185,25 @@ def test_a_use_ranks_after_the_chunks_allocated_before_it(buf: memoryview) -> No
     tier.check()
 
 
+def test_under_arc_only_a_later_request_makes_a_stored_chunk_frequent(buf: memoryview) -> None:
+    """The request that stored chunks uses them once more at its end: no reuse, so they stay in
+    ARC's T1 (seen once); a later request's use is one, and moves its chunk to T2."""
+    tier = make_tier(buf, "arc", slots=3)
+    store(tier, ks(0, 1, 2))
+    tier.used_prefix(ks(0, 1, 2))  # the storing request finishes: T1 is 2, 1, 0 (0 most recent)
+    tier.used_prefix(ks(0))  # a later request reused chunk 0: T2
+    tier.take_events()
+    victims = []
+    for new in (3, 4):
+        assert tier.prepare_store(ks(new)) is not None
+        tier.complete_store(ks(new), True)
+        victims += [key for event in tier.take_events() for key in event.keys if key not in ks(new)]
+    # T1 (seen once) gives way first: 2, then 1, while 0 stays. Had the first use counted, all
+    # three would be in T2 and the second store would take chunk 3, just stored, from T1.
+    assert victims == ks(2, 1)
+    tier.check()
+
+
 def test_pinned_slots_never_evicted(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
     store(tier, ks(0, 1, 2, 3))
