@@ -10,11 +10,13 @@ Every entry is in one of two states:
 Every READY entry has a retention priority (0-100, given at `complete_store`, raised by
 `raise_priority`) and a `Retention`: published on probation (COLD, WARM) or SETTLED, and settled by
 `settle` (reuse). Eviction takes probation entries first, then lower priorities first, and the
-configured policy orders the entries within one class (`policies/classes.py`).
+configured policy orders the entries within one class (`policies/classes.py`). Recency comes from
+the requests that used the chunks, when they finish (`used_prefix`), and from publication.
 
 Holds after every call: each slot is free, WRITING or READY, exactly one of them, and
 free + WRITING + READY == capacity; the READY index and the policy hold the same key → slot pairs;
-pins exist only on READY keys and are >= 1. `check()` verifies all of it.
+pins exist only on READY keys and are >= 1; uses wait only while stores are in flight, and the
+chunks used by no request since published are READY. `check()` verifies all of it.
 
 Threading: one owning thread (the scheduler's) makes every call; nothing here is thread-safe. Each
 call costs time proportional to the keys it is given (and, when it evicts, to the pinned keys the
@@ -131,8 +133,6 @@ class HostTier:
         slot), or None when not enough slots can be freed: eviction takes unpinned READY entries
         that this call does not name, all-or-nothing, and a None result changes nothing.
         """
-        if self._uses:
-            self._apply_uses()
         ready, writing = self._ready, self._writing
         wanted = dict.fromkeys(keys)
         present = wanted.keys() & ready.keys()
@@ -200,11 +200,16 @@ class HostTier:
         writing = self._writing
         take = writing.pop
         done = {key: take(key) for key in keys if key in writing}
-        if not done:
-            return
-        if not success:
+        if done and not success:
             self._free.extend(done.values())
-            return
+        elif done:
+            self._publish(done, priority, probation)
+        if self._uses:
+            self._apply_uses()
+
+    def _publish(
+        self, done: dict[bytes, int], priority: int, probation: Mapping[bytes, Retention] | None
+    ) -> None:
         by_retention: dict[Retention, dict[bytes, int]] = {}
         for key, slot in done.items():
             retention = probation.get(key, Retention.SETTLED) if probation else Retention.SETTLED
@@ -244,10 +249,12 @@ class HostTier:
         was published is no reuse (the request that stored it, or promoted it, is using it): it
         is refreshed, not accessed (`EvictionPolicy.refresh`; under ARC it stays "seen once").
 
-        The use takes effect at the next allocation (`prepare_store`), after the stores published
-        before it: a chunk ranks from its allocation, as in vLLM's CPU tier, so the chunks of a
-        store in flight when the request finished rank before its use once published."""
+        A use recorded while stores are in flight takes effect when the next of them completes,
+        after its chunks: they rank before the use, as their allocation does in vLLM's CPU tier
+        (vLLM finishes a step's requests before it reports the step's stores)."""
         self._uses.append(list(keys))
+        if not self._writing:
+            self._apply_uses()
 
     def _apply_uses(self) -> None:
         ready, fresh, policy = self._ready, self._fresh, self._policy
@@ -375,6 +382,8 @@ class HostTier:
             policy.check()
         except RuntimeError as e:
             raise HostTierError(str(e)) from e
+        if self._uses and not writing:
+            raise HostTierError("uses wait with no store in flight to take effect after")
         if not self._fresh <= ready.keys():
             raise HostTierError("a key used by no request since published is not READY")
         if len(policy) != len(ready):

@@ -160,6 +160,7 @@ def test_a_used_prefix_keeps_its_head_longest(buf: memoryview) -> None:
     tier = make_tier(buf, "lru", slots=5)
     store(tier, ks(0, 1, 2, 3))
     tier.used_prefix(ks(0, 1, 2, 9))  # 9 is not resident: left alone
+    tier.check()  # with no store in flight, the use took effect at once (nothing waits)
     tier.take_events()
     order = []
     for new in (5, 6, 7, 8):
