@@ -8,8 +8,9 @@ which the replay copies per request:
   leading `src.device` tokens came from the device: their chunks are not looked up in the host
   tier; past them the host is asked chunk by chunk until the first chunk it lacks (a lookup is a
   prefix): each found chunk is a host hit and is pinned (not evictable) while it is copied to the
-  device, until the request's next step that completes chunks (its load is over before that step
-  is scheduled); a lookup or a load changes no recency;
+  device: a load from the host alone until the end of its lookup's step (`schedule_s` after the
+  lookup, past that step's stores: the copy runs in that step), others until the request's next
+  step that completes chunks; a lookup or a load changes no recency;
 - at each step that completes chunks of the request (`st`: the prompt's chunks as the prefill
   computes them, then those decode fills), every completed chunk the host lacks gets a row as
   most recently used (a chunk ranks from its allocation), evicting the least recently used chunk
@@ -53,17 +54,25 @@ import numpy as np
 from kvtier.trace.format import Trace
 
 RELEASE, LOOKUP, STORE, FINISH = 0, 1, 2, 3
+_AFTER = 1e-6
+"""How long after the last store of a step its end comes, in the replay's order of events."""
 
 
-def _events(trace: Trace) -> list[tuple[float, int, int, int]]:
-    """(time, kind, record, chunks complete for a STORE) in replay order."""
+def _events(trace: Trace, delay: float | None) -> list[tuple[float, int, int, int]]:
+    """(time, kind, record, chunks complete for a STORE) in replay order. A load from the host
+    alone is released at the end of its lookup's step (`delay` after the lookup: after that step's
+    stores), or at the request's first step if that comes first."""
     events = []
     times = zip(trace.t.tolist(), trace.lookup.tolist(), trace.finish.tolist(), strict=True)
+    host_only = ((trace.host > 0) & (trace.beyond == 0)).tolist()
     for r, (t, lookup, finish) in enumerate(times):
         events.append((t + lookup, LOOKUP, r, 0))
         events.append((t + finish, FINISH, r, 0))
         steps = trace.stores[r]
-        events.append((t + (steps[0][0] if steps else lookup), RELEASE, r, 0))
+        release = t + (steps[0][0] if steps else lookup)
+        if delay is not None and host_only[r]:
+            release = min(release, t + lookup + delay + _AFTER)
+        events.append((release, RELEASE, r, 0))
         events.extend((t + dt, STORE, r, n) for dt, n in steps)
     events.sort()
     return events
@@ -93,8 +102,8 @@ def host_hits(trace: Trace, sizes: Sequence[int]) -> list[list[int]]:
     dcounts = trace.decode_counts.tolist()
     chunks = [refs[starts[r] : starts[r] + counts[r]] + decoded[dstarts[r] : dstarts[r] + dcounts[r]]
               for r in range(trace.records)]
-    events = _events(trace)
     delay = schedule_s(trace)
+    events = _events(trace, delay)
     movable = ((trace.host > 0) & (trace.beyond == 0) & trace.stepped).tolist()
     moves = [trace.stores[r][0][1] if delay is not None and movable[r] and trace.stores[r] else None
              for r in range(trace.records)]

@@ -145,3 +145,24 @@ def test_a_request_refreshes_its_prefix_when_it_ends_not_when_it_loads(
     # (t=3.1) evicts C and the last request finds A and B; still running at 3.1 (end 10), it has
     # refreshed nothing yet, so D evicts B, the least recent, and the last request finds A alone.
     assert host_hits(trace, [3]) == [[0, 0, 2, 0, last_hits]]
+
+
+def test_a_host_load_unpins_at_the_end_of_its_lookups_step(tmp_path: Path) -> None:
+    records = [  # each request that loads nothing steps 1 ms after its lookup: `schedule_s`
+        {"t": 0.0, "end": 0.5, "lookup": 0.0, "st": [[0.001, 2]], "keys": [A, B], "prompt": 33,
+         "src": {"device": 0, "recomputed": 33}},
+        {"t": 1.0, "end": 1.5, "lookup": 0.0, "st": [[0.001, 1]], "keys": [C], "prompt": 17,
+         "src": {"device": 0, "recomputed": 17}},
+        {"t": 2.0, "end": 2.5, "lookup": 0.0, "st": [[0.1, 3]], "keys": [A, B, D], "prompt": 49,
+         "src": {"device": 0, "host": 32, "recomputed": 17}},
+        {"t": 2.049, "end": 2.3, "lookup": 0.0, "st": [[0.001, 1]], "keys": [E], "prompt": 17,
+         "src": {"device": 0, "recomputed": 17}},
+        {"t": 2.06, "end": 2.4, "lookup": 0.0, "st": [[0.001, 1]], "keys": [C], "prompt": 17,
+         "src": {"device": 0, "recomputed": 17}},
+    ]
+    trace = _trace(tmp_path, records)
+    # 3 rows: B, A, C from least to most recent. The request at t=2 loads A and B from the host;
+    # the copy is over at the end of its lookup's step, and its prefill waits for a later step
+    # (t=2.1). The store of E at t=2.05 comes in between: A and B are no longer pinned, so it
+    # evicts B and the lookup at t=2.06 finds C. (Held until t=2.1, A and B made it evict C.)
+    assert host_hits(trace, [3]) == [[0, 0, 2, 0, 1]]
