@@ -64,7 +64,7 @@ def _events(trace: Trace, delay: float | None) -> list[tuple[float, int, int, in
     stores), or at the request's first step if that comes first."""
     events = []
     times = zip(trace.t.tolist(), trace.lookup.tolist(), trace.finish.tolist(), strict=True)
-    host_only = ((trace.host > 0) & (trace.beyond == 0)).tolist()
+    host_only = _host_loads(trace).tolist()
     for r, (t, lookup, finish) in enumerate(times):
         events.append((t + lookup, LOOKUP, r, 0))
         events.append((t + finish, FINISH, r, 0))
@@ -76,6 +76,12 @@ def _events(trace: Trace, delay: float | None) -> list[tuple[float, int, int, in
         events.extend((t + dt, STORE, r, n) for dt, n in steps)
     events.sort()
     return events
+
+
+def _host_loads(trace: Trace) -> np.ndarray:
+    """Per record, whether it was recorded loading from the host tier and from no other tier."""
+    loads: np.ndarray = (trace.host > 0) & (trace.beyond == 0)
+    return loads
 
 
 def schedule_s(trace: Trace) -> float | None:
@@ -104,7 +110,7 @@ def host_hits(trace: Trace, sizes: Sequence[int]) -> list[list[int]]:
               for r in range(trace.records)]
     delay = schedule_s(trace)
     events = _events(trace, delay)
-    movable = ((trace.host > 0) & (trace.beyond == 0) & trace.stepped).tolist()
+    movable = (_host_loads(trace) & trace.stepped).tolist()
     moves = [trace.stores[r][0][1] if delay is not None and movable[r] and trace.stores[r] else None
              for r in range(trace.records)]
     return [_replay(trace, chunks, events, moves, delay or 0.0, size) for size in sizes]
