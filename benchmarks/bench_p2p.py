@@ -22,7 +22,10 @@ connections and threads:
   tier process loading into its own, each job through the engine-side proxy as in serving): its
   store (index + checksums), its load alone (lookups settled first) and its load with its lookups
   (timed from the first lookup answered RETRY), after an untimed warm-up that opens the
-  connections (the raw copy's are open before its timer too).
+  connections (the raw copy's are open before its timer too). It runs once per `--keys-per-job`
+  value, each repeat: loads of one chunk per job (`tier_load`: 128 jobs through the proxy and the
+  tier's dispatch thread, the per-job cost at its highest) and of N chunks per job
+  (`tier_load_jobsN`: as the manager submits a promotion, one job per tier for the request's run).
 
 Throughput counts row bytes. Prints per-repeat values, a table of medians with min-max spreads, the
 ratios tier / raw (loads) and tier / hash (stores), and a JSON document.
@@ -131,13 +134,15 @@ def hash_store(rows: memoryview, chunks: int, row_bytes: int) -> float:
     return time.perf_counter() - start
 
 
-def tier_bench(chunk_bytes: int, chunks: int, threads: int, failures: list[str]) -> dict[str, float]:
+def tier_bench(chunk_bytes: int, chunks: int, threads: int, keys_per_job: int,
+               failures: list[str]) -> dict[str, float]:
     """One `kvtier tier-bench --tier p2p` run; a run that fails (e.g. a lookup timed out on a
     loaded machine) is recorded in `failures` (its last error line) and run again, up to 3 times."""
     for _ in range(3):
         out = subprocess.run(
             [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "p2p", "--chunk-bytes",
-             str(chunk_bytes), "--chunks", str(chunks), "--threads", str(threads), "--json"],
+             str(chunk_bytes), "--chunks", str(chunks), "--threads", str(threads),
+             "--keys-per-job", str(keys_per_job), "--json"],
             capture_output=True, text=True,
         )
         if out.returncode == 0:
@@ -162,13 +167,21 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=128)
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--keys-per-job", default="1,16",
+                   help="comma-separated chunks per tier LOAD job, one tier run per value (default 1,16)")
     p.add_argument("--raw-variants", action="store_true", help="also run the weaker raw copies")
     p.add_argument("--no-tier", action="store_true", help="raw contenders only")
     p.add_argument("--json-out", help="also write the JSON document here")
     args = p.parse_args()
+    try:
+        per_job = [int(v) for v in args.keys_per_job.split(",")]
+    except ValueError:
+        p.error(f"--keys-per-job {args.keys_per_job!r}: expected comma-separated integers")
+    if not per_job or min(per_job) < 1:
+        p.error(f"--keys-per-job {args.keys_per_job!r}: every value must be >= 1")
     gib = args.chunk_bytes * args.chunks / 2**30
     raws = list(RAW_VARIANTS) if args.raw_variants else ["raw_load"]
-    contenders = [*raws, "hash_store", *([] if args.no_tier else ["tier"])]
+    contenders = [*raws, "hash_store", *([] if args.no_tier else [f"tier{n}" for n in per_job])]
     runs: dict[str, list[float]] = {}
     failures: list[str] = []
     copies = {offset: RawCopy(args.chunks, args.chunk_bytes, args.threads, offset)
@@ -185,10 +198,15 @@ def main() -> None:
                     rows = copies[0].rows
                     runs.setdefault(who, []).append(gib / hash_store(rows, args.chunks, args.chunk_bytes))
                 else:
-                    report = tier_bench(args.chunk_bytes, args.chunks, args.threads, failures)
-                    for name in ("store", "load", "load_lookups"):
-                        runs.setdefault(f"tier_{name}", []).append(report[f"{name}_gib_s"])
-                    runs.setdefault("tier_lookup_ms", []).append(report["lookup_s"] * 1e3)
+                    n = int(who.removeprefix("tier"))
+                    report = tier_bench(args.chunk_bytes, args.chunks, args.threads, n, failures)
+                    loads = {f"tier_{name}" + ("" if n == 1 else f"_jobs{n}"): report[f"{name}_gib_s"]
+                             for name in ("load", "load_lookups")}
+                    if n == per_job[0]:
+                        loads["tier_store"] = report["store_gib_s"]
+                        loads["tier_lookup_ms"] = report["lookup_s"] * 1e3
+                    for name, value in loads.items():
+                        runs.setdefault(name, []).append(value)
             loadavg.append(os.getloadavg()[0])
             print(f"repeat {r}: " + ", ".join(f"{k} {v[-1]:.2f}" for k, v in runs.items()), file=sys.stderr)
     finally:
@@ -197,13 +215,14 @@ def main() -> None:
     med = {k: statistics.median(v) for k, v in runs.items()}
     doc: dict[str, object] = {
         "chunk_bytes": args.chunk_bytes, "chunks": args.chunks, "threads": args.threads,
+        "keys_per_job": per_job,
         "repeats": args.repeats, "loadavg": [min(loadavg), max(loadavg)], "runs": runs,
         "median": med, "spread": {k: [min(v), max(v)] for k, v in runs.items()},
         "tier_failed_runs": failures,
     }
     ratios = {} if args.no_tier else {
-        "load_vs_raw": med["tier_load"] / med["raw_load"],
-        "load_lookups_vs_raw": med["tier_load_lookups"] / med["raw_load"],
+        **{name.removeprefix("tier_") + "_vs_raw": med[name] / med["raw_load"]
+           for name in med if name.startswith("tier_load")},
         "store_vs_hash": med["tier_store"] / med["hash_store"]}
     doc["ratios"] = ratios
     print(f"{'GiB/s (tier_lookup_ms: ms)':<28} {'median':>7} {'min':>7} {'max':>7}")

@@ -31,7 +31,8 @@ from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
 from kvtier.tiers.process import TierProcess, TierSpec
 
 RunJobs = Callable[[TierProcess, JobKind, list[bytes], int], float]
-"""Submit one job per key (slot i for key i) from a first job id, wait for all; seconds taken."""
+"""Submit jobs for the keys (slot i for key i), ids from a first job id (at most one id per
+key), wait for all; seconds taken."""
 
 
 class HolderError(RuntimeError):

@@ -2,7 +2,9 @@
 
 The rows live in a real host region, the tier runs in its own process exactly as in serving, and
 every job is submitted at once so the tier's own concurrency (its `threads`) is what is measured.
-Loaded rows are checked against what was stored (outside the timed part).
+Loaded rows are checked against what was stored (outside the timed part). Each store is a job of
+one chunk; loads are jobs of `keys_per_job` chunks (1 by default: the most jobs, the tier's per-job
+cost at its highest; the manager submits a promotion's chunks from one tier as one job).
 
 p2p loads what only a peer holds (`p2p_holder`): a holder peer process serves the same rows, and
 the load is timed twice after an untimed warm-up, alone (`load_s`, lookups settled first) and with
@@ -19,6 +21,7 @@ import os
 import secrets
 import sys
 import time
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -42,14 +45,17 @@ def _progress(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
-def _run_jobs(proc: TierProcess, kind: JobKind, keys: list[bytes], first_id: int) -> float:
-    """Submit one job per chunk, wait for all, return the seconds taken; fail on any failure."""
+def _run_jobs(proc: TierProcess, kind: JobKind, keys: list[bytes], first_id: int, per_job: int = 1) -> float:
+    """Submit the chunks (slot i for keys[i]) as jobs of `per_job` consecutive chunks, wait for
+    all, return the seconds taken; fail on any failure."""
     start = time.perf_counter()
-    for i, key in enumerate(keys):
-        job = Job(first_id + i, kind, (key,), (i,))
+    starts = range(0, len(keys), per_job)
+    for n, i in enumerate(starts):
+        end = min(i + per_job, len(keys))
+        job = Job(first_id + n, kind, tuple(keys[i:end]), tuple(range(i, end)))
         (proc.submit_store if kind is JobKind.STORE else proc.submit_load)(job)
     results: list[JobResult] = []
-    while len(results) < len(keys):
+    while len(results) < len(starts):
         results.extend(proc.get_finished_jobs())
         # 1 ms polls add at most 1 ms to a pass; finer ones take CPU the tier (and, for obj and
         # redis, its server on the same host) needs on small machines.
@@ -57,14 +63,15 @@ def _run_jobs(proc: TierProcess, kind: JobKind, keys: list[bytes], first_id: int
     seconds = time.perf_counter() - start
     failed = [r for r in results if not r.success]
     if failed:
-        raise RuntimeError(f"{len(failed)} of {len(keys)} {kind.value} jobs failed")
+        raise RuntimeError(f"{len(failed)} of {len(starts)} {kind.value} jobs failed")
     return seconds
 
 
 def run_tier_bench(
-    tier: str, options: dict[str, Any], chunk_bytes: int, chunks: int, threads: int
+    tier: str, options: dict[str, Any], chunk_bytes: int, chunks: int, threads: int, keys_per_job: int = 1,
 ) -> dict[str, Any]:
-    """Store then load `chunks` rows of `chunk_bytes` through tier `tier`; throughput in GiB/s."""
+    """Store then load `chunks` rows of `chunk_bytes` through tier `tier`, loads in jobs of
+    `keys_per_job` chunks; throughput in GiB/s."""
     row = -(-chunk_bytes // PAGE) * PAGE
     opts = dict(options)
     for name in THREAD_OPTIONS.get(tier, ()):
@@ -105,10 +112,11 @@ def run_tier_bench(
         store_s = _run_jobs(proc, JobKind.STORE, keys, 0)
         _progress(f"loading {chunks} chunks back from {tier}")
         if tier == "p2p":
-            loads = p2p_holder.timed_loads(proc, holder, rows, check_rows, _run_jobs, chunks)
+            run_jobs = partial(_run_jobs, per_job=keys_per_job)
+            loads = p2p_holder.timed_loads(proc, holder, rows, check_rows, run_jobs, chunks)
         else:
             rows[:] = 0
-            loads = {"load_s": _run_jobs(proc, JobKind.LOAD, keys, chunks)}
+            loads = {"load_s": _run_jobs(proc, JobKind.LOAD, keys, chunks, keys_per_job)}
             check_rows()
         gib = row * chunks / 2**30
         seen = proc.stats_version
@@ -119,6 +127,7 @@ def run_tier_bench(
             time.sleep(0.001)
         return {
             "tier": tier, "chunk_bytes": row, "chunks": chunks, "threads": threads,
+            "keys_per_job": keys_per_job,
             "store_s": store_s, **loads, "store_gib_s": gib / store_s,
             **{name.removesuffix("_s") + "_gib_s": gib / seconds
                for name, seconds in loads.items() if name != "lookup_s"},
@@ -144,6 +153,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--chunk-bytes", type=int, default=2 << 20)
     p.add_argument("--chunks", type=int, default=256)
     p.add_argument("--threads", type=int, default=4)
+    p.add_argument("--keys-per-job", type=int, default=1,
+                   help="chunks per LOAD job (default 1; the manager sends a promotion's chunks "
+                        "from one tier as one job)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_command)
 
@@ -166,10 +178,11 @@ def run_command(args: argparse.Namespace) -> int:
             options[name] = json.loads(value)
         except json.JSONDecodeError:
             options[name] = value
-    for name in ("chunk_bytes", "chunks", "threads"):
+    for name in ("chunk_bytes", "chunks", "threads", "keys_per_job"):
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
-    report = run_tier_bench(args.tier, options, args.chunk_bytes, args.chunks, args.threads)
+    report = run_tier_bench(args.tier, options, args.chunk_bytes, args.chunks, args.threads,
+                            args.keys_per_job)
     if args.json:
         print(json.dumps(report))
     else:

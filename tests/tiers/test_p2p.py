@@ -23,7 +23,7 @@ from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
 from kvtier.policies.lru import LRUPolicy
-from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
+from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import P2PTier, protocol
@@ -397,3 +397,40 @@ def test_tier_bench_times_p2p_loads_alone_and_with_their_lookups() -> None:
     assert report["load_s"] > 0 and report["load_lookups_s"] > report["lookup_s"] > 0
     assert report["load_gib_s"] > 0 and report["load_lookups_gib_s"] > 0
     assert report["tier_stats"]["loaded"] == 3 * 8  # the warm-up and both timed passes
+
+
+def test_tier_bench_loads_in_jobs_of_several_chunks() -> None:
+    """Jobs of 3 over 8 chunks (3, 3, 2): every row still lands in its own slot (tier-bench checks
+    each loaded row against what was stored, and fails the run otherwise)."""
+    from kvtier.bench.tier_bench import run_tier_bench
+
+    report = run_tier_bench("p2p", {}, chunk_bytes=64 << 10, chunks=8, threads=2, keys_per_job=3)
+    assert report["keys_per_job"] == 3
+    assert report["tier_stats"]["loaded"] == 3 * 8 and report["tier_stats"].get("load_failures", 0) == 0
+
+
+def test_tier_bench_groups_consecutive_chunks_into_each_job() -> None:
+    from kvtier.bench.tier_bench import _run_jobs
+
+    class Recorder:
+        """Takes jobs as a tier process would and finishes each at the next poll."""
+
+        def __init__(self) -> None:
+            self.submitted: list[Job] = []
+            self._open: list[Job] = []
+
+        def submit_load(self, job: Job) -> None:
+            self.submitted.append(job)
+            self._open.append(job)
+
+        def get_finished_jobs(self) -> list[JobResult]:
+            done, self._open = self._open, []
+            return [JobResult(j.job_id, success=True) for j in done]
+
+    proc = Recorder()
+    keys = [bytes([i]) * 32 for i in range(8)]
+    _run_jobs(proc, JobKind.LOAD, keys, 100, per_job=3)  # type: ignore[arg-type]
+    jobs = proc.submitted
+    assert [j.job_id for j in jobs] == [100, 101, 102]
+    assert [j.slots for j in jobs] == [(0, 1, 2), (3, 4, 5), (6, 7)]
+    assert [k for j in jobs for k in j.keys] == keys
