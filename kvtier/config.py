@@ -59,6 +59,10 @@ class KVTierConfig:
     stream_promotions: bool = True
     """A prefix longer than the host tier has room for is promoted and copied to the device a batch
     at a time (False: the chunks that do not fit are recomputed)."""
+    sync_host_loads: bool = True
+    """On the CPU backend, a model with one KV cache group: a load served by the host tier alone is
+    copied before the forward pass of the step that schedules its request (vLLM's synchronous
+    load), instead of a step before it (False: every load is asynchronous)."""
     shm_dir: str = "/dev/shm"
     trace_path: str | None = None
     """Each finished request appends a record here (`kvtier.trace.writer`); None: no trace."""
@@ -118,6 +122,7 @@ class KVTierConfig:
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
             tier_lookup_wait_s=_float(raw, "tier_lookup_wait_s", 0.01, minimum=0.0),
             stream_promotions=_bool(raw, "stream_promotions", True),
+            sync_host_loads=_bool(raw, "sync_host_loads", True),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
             trace_path=_optional_string(raw, "trace_path"),
             trace_max_bytes=_int(raw, "trace_max_bytes", 256 << 20, minimum=4096),

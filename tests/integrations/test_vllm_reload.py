@@ -45,6 +45,8 @@ class KVSpy:
     def __init__(self, worker: Any, mp: pytest.MonkeyPatch) -> None:
         self.stored: dict[bytes, bytes] = {}
         self.loaded: dict[bytes, bytes] = {}
+        self.sync: dict[bytes, bool] = {}
+        """Whether each chunk's last load was synchronous (copied before its request's forward)."""
         tensors = worker.transfer.layer_tensors
         save, start_load = worker.save, worker.start_load
 
@@ -63,6 +65,7 @@ class KVSpy:
             for job in meta.loads:
                 for key, ids in zip(job.keys, job.block_ids, strict=True):
                     self.loaded[key] = chunk_bytes(ids)
+                    self.sync[key] = job.sync
 
         mp.setattr(worker, "save", spy_save)
         mp.setattr(worker, "start_load", spy_load)
@@ -85,11 +88,13 @@ def spy(llm: Any) -> Iterator[KVSpy]:
         yield KVSpy(connector_halves(llm)[1], mp)
 
 
-def generate(llm: Any, prompt: str | list[int], max_tokens: int = 8) -> Result:
-    """Greedy `max_tokens` tokens for a text prompt or a list of token ids, alone in the engine."""
+def generate(llm: Any, prompt: str | list[int], max_tokens: int = 8, skip_load: bool = False) -> Result:
+    """Greedy `max_tokens` tokens for a text prompt or a list of token ids, alone in the engine;
+    `skip_load`: kvtier loads nothing for it."""
     from vllm import SamplingParams
 
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens)
+    extra = {"kv_transfer_params": {"kvtier": {"skip_load": True}}} if skip_load else None
+    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
     request = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
     out = llm.generate([request], params, use_tqdm=False)[0]
     return Result(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.num_cached_tokens)
@@ -151,6 +156,8 @@ def test_reload_from_host_tier_matches_device_prefix_cache(llm: Any, spy: KVSpy)
     assert again.tokens == ref.tokens
     for key in keys:
         assert spy.loaded[key] == spy.stored[key]
+        assert spy.sync[key]  # on CPU the host tier's loads feed their own step's forward pass
+    assert scheduler.manager.host.stats().pinned == 0  # released when the workers reported the copy
 
 
 def test_reload_from_fs_tier_after_host_eviction(llm: Any, spy: KVSpy) -> None:
@@ -176,6 +183,7 @@ def test_reload_from_fs_tier_after_host_eviction(llm: Any, spy: KVSpy) -> None:
     assert again.tokens == ref.tokens
     for key in keys:
         assert spy.loaded[key] == spy.stored[key]
+        assert spy.sync[key]  # promoted first, then loaded from the host tier alone
 
 
 def test_decode_chunks_of_one_turn_are_reloaded_in_the_next(llm: Any, spy: KVSpy) -> None:
@@ -240,6 +248,34 @@ def test_the_oracle_catches_a_load_that_copies_nothing(
         assert spy.loaded[key] != spy.stored[key]
         assert spy.loaded[key] == pattern * (len(spy.loaded[key]) // len(pattern))
     assert again.tokens != ref.tokens
+
+
+def test_a_failed_synchronous_load_is_recomputed(
+    llm: Any, spy: KVSpy, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A synchronous load whose copy fails (a fault only a patch causes) is reported by block: vLLM
+    drops what the step computed for the request and recomputes it, and its output is the output
+    computed without kvtier."""
+    scheduler, worker = connector_halves(llm)
+    prompt = PROMPTS["library"]
+    first = generate(llm, prompt)
+    keys = scheduler.hasher.keys(first.prompt)[: (len(first.prompt) - 1) // CHUNK]
+    settle(scheduler)
+    assert keys and all(scheduler.manager.host.contains(k) for k in keys)
+    reset_and_poison(llm)
+    scratch = generate(llm, prompt, skip_load=True)
+    assert scratch.cached == 0
+    reset_and_poison(llm)
+    failed = scheduler.manager.metrics.value("kvtier_failures_total", tier="host", op="load")
+    monkeypatch.setattr(worker.transfer, "load", lambda block_ids, slots: False)
+
+    again = generate(llm, prompt)
+
+    assert all(spy.sync[k] for k in keys)
+    assert scheduler.manager.metrics.value("kvtier_failures_total", tier="host", op="load") > failed
+    assert again.tokens == scratch.tokens
+    settle(scheduler)
+    assert scheduler.manager.host.stats().pinned == 0
 
 
 def test_vllm_keeps_its_hybrid_kv_cache_manager_on(llm: Any) -> None:

@@ -87,8 +87,12 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             world = vllm_config.parallel_config.world_size
             events = vllm_config.kv_events_config
             enabled = events is not None and bool(events.enable_kv_cache_events)
-            scheduler = KVTierScheduler if geometry.states is None else StateScheduler
-            self.scheduler = scheduler(config, geometry, world, events=enabled)
+            if geometry.states is not None:
+                self.scheduler = StateScheduler(config, geometry, world, events=enabled)
+            else:
+                sync = (config.sync_host_loads and geometry.one_group
+                        and vllm_config.device_config.device_type == "cpu")
+                self.scheduler = KVTierScheduler(config, geometry, world, events=enabled, sync_loads=sync)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

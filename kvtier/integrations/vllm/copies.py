@@ -3,7 +3,8 @@
 A copy job is done once every worker (TP rank) reported it (`KVTierWorkerMetadata`): its outcome
 is the conjunction of theirs and its time the slowest one's. A store remembers the chunks it
 publishes and the retention priority they cascade with; a load, its request, the source of each
-chunk it copies, and whether it is the last part of the request's load (`streams.py`).
+chunk it copies, whether it is the last part of the request's load (`streams.py`), and whether it
+is synchronous (it feeds its own step's forward pass).
 """
 
 from __future__ import annotations
@@ -43,3 +44,4 @@ class LoadCopy(CopyAcks):
     req_id: str = ""
     sources: list[str] = field(default_factory=list)
     last: bool = True
+    sync: bool = False

@@ -49,6 +49,12 @@ class EngineGeometry:
     def chunk_tokens(self) -> int:
         return self.layout.chunk_tokens
 
+    @property
+    def one_group(self) -> bool:
+        """One KV cache group and no recurrent state: vLLM takes a failed load's block ids
+        (with several groups, block ids are per group, and a failed load is reported by request)."""
+        return len(set(self.layer_groups)) <= 1 and self.states is None
+
 
 def model_name(model: str, served_model_name: str | list[str] | None) -> str:
     """The model's name in chunk keys: the same on every machine serving the same model.

@@ -8,7 +8,8 @@ needs nothing else from the scheduler process (it attaches the region by name).
 Worker → scheduler (`KVTierWorkerMetadata`, built after the step by `build_connector_worker_meta`,
 aggregated over all workers by vLLM and handed to `update_connector_output`): which store and load
 jobs each worker finished, whether each copy succeeded and how long it took. Finished loads also
-travel through vLLM's own `finished_recving` set (keyed by request id), which releases their pins.
+travel through vLLM's own `finished_recving` set (keyed by request id), which releases their pins;
+a synchronous load's pins are released when every worker reported it here.
 """
 
 from __future__ import annotations
@@ -32,7 +33,9 @@ class ChunkCopy:
     row; `keys[i]` its chunk key (for logs, events and checks: copies need none). A load whose
     `slots` is empty could not pin its host rows: the worker fails it. A request's load may come
     in parts, one at a time (`streams.py`): the worker reports the request's load finished when
-    its `last` part ends.
+    its `last` part ends. A `sync` load feeds the forward pass of its own step (its request is in
+    it): it is copied before that pass and never reported finished; a failed one's blocks are
+    reported as load errors (one KV cache group only).
     """
 
     job_id: int
@@ -41,6 +44,7 @@ class ChunkCopy:
     block_ids: tuple[tuple[int, ...], ...]
     slots: tuple[int, ...]
     last: bool = True
+    sync: bool = False
 
     @property
     def all_block_ids(self) -> list[int]:

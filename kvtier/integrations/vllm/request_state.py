@@ -41,6 +41,8 @@ class RequestState:
     """The device hit (in chunks) of the last lookup that started a promotion (None: none did)."""
     streamed: range = range(0)
     """The chunks found in secondary tiers that did not fit in the host tier: streamed."""
+    load_sync: bool = False
+    """The last lookup offered a synchronous load (the host tier alone serves it)."""
     released: bool = False
     load_failed: bool = False
     """A load for this request failed (vLLM recomputes it): it is offered no load again."""
@@ -61,6 +63,15 @@ class RequestState:
             for i, tier in enumerate((*(HOST,) * ready, *tiers), start):
                 self.promoted_from.setdefault(i, tier)
             self.promoted_at = start
+
+    def take_promoted(self, keep: range = range(0)) -> list[bytes]:
+        """The chunks promoted for this request, whose holds are to be released, once (then none):
+        its own load has pinned the rows it needs, or it no longer needs them. The chunks it
+        streams (`keep`) stay held: the stream releases each as its part pins it, or when it ends."""
+        if not self.promoted_from or self.released:
+            return []
+        self.released = True
+        return [self.keys[i] for i in self.promoted_from if i not in keep]
 
     @classmethod
     def of(cls, request: Request, hasher: ChunkHasher) -> RequestState | None:

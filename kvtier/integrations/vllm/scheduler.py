@@ -4,14 +4,16 @@ Runs in vLLM's scheduler (engine core) process, on its scheduler thread; every m
 there and none blocks: host-tier calls are in-memory, and secondary tiers are reached only through
 the tiering manager's non-blocking calls.
 
-Loads are asynchronous (vLLM's `load_kv_async`): `get_num_new_matched_tokens` reports the chunks
-ready in the host tier past vLLM's own device prefix hit (None, "ask again", while a promotion from
-a secondary tier is in flight); `update_state_after_alloc` pins their host rows; the next
-`build_connector_meta` sends the copies; the worker reports the request in `finished_recving` and
-`update_connector_output` releases the pins. When the secondary tiers hold more of the prefix than
-the host tier has room for, the whole prefix is offered and the chunks that did not fit are
-streamed in parts, a batch at a time (`streams.py`). A request whose load failed is recomputed: a
-new load offered to it could wait forever in vLLM's admission, which reserves the loads' blocks.
+Loads: `get_num_new_matched_tokens` reports the chunks ready in the host tier past vLLM's own
+device prefix hit (None, "ask again", while a promotion from a secondary tier is in flight);
+`update_state_after_alloc` pins their host rows; the next `build_connector_meta` sends the copies.
+With `sync_loads` (CPU backend, one KV cache group) a load the host tier alone serves is
+synchronous: its request runs in the same step, the copy before that step's forward pass, and the
+pins go once every worker reported the copy. Other loads are asynchronous (`load_kv_async`): the
+worker reports the request in `finished_recving`, which releases the pins. When the secondary
+tiers hold more of the prefix than the host tier has room for, the whole prefix is offered and the
+chunks that did not fit are streamed in parts (`streams.py`). A request whose load failed is
+recomputed: a new load offered to it could wait forever in vLLM's admission.
 
 Stores: `build_connector_meta` allocates host rows (WRITING) for every full chunk that this step
 completes, prompt chunks and the chunks filled during decode alike (in multi-turn chat the reply is
@@ -23,11 +25,10 @@ ordered after it (`handle_preemptions`). `update_connector_output` publishes the
 worker reported its copy (`publish`: settled or on probation), then cascades the settled ones.
 
 Per-request options (`options.py`, from `kv_transfer_params`) may skip the load or the store,
-restrict the secondary tiers a load may come from, and set the cascade's retention priority.
-
-Metrics and the per-request split of prompt tokens by source are kept by `accounting.py`; KV events
-(`kv_events.py`) are drained every step by `take_events` and translated when vLLM's KV events are
-on. With `trace_path` set, `tracing.py` records each finished request.
+restrict the load's source tiers and set the cascade's retention priority. `accounting.py` keeps
+metrics and each request's split of prompt tokens by source; `take_events` drains KV events
+(`kv_events.py`, translated when vLLM's are on); with `trace_path`, `tracing.py` records each
+finished request.
 """
 
 from __future__ import annotations
@@ -68,10 +69,12 @@ class KVTierScheduler:
     """Scheduler-side state of one engine: the tiering manager and per-request progress."""
 
     def __init__(
-        self, config: KVTierConfig, geometry: EngineGeometry, world_size: int, events: bool = False
+        self, config: KVTierConfig, geometry: EngineGeometry, world_size: int, events: bool = False,
+        sync_loads: bool = False,
     ) -> None:
         """Called once by the connector at engine start; starts the tier processes. `events`: the
-        user enabled vLLM's KV events, so `take_events` translates kvtier's."""
+        user enabled vLLM's KV events, so `take_events` translates kvtier's. `sync_loads`: the
+        workers copy synchronously and take failed loads by block (see the module docstring)."""
         layout = geometry.layout
         self.geometry = geometry
         self.manager = TieringManager.from_config(config, layout.row_bytes, layout.fingerprint)
@@ -93,6 +96,7 @@ class KVTierScheduler:
         self._loads: dict[int, LoadCopy] = {}
         self._job_ids = itertools.count(1)
         self.stream_promotions = config.stream_promotions
+        self.sync_loads = sync_loads
         self.streams = LoadStreams(self.manager, self._job_ids)
         self.tails = Tails(geometry.chunk_tokens)
         try:
@@ -121,8 +125,8 @@ class KVTierScheduler:
         """How many tokens past the device hit `num_computed_tokens` the host tier can load.
 
         Called by vLLM's scheduler for a waiting request, possibly on several steps. Returns
-        (tokens, load asynchronously), or (None, False) while a promotion is in flight. Never
-        offers the last prompt token (as vLLM's own prefix cache, so hit lengths agree).
+        (tokens, load asynchronously: a streamed one always), or (None, False) while a promotion
+        is in flight. Never offers the last prompt token (as vLLM's prefix cache: hits agree).
         """
         state = self._state(request)
         ct = self.geometry.chunk_tokens
@@ -153,7 +157,8 @@ class KVTierScheduler:
         state.load_from = start
         state.looked_up = len(keys)
         chunks = found.ready + len(state.streamed)
-        return chunks * ct, chunks > 0
+        state.load_sync = self.sync_loads and not state.streamed
+        return chunks * ct, chunks > 0 and not state.load_sync
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -172,7 +177,7 @@ class KVTierScheduler:
         head = state.keys[first : first + count - streamed]  # ready in the host tier
         slots = self.manager.host.prepare_load(head, access=False) if head else None
         sources = [state.promoted_from.get(c, HOST) for c in range(first, first + count)]
-        self._release_promoted(state, keep=range(first + count - streamed, first + count))
+        self.manager.release(state.take_promoted(keep=range(first + count - streamed, first + count)))
         ok = slots is not None or not head
         if not state.hits.recorded:
             self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [])
@@ -186,7 +191,8 @@ class KVTierScheduler:
             # The rows left the host tier since the lookup: these chunks are recomputed.
             self.manager.metrics.inc("failures", count, HOST, "load")
             keys = state.keys[first : first + count]
-            self._send(ChunkCopy(next(self._job_ids), req_id, tuple(keys), tuple(chunks), ()))
+            self._send(ChunkCopy(next(self._job_ids), req_id, tuple(keys), tuple(chunks), (),
+                                 sync=state.load_sync))
             return
         if streamed:
             self.streams.start(req_id, state.keys[first + len(head) : first + count],
@@ -194,7 +200,7 @@ class KVTierScheduler:
                                head_in_flight=bool(head))
         if head and slots is not None:
             copy = ChunkCopy(next(self._job_ids), req_id, tuple(head), tuple(chunks[: len(head)]),
-                             tuple(slots), last=not streamed)
+                             tuple(slots), last=not streamed, sync=state.load_sync)
             self._send(copy, sources[: len(head)], head)
 
     def _send(self, copy: ChunkCopy, sources: list[str] | None = None,
@@ -208,7 +214,8 @@ class KVTierScheduler:
             if state is not None:
                 self.manager.host.raise_priority(keys, state.priority)
         if copy.slots and sources is not None:
-            self._loads[copy.job_id] = LoadCopy(req_id=copy.req_id, sources=sources, last=copy.last)
+            self._loads[copy.job_id] = LoadCopy(req_id=copy.req_id, sources=sources, last=copy.last,
+                                                sync=copy.sync)
         self._loads_to_send.append(copy)
 
     def _send_parts(self, parts: list[Part]) -> None:
@@ -326,10 +333,11 @@ class KVTierScheduler:
             if load is None or not load.ack(acks, ok, seconds, self.world_size):
                 continue
             del self._loads[job_id]
-            if not load.last:
+            if not load.last or load.sync:
                 keys = self._loading.pop(load.req_id, None)
                 if keys is not None:
                     self.manager.host.complete_load(keys)
+            if not load.last:
                 self.streams.part_done(load.req_id, load.ok)
             if load.ok:
                 self.accounting.copied("load", len(load.sources), load.seconds, ok=True)
@@ -348,19 +356,11 @@ class KVTierScheduler:
         self.tails.hold(state, request.num_computed_tokens)
         self.manager.host.used_prefix(state.keys)
         self.ops.finished(request)
-        self._release_promoted(state)
+        self.manager.release(state.take_promoted())
         self.streams.drop(request.request_id)
         params = self.accounting.finish(request.request_id, state.hits)
         self.tracer.finished(request, state.keys, params["kvtier"]["tokens"], state.priority)
         return params
-
-    def _release_promoted(self, state: RequestState, keep: range = range(0)) -> None:
-        """Release the holds on the chunks promoted for this request (once): its own load has
-        pinned the rows it needs, or it no longer needs them. The chunks it streams (`keep`) stay
-        held: the stream releases each as its part pins it, or when it ends."""
-        if state.promoted_from and not state.released:
-            state.released = True
-            self.manager.release([state.keys[i] for i in state.promoted_from if i not in keep])
 
     def hit_sources(self, request: Request) -> dict[str, int]:
         """Tokens loaded for `request` by kvtier source ("host" or a tier name), for vLLM's

@@ -45,6 +45,7 @@ class _Job:
     req_id: str
     block_ids: tuple[int, ...]
     last: bool = True
+    sync: bool = False
 
 
 class KVTierWorker:
@@ -61,7 +62,7 @@ class KVTierWorker:
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
         self.states: StateWorker | None = None
-        self._by_request = len(set(geometry.layer_groups)) > 1 or geometry.states is not None
+        self._by_request = not geometry.one_group
         """Several KV cache groups: failed loads are reported by request, not by block."""
         self._failing: set[str] = set()
         self._failed_loads: set[str] = set()
@@ -112,7 +113,7 @@ class KVTierWorker:
         pinned host rows fails at once."""
         self._copy_states(meta, load=True)
         for job in meta.loads:
-            self._jobs[job.job_id] = _Job(True, job.req_id, tuple(job.all_block_ids), job.last)
+            self._jobs[job.job_id] = _Job(True, job.req_id, tuple(job.all_block_ids), job.last, job.sync)
             if job.slots:
                 self._transfer(meta).submit_load(job.job_id, job.block_ids, job.slots)
             else:
@@ -182,7 +183,7 @@ class KVTierWorker:
             else:
                 self._load_errors.update(b for b in job.block_ids if b != SKIP_BLOCK)
         self._loads[job_id] = (1, ok)
-        if job.last:
+        if job.last and not job.sync:
             self._finished_loads.add(job.req_id)
             if job.req_id in self._failing:
                 self._failing.discard(job.req_id)
