@@ -122,6 +122,31 @@ def test_load_pins_rows_until_the_worker_finished(sched: KVTierScheduler) -> Non
     assert [sched.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
 
 
+def test_a_synchronous_load_is_released_when_the_workers_reported_it() -> None:
+    """With `sync_loads`, a load the host tier alone serves is synchronous (its request is scheduled
+    in the same step) and its pins go with the workers' report: vLLM sends no finished request."""
+    config = KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES})
+    s = KVTierScheduler(config, geometry(), 1, sync_loads=True)
+    blocks: dict[str, list[int]] = {}
+    s.bind_block_ids(lambda req_id: (blocks[req_id],))
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    try:
+        compute_prompt(s, FakeRequest("a", PROMPT), [4, 1, 2, 3])
+        req = FakeRequest("b", PROMPT)
+        keys = s.hasher.keys(PROMPT)
+        assert s.get_num_new_matched_tokens(req, 4) == (8, False)  # type: ignore[arg-type]
+        blocks["b"] = [0, 11, 12, 13]
+        s.update_state_after_alloc(req, FakeBlocks(blocks["b"]), 8)  # type: ignore[arg-type]
+        (load,) = s.build_connector_meta(FakeSchedulerOutput({"b": 6})).loads
+        assert load.sync and load.block_ids == ((11,), (12,))
+        assert [s.manager.host.pin_count(k) for k in keys] == [0, 1, 1]
+        copied = KVTierWorkerMetadata({}, {load.job_id: (1, True)})
+        s.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=copied))
+        assert [s.manager.host.pin_count(k) for k in keys] == [0, 0, 0]
+    finally:
+        s.shutdown()
+
+
 def test_a_finished_request_makes_its_prefix_the_most_recent_in_the_host_tier(
     sched: KVTierScheduler,
 ) -> None:

@@ -50,6 +50,8 @@ TAIL = " Answer in one sentence, then stop."
 BLOCK = {"llama": 32, "gemma3": 32, "mistral-sliding": 32, "deepseek-v2": 16, "qwen3-next": 64,
          "granite-hybrid": 64}
 LATENT = {"deepseek-v2"}
+MLA_BACKEND = {"deepseek-v2": {"attention_backend": "CPU_MLA"}}
+"""On a CPU with AMX tiles vLLM picks AMX_MLA, which takes bf16 weights only: name CPU_MLA."""
 SECTIONS = {"qwen3-next": ((128, False),) * 3, "granite-hybrid": ((256, False), (16, True), (16, True))}
 """The recurrent models' conv-state channels (canonical rows), in order, and whether every rank holds
 the section whole: gated delta net q, k, v (2 heads of 64 each); Mamba2 x (4 heads of 64), then B
@@ -70,6 +72,7 @@ def llm_options(name: str) -> dict[str, Any]:
         "max_model_len": 512 if name in SECTIONS else 256,
         "max_num_seqs": 2,
         "seed": 0,
+        **MLA_BACKEND.get(name, {}),
     }
 
 

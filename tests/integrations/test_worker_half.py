@@ -75,6 +75,26 @@ def test_load_without_pinned_rows_fails_its_blocks(region: HostRegion) -> None:
     worker.shutdown()
 
 
+def test_a_synchronous_load_is_reported_in_the_worker_meta_only(region: HostRegion) -> None:
+    """vLLM takes no finished request for a synchronous load (its request is running); the
+    scheduler half releases its pins from the worker meta, and a failed one's blocks are load
+    errors."""
+    caches = kv_caches(16)
+    worker = worker_with(caches)
+    store = ChunkCopy(1, "r1", KEYS, ((2,), (5,)), (0, 3))
+    worker.save(KVTierMetadata(region.name, "/dev/shm", stores=(store,)))
+    worker.take_worker_meta()
+    good = ChunkCopy(2, "r2", KEYS, ((9,), (10,)), (0, 3), sync=True)
+    bad = ChunkCopy(3, "r3", KEYS, ((11,), (12,)), (), sync=True)
+    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=(good, bad)))
+    assert worker.take_finished_loads() == set()
+    assert worker.take_load_errors() == {11, 12}
+    meta = worker.take_worker_meta()
+    assert meta is not None and meta.loads == {2: (1, True), 3: (1, False)}
+    assert same_blocks(caches, 9, caches, 2) and same_blocks(caches, 10, caches, 5)
+    worker.shutdown()
+
+
 def test_register_rejects_an_unexpected_layout() -> None:
     caches = {n: t[:, :1] for n, t in kv_caches(4).items()}  # one head where two are expected
     with pytest.raises(ValueError, match=r"layer model\.layers\.0"):
