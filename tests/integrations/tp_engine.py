@@ -59,7 +59,8 @@ class Step:
 @dataclass(frozen=True)
 class Served:
     """One step's result: the prompt's token ids, its full chunks' keys (hex) and the chunk size,
-    the generated tokens with their logprobs, vLLM's cached-token count and kvtier's token split."""
+    the generated tokens with their logprobs and, per position, the two likeliest tokens and their
+    logprobs (`top2`), vLLM's cached-token count and kvtier's token split."""
 
     prompt: list[int]
     keys: list[str]
@@ -69,6 +70,7 @@ class Served:
     cached: int
     split: dict[str, int]
     state_rows: int = 0
+    top2: list[dict[str, float]] | None = None
 
 
 def run_engine(model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], steps: list[Step],
@@ -186,7 +188,7 @@ def _serve(llm: Any, scheduler: Any, step: dict[str, Any]) -> dict[str, Any]:
     from tests.integrations.shared_helpers import settle
 
     extra = {"kv_transfer_params": SCRATCH} if step["scratch"] else None
-    params = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], logprobs=0, extra_args=extra)
+    params = SamplingParams(temperature=0.0, max_tokens=step["max_tokens"], logprobs=2, extra_args=extra)
     llm.reset_prefix_cache()
     done = llm.generate([step["prompt"]], params, use_tqdm=False)[0]
     settle(scheduler)
@@ -198,6 +200,8 @@ def _serve(llm: Any, scheduler: Any, step: dict[str, Any]) -> dict[str, Any]:
         "chunk_tokens": scheduler.geometry.chunk_tokens,
         "tokens": list(out.token_ids),
         "logprobs": [entry[tok].logprob for tok, entry in zip(out.token_ids, out.logprobs, strict=True)],
+        "top2": [{str(tok): e.logprob for tok, e in entry.items() if e.rank is not None and e.rank <= 2}
+                 for entry in out.logprobs],
         "cached": done.num_cached_tokens,
         "split": (done.kv_transfer_params or {}).get("kvtier", {}).get("tokens", {}),
         "state_rows": scheduler.geometry.states.layout.rows if scheduler.geometry.states else 0,
