@@ -56,9 +56,6 @@ class KVTierConfig:
     tier_job_timeout_s: float = 60.0
     tier_restart_backoff_s: float = 1.0
     tier_lookup_wait_s: float = 0.01
-    tier_nice: int = 0
-    """Added to each tier process's niceness (0-19): the higher, the more its loads, stores and
-    checksums yield the cores to the engine's forward pass when both want them."""
     stream_promotions: bool = True
     """A prefix longer than the host tier has room for is promoted and copied to the device a batch
     at a time (False: the chunks that do not fit are recomputed)."""
@@ -124,7 +121,6 @@ class KVTierConfig:
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
             tier_lookup_wait_s=_float(raw, "tier_lookup_wait_s", 0.01, minimum=0.0),
-            tier_nice=_int(raw, "tier_nice", 0, minimum=0, maximum=19),
             stream_promotions=_bool(raw, "stream_promotions", True),
             sync_host_loads=_bool(raw, "sync_host_loads", True),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
@@ -162,17 +158,13 @@ def _priority(raw: Mapping[str, Any], key: str, default: int, prefix: str = "") 
     return value
 
 
-def _int(
-    raw: Mapping[str, Any], key: str, default: int | None, *, minimum: int, maximum: int | None = None
-) -> int:
+def _int(raw: Mapping[str, Any], key: str, default: int | None, *, minimum: int) -> int:
     value = raw.get(key, default)
     # JSON writers often emit sizes as floats (1e9): accept those that are whole numbers.
     if isinstance(value, float) and math.isfinite(value) and value.is_integer():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
         raise ConfigError(key, value, f"must be an integer >= {minimum}")
-    if maximum is not None and value > maximum:
-        raise ConfigError(key, value, f"must be an integer from {minimum} to {maximum}")
     return value
 
 

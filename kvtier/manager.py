@@ -129,7 +129,7 @@ class TieringManager:
                     options=tier.options, config_key=f"secondary_tiers[{i}]",
                     region_name=region.name, shm_dir=config.shm_dir, row_bytes=row_bytes,
                     num_slots=num_slots, layout_fingerprint=layout_fingerprint,
-                    generations_offset=rows.offset, nice=config.tier_nice)
+                    generations_offset=rows.offset)
                 proc = TierProcess(spec, job_timeout_s=config.tier_job_timeout_s,
                                    restart_backoff_s=config.tier_restart_backoff_s)
                 proc.launch()

@@ -64,8 +64,6 @@ def test_missing_cpu_bytes_is_named() -> None:
         ({"secondary_tiers": [{"type": "NotATier", "module_path": "tests.tiers.plugin_tier"}]},
          "secondary_tiers[0].type", "deriving from SecondaryTier"),
         ({"tier_job_timeout_s": -1}, "tier_job_timeout_s", "positive"),
-        ({"tier_nice": 20}, "tier_nice", "from 0 to 19"),
-        ({"tier_nice": -1}, "tier_nice", ">= 0"),
     ],
 )
 def test_bad_values_name_the_key(raw, key, hint) -> None:

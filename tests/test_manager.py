@@ -318,35 +318,6 @@ def test_killed_tier_turns_hits_into_misses_and_comes_back(manager: TieringManag
     assert settle(manager, keys).ready == 3
 
 
-def test_tier_processes_run_at_the_configured_niceness_after_a_restart_too(tmp_path: Path) -> None:
-    m = start("lru", [{"type": "fs", "root_dir": str(tmp_path / "fs")}], tier_nice=7,
-              tier_restart_backoff_s=0.1)
-    ours = os.nice(0)
-    expected = min(19, ours + 7)
-
-    def niceness_of_every_thread() -> set[int]:
-        store_in_host(m, [random_key() for _ in range(2)])  # the tier's store threads are running
-        drain(m)
-        pid = m.tiers["fs"].pid
-        assert pid is not None
-        threads = psutil.Process(pid).threads()
-        assert len(threads) > 1
-        return {os.getpriority(os.PRIO_PROCESS, t.id) for t in threads}
-
-    try:
-        assert niceness_of_every_thread() == {expected}
-        os.kill(m.tiers["fs"].pid, signal.SIGKILL)
-        deadline = time.monotonic() + 10
-        while not m.tiers["fs"].is_up or m.tiers["fs"].restarts == 0:
-            m.poll()
-            assert time.monotonic() < deadline
-            time.sleep(0.01)
-        assert niceness_of_every_thread() == {expected}
-        assert os.nice(0) == ours, "the engine's own process keeps its priority"
-    finally:
-        m.shutdown()
-
-
 def test_bad_second_tier_shuts_down_the_first(tmp_path: Path) -> None:
     def mine() -> set[str]:
         return {n for n in os.listdir("/dev/shm") if n.startswith(f"kvtier-{os.getpid()}-")}

@@ -7,9 +7,9 @@ are remembered for `lookup_ttl_s`.
 
 Liveness: a process that exits, or leaves a job or lookup unanswered for `job_timeout_s`, is marked
 down (`last_failure` keeps the latest cause, as does a failed job). Its in-flight jobs finish as
-failures, lookups answer MISS and new jobs fail at once, so serving goes on without it. It is started
-again after a back-off that doubles on each consecutive failure (capped at `MAX_BACKOFF_S`) and
-resets once a restarted process has completed a job.
+failures, lookups answer MISS and new jobs fail at once, so serving goes on without it. It is
+started again after a back-off that doubles on each consecutive failure (capped at
+`MAX_BACKOFF_S`) and resets once a restarted process has completed a job.
 """
 
 from __future__ import annotations
@@ -61,7 +61,6 @@ class TierSpec:
     num_slots: int
     layout_fingerprint: str
     generations_offset: int | None = None  # where the slot generations start (`host.generations`)
-    nice: int = 0  # added to the tier process's niceness before it builds its tier (`tier_nice`)
 
 
 @dataclass
@@ -131,9 +130,11 @@ class TierProcess:
         self._spawn()
 
     def wait_ready(self, timeout_s: float = STARTUP_TIMEOUT_S) -> None:
-        """Block until the launched tier is built; raises ConfigError with the tier's own message
-        when it rejects its options, and TierStartError when the process dies or does not answer
-        within `timeout_s` (the process is shut down in both cases)."""
+        """Block until the launched tier is built.
+
+        Raises ConfigError with the tier's own message when it rejects its options, and
+        TierStartError when the process dies or does not answer within `timeout_s`; the process is
+        shut down in both cases."""
         deadline = time.monotonic() + timeout_s
         while self._gen is not None and not self._gen.ready:
             if time.monotonic() > deadline:

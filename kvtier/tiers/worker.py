@@ -110,7 +110,6 @@ def main() -> None:
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     conn = Connection(int(sys.argv[1]))
     spec: dict[str, Any] = json.load(sys.stdin)
-    os.nice(spec.get("nice", 0))  # before the tier's threads start: they inherit it
     logging.basicConfig(
         level=spec.get("log_level", logging.INFO),
         format=f"%(asctime)s kvtier[{spec['tier_name']}] %(levelname)s %(message)s",

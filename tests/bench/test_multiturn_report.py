@@ -140,13 +140,6 @@ def test_configurations_by_name(tmp_path: Path) -> None:
     fs = configs.resolve("host+fs", ctx).kvtier
     assert fs is not None and fs["secondary_tiers"][0]["type"] == "fs"
     assert Path(fs["secondary_tiers"][0]["root_dir"]).is_dir()
-    for name, key, value in (("host+fs-frequency", "admission_policy", "frequency"),
-                             ("host+fs-nice", "tier_nice", 19)):
-        variant = configs.resolve(name, ctx).kvtier
-        assert variant is not None and variant.pop(key) == value
-        tiers = variant.pop("secondary_tiers")
-        assert tiers[0]["root_dir"] != fs["secondary_tiers"][0]["root_dir"], "a fresh fs directory"
-        assert {**variant, "secondary_tiers": fs["secondary_tiers"]} == fs
     with pytest.raises(ValueError, match="needs --redis-url"):
         configs.resolve("redis", ctx)
     with pytest.raises(ValueError, match="needs --obj-endpoint"):

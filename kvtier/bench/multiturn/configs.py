@@ -15,7 +15,6 @@ or neither (vLLM alone).
 - `admission`: host + fs with the admission policy named by `--admission-policy`.
 - `host+fs-frequency`, `host+fs-priority`: host + fs with that admission policy at both gates
   (`host+fs` is the same with `all`), so `--configs host+fs,host+fs-frequency` compares them.
-- `host+fs-nice`: host + fs with the tier process at the lowest CPU priority (`tier_nice` 19).
 
 With `--trace DIR` (option `trace_dir`) every kvtier configuration writes its run's connector trace
 to `DIR/<run directory>.jsonl`.
@@ -153,13 +152,13 @@ def _admission(ctx: BenchContext) -> EngineConfig:
     return EngineConfig("admission", ctx.device_blocks, raw)
 
 
-def _host_fs_with(suffix: str, extra: dict[str, Any]) -> Callable[[BenchContext], EngineConfig]:
-    """`host+fs-<suffix>`: `host+fs` with the kvtier keys in `extra` set."""
-    name = f"host+fs-{suffix}"
+def _host_fs_policy(policy: str) -> Callable[[BenchContext], EngineConfig]:
+    name = f"host+fs-{policy}"
 
     def build(ctx: BenchContext) -> EngineConfig:
         tiers = [{"type": "fs", "root_dir": str(_fs_dir(ctx, name))}]
-        return EngineConfig(name, ctx.device_blocks, {**_host(ctx), **extra, "secondary_tiers": tiers})
+        return EngineConfig(name, ctx.device_blocks,
+                            {**_host(ctx), "admission_policy": policy, "secondary_tiers": tiers})
     return build
 
 
@@ -173,9 +172,8 @@ CONFIGS: dict[str, Callable[[BenchContext], EngineConfig]] = {
     "obj": _obj,
     "redis": _redis,
     "admission": _admission,
-    "host+fs-frequency": _host_fs_with("frequency", {"admission_policy": "frequency"}),
-    "host+fs-priority": _host_fs_with("priority", {"admission_policy": "priority"}),
-    "host+fs-nice": _host_fs_with("nice", {"tier_nice": 19}),
+    "host+fs-frequency": _host_fs_policy("frequency"),
+    "host+fs-priority": _host_fs_policy("priority"),
 }
 
 
