@@ -103,7 +103,7 @@ def _turn_printer(label: str) -> OnRequest:
     return show
 
 
-def _serve_pass(engine_settings: ServerSettings, spec: WorkloadSpec, scripts: Sequence[Script],
+def serve_pass(engine_settings: ServerSettings, spec: WorkloadSpec, scripts: Sequence[Script],
                 label: str) -> tuple[list[RequestRecord], list[Conversation]]:
     """One pass of the chats on a fresh engine (after its warm-up request): the records, in
     serving order, and the conversations as they ended. Raises RuntimeError when a request
@@ -144,15 +144,15 @@ def run_demo(s: DemoSettings) -> dict[str, Any]:
         stack.enter_context(contextlib.redirect_stdout(sys.stderr))
         _progress(f"kvtier pass: {s.device_blocks} device blocks of {s.block_size} tokens, host tier "
                   f"{s.host_chunks} chunks, fs tier under {context.work_dir}")
-        with_kvtier, chats = _serve_pass(s.engine_settings(kvtier, block_bytes), spec,
+        with_kvtier, chats = serve_pass(s.engine_settings(kvtier, block_bytes), spec,
                                          CHATS[:s.conversations], "kvtier")
         _progress("baseline pass: same engine, no connector (vLLM's own prefix cache only)")
-        baseline, _ = _serve_pass(s.engine_settings(alone, block_bytes), spec,
+        baseline, _ = serve_pass(s.engine_settings(alone, block_bytes), spec,
                                   [chat.transcript() for chat in chats], "baseline")
         check: dict[str, Any] = {}
         if s.check_replies:
             _progress("check pass: no connector, every reply generated")
-            _, alone_chats = _serve_pass(s.engine_settings(alone, block_bytes), spec,
+            _, alone_chats = serve_pass(s.engine_settings(alone, block_bytes), spec,
                                          CHATS[:s.conversations], "check")
             check["replies_match"] = _replies(chats) == _replies(alone_chats)
     return {

@@ -1,0 +1,101 @@
+"""The demo's chats (`kvtier demo`) served by three engines in interleaved rounds: TTFT by turn.
+
+    python -m benchmarks.bench_demo --rounds 3
+
+`kvtier demo` serves its chats once with kvtier and then once without it, always in that order, so
+a single run cannot tell the connector's cost on a miss (turn 1) from the order's. Here each round
+serves all of the demo's chats on a fresh engine for each of `host+fs` (the demo's kvtier
+configuration), `host` (kvtier without a secondary tier) and `no-offload` (vLLM alone), the order
+rotating every round, with the demo's engine settings. The first pass's replies are replayed by
+every later pass, so all passes serve identical prompts.
+
+Prints each pass's mean TTFT by turn as it ends, then per configuration and turn the median and
+range over the rounds and the median's ratio to `no-offload`; the last line is one JSON document.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import statistics
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from kvtier.bench import demo
+from kvtier.bench.multiturn.chats import CHATS, max_turns
+from kvtier.bench.multiturn.configs import BenchContext, resolve
+from kvtier.bench.multiturn.conversation import Script
+from kvtier.bench.multiturn.presets import kv_bytes_per_token
+from kvtier.integrations.vllm.launch import in_process_env
+from kvtier.tools.models import prepare_smollm2
+
+CONFIGS = ("host+fs", "host", "no-offload")
+
+
+def run(rounds: int, turns: int) -> dict[str, list[dict[int, float]]]:
+    """Per configuration, one {turn: mean TTFT in ms} per round."""
+    s = demo.DemoSettings(prepare_smollm2(), len(CHATS), turns, device_blocks=40, host_chunks=64,
+                          max_model_len=1024, reply_tokens=12, fs_dir=None)
+    spec = s.workload()
+    block_bytes = kv_bytes_per_token(s.model, s.dtype) * s.block_size
+    ttft: dict[str, list[dict[int, float]]] = {name: [] for name in CONFIGS}
+    with contextlib.ExitStack() as stack:
+        tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-demo-")))
+        stack.enter_context(in_process_env(tmp))
+        scripts: list[Script] = list(CHATS[: s.conversations])
+        replayed = False
+        for r in range(rounds):
+            for name in CONFIGS[r % 3:] + CONFIGS[: r % 3]:
+                ctx = BenchContext(block_bytes, s.device_blocks, s.device_blocks, s.host_chunks,
+                                   tmp / f"round{r}-{name.replace('+', '-')}")
+                records, chats = demo.serve_pass(s.engine_settings(resolve(name, ctx), block_bytes),
+                                                 spec, scripts, name)
+                if not replayed:
+                    scripts, replayed = [chat.transcript() for chat in chats], True
+                by_turn = {t: statistics.mean(x.ttft_s for x in records if x.turn == t) * 1000
+                           for t in range(1, turns + 1)}
+                ttft[name].append(by_turn)
+                print(f"round {r} {name}: " + ", ".join(f"turn {t} {v:.0f} ms" for t, v in by_turn.items()),
+                      file=sys.stderr, flush=True)
+    return ttft
+
+
+def summary(ttft: dict[str, list[dict[int, float]]]) -> dict[str, Any]:
+    """Per configuration and turn: median, min, max over rounds, and the median / no-offload's."""
+    base = ttft["no-offload"]
+    out: dict[str, Any] = {}
+    for name, passes in ttft.items():
+        out[name] = {}
+        for turn in passes[0]:
+            values = [p[turn] for p in passes]
+            median = statistics.median(values)
+            ref = statistics.median(p[turn] for p in base)
+            out[name][turn] = {"median_ms": round(median), "min_ms": round(min(values)),
+                               "max_ms": round(max(values)), "vs_no_offload": round(median / ref, 3),
+                               "by_round_vs_no_offload": [round(p[turn] / b[turn], 3)
+                                                          for p, b in zip(passes, base, strict=True)]}
+    return out
+
+
+def main() -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--rounds", type=int, default=3)
+    p.add_argument("--turns", type=int, default=max_turns(), help=f"1-{max_turns()}")
+    args = p.parse_args()
+    ttft = run(args.rounds, args.turns)
+    result = summary(ttft)
+    for name, turns in result.items():
+        cells = ", ".join(f"turn {t}: {v['median_ms']} ms [{v['min_ms']}-{v['max_ms']}] "
+                          f"{v['vs_no_offload']}x" for t, v in turns.items())
+        print(f"{name}: {cells}")
+    print(json.dumps({"rounds": args.rounds, "turns": args.turns, "summary": result,
+                      "passes": {k: [{str(t): round(v, 1) for t, v in p.items()} for p in ps]
+                                 for k, ps in ttft.items()}}))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
