@@ -35,16 +35,25 @@ from kvtier.tools.models import prepare_smollm2
 CONFIGS = ("host+fs", "host", "no-offload")
 
 
+def demo_defaults() -> argparse.Namespace:
+    """`kvtier demo`'s own flag defaults, read from its parser."""
+    parser = argparse.ArgumentParser()
+    demo.add_parser(parser.add_subparsers())
+    return parser.parse_args(["demo"])
+
+
 def run(rounds: int, turns: int) -> dict[str, list[dict[int, float]]]:
     """Per configuration, one {turn: mean TTFT in ms} per round."""
-    s = demo.DemoSettings(prepare_smollm2(), len(CHATS), turns, device_blocks=40, host_chunks=64,
-                          max_model_len=1024, reply_tokens=12, fs_dir=None)
+    d = demo_defaults()
+    s = demo.DemoSettings(prepare_smollm2(), d.conversations, turns, d.device_blocks, d.host_chunks,
+                          d.max_model_len, d.reply_tokens, fs_dir=None)
     spec = s.workload()
     block_bytes = kv_bytes_per_token(s.model, s.dtype) * s.block_size
     ttft: dict[str, list[dict[int, float]]] = {name: [] for name in CONFIGS}
     with contextlib.ExitStack() as stack:
         tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-bench-demo-")))
         stack.enter_context(in_process_env(tmp))
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))  # vLLM logs to stdout
         scripts: list[Script] = list(CHATS[: s.conversations])
         replayed = False
         for r in range(rounds):
@@ -66,13 +75,14 @@ def run(rounds: int, turns: int) -> dict[str, list[dict[int, float]]]:
 def summary(ttft: dict[str, list[dict[int, float]]]) -> dict[str, Any]:
     """Per configuration and turn: median, min, max over rounds, and the median / no-offload's."""
     base = ttft["no-offload"]
+    base_median = {turn: statistics.median(p[turn] for p in base) for turn in base[0]}
     out: dict[str, Any] = {}
     for name, passes in ttft.items():
         out[name] = {}
         for turn in passes[0]:
             values = [p[turn] for p in passes]
             median = statistics.median(values)
-            ref = statistics.median(p[turn] for p in base)
+            ref = base_median[turn]
             out[name][turn] = {"median_ms": round(median), "min_ms": round(min(values)),
                                "max_ms": round(max(values)), "vs_no_offload": round(median / ref, 3),
                                "by_round_vs_no_offload": [round(p[turn] / b[turn], 3)

@@ -104,7 +104,7 @@ def _turn_printer(label: str) -> OnRequest:
 
 
 def serve_pass(engine_settings: ServerSettings, spec: WorkloadSpec, scripts: Sequence[Script],
-                label: str) -> tuple[list[RequestRecord], list[Conversation]]:
+               label: str) -> tuple[list[RequestRecord], list[Conversation]]:
     """One pass of the chats on a fresh engine (after its warm-up request): the records, in
     serving order, and the conversations as they ended. Raises RuntimeError when a request
     failed or the turns were not served in `round_robin` order."""
@@ -145,15 +145,15 @@ def run_demo(s: DemoSettings) -> dict[str, Any]:
         _progress(f"kvtier pass: {s.device_blocks} device blocks of {s.block_size} tokens, host tier "
                   f"{s.host_chunks} chunks, fs tier under {context.work_dir}")
         with_kvtier, chats = serve_pass(s.engine_settings(kvtier, block_bytes), spec,
-                                         CHATS[:s.conversations], "kvtier")
+                                        CHATS[:s.conversations], "kvtier")
         _progress("baseline pass: same engine, no connector (vLLM's own prefix cache only)")
         baseline, _ = serve_pass(s.engine_settings(alone, block_bytes), spec,
-                                  [chat.transcript() for chat in chats], "baseline")
+                                 [chat.transcript() for chat in chats], "baseline")
         check: dict[str, Any] = {}
         if s.check_replies:
             _progress("check pass: no connector, every reply generated")
             _, alone_chats = serve_pass(s.engine_settings(alone, block_bytes), spec,
-                                         CHATS[:s.conversations], "check")
+                                        CHATS[:s.conversations], "check")
             check["replies_match"] = _replies(chats) == _replies(alone_chats)
     return {
         "model": s.model.name, "dtype": s.dtype, "device_blocks": s.device_blocks,
