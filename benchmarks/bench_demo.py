@@ -29,7 +29,7 @@ from kvtier.bench.multiturn.chats import CHATS, max_turns
 from kvtier.bench.multiturn.configs import BenchContext, resolve
 from kvtier.bench.multiturn.conversation import Script
 from kvtier.bench.multiturn.presets import kv_bytes_per_token
-from kvtier.integrations.vllm.launch import in_process_env
+from kvtier.integrations.vllm.serving.launch import in_process_env
 from kvtier.tools.models import prepare_smollm2
 
 CONFIGS = ("host+fs", "host", "no-offload")

@@ -36,9 +36,9 @@ from typing import Any
 
 from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.bench.multiturn.presets import kv_bytes_per_token
-from kvtier.bench.multiturn.stats import percentile
+from kvtier.bench.multiturn.summary import percentile
 from kvtier.bench.multiturn.workload import Workload
-from kvtier.integrations.vllm.launch import in_process_env, transfer_config
+from kvtier.integrations.vllm.serving.launch import in_process_env, transfer_config
 from kvtier.tools.models import model_dir
 
 BLOCK_SIZE = 32

@@ -35,7 +35,7 @@ from typing import Any
 
 from benchmarks.bench_ttft import prompt_ids, serve
 from kvtier.bench.multiturn.presets import kv_bytes_per_token
-from kvtier.integrations.vllm.launch import in_process_env, transfer_config
+from kvtier.integrations.vllm.serving.launch import in_process_env, transfer_config
 from kvtier.tools.models import model_dir
 
 CONFIGS = ("none", "host", "host+fs")

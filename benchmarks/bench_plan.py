@@ -21,8 +21,8 @@ from pathlib import Path
 
 import numpy as np
 
-from kvtier.trace.format import TraceHeader, read_traces
 from kvtier.trace.plan import plan
+from kvtier.trace.records import TraceHeader, read_traces
 
 
 def write(path: Path, requests: int, chunks: int, prefixes: int, seed: int) -> int:

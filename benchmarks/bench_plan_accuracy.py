@@ -25,8 +25,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.trace.format import read_traces
 from kvtier.trace.plan import plan
+from kvtier.trace.records import read_traces
 from kvtier.trace.replay import host_hit_ratios
 
 BENCH = ["bench", "multiturn", "--preset", "cpu", "--conversations", "8", "--configs", "host",

@@ -38,7 +38,7 @@ from typing import Any
 
 from kvtier.bench.multiturn.chats import CHATS
 from kvtier.bench.multiturn.presets import ATTENTION_LAYER_TYPES, kv_bytes_per_token
-from kvtier.integrations.vllm.launch import in_process_env, transfer_config
+from kvtier.integrations.vllm.serving.launch import in_process_env, transfer_config
 from kvtier.tools.models import model_dir
 
 KINDS = ("recompute", "fs", "host")

@@ -10,11 +10,12 @@ from kvtier.errors import KVTierError
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from kvtier import __version__, ctl
+    from kvtier import __version__
     from kvtier.bench import demo, tier_bench
     from kvtier.bench.multiturn import cli as multiturn_cli
-    from kvtier.integrations.vllm import trace_record
-    from kvtier.integrations.vllm.serve import add_parser as add_serve_parser
+    from kvtier.integrations.vllm.serving import trace_record
+    from kvtier.integrations.vllm.serving.serve import add_parser as add_serve_parser
+    from kvtier.ops import control_client
     from kvtier.tiers.fs.fsck import add_fsck_parser
     from kvtier.trace import commands as plan_commands
 
@@ -25,12 +26,22 @@ def build_parser() -> argparse.ArgumentParser:
     add_fsck_parser(sub)
     tier_bench.add_parser(sub)
     demo.add_parser(sub)
-    add_serve_parser(sub)
+    add_serve_parser(sub, default_model=embedded_model)
     multiturn_cli.add_parser(sub)
     plan_commands.add_parser(sub)
     trace_record.add_parser(sub)
-    ctl.add_parser(sub)
+    control_client.add_parser(sub)
     return parser
+
+
+def embedded_model() -> str:
+    """The embedded SmolLM2 directory, converted on first use; a failure is a `KVTierError`."""
+    from kvtier.tools.models import ModelPrepError, prepare_smollm2
+
+    try:
+        return str(prepare_smollm2())
+    except ModelPrepError as e:
+        raise KVTierError(str(e)) from e
 
 
 def main(argv: list[str] | None = None) -> int:

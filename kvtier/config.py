@@ -12,9 +12,9 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
 
-from kvtier.chunks import HOST
 from kvtier.errors import ConfigError, unknown_name_message
-from kvtier.guard import SLOGuardConfig
+from kvtier.format.chunks import HOST
+from kvtier.ops.guard import SLOGuardConfig
 from kvtier.policies.base import AdmissionPolicy, AdmissionSettings, AdmitAll, EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.registry import resolve_admission, resolve_eviction

@@ -22,12 +22,12 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.chunks import HOST, ChunkKey, TierEvent
 from kvtier.config import KVTierConfig
+from kvtier.format.chunks import HOST, ChunkKey, TierEvent
 from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
-from kvtier.metrics import KVTierMetrics
+from kvtier.ops.metrics import KVTierMetrics
 from kvtier.policies.admission import AdmissionChain
 from kvtier.policies.base import DEFAULT_PRIORITY, AdmitAll
 from kvtier.policies.remembered import RememberedPriorities

@@ -28,10 +28,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
 
+from kvtier.format.layout import CanonicalLayout, TPShard, host_rows
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.layouts import engine_layout, engine_layout_name
-from kvtier.layout import CanonicalLayout, CopyPlan, TPShard, host_rows
+from kvtier.integrations.vllm.model.backend_layouts import engine_layout, engine_layout_name
 from kvtier.transfer import make_transfer
+from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.cuda import cuda_transfer
 from kvtier.transfer.stream import StreamTransfer
 

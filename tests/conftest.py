@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.chunks import ChunkKey
+from kvtier.format.chunks import ChunkKey
 from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import JobResult, LookupResult, TierContext

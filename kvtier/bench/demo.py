@@ -41,11 +41,11 @@ from kvtier.bench.multiturn.configs import BenchContext, EngineConfig, resolve
 from kvtier.bench.multiturn.conversation import Conversation, Script, WorkloadSpec
 from kvtier.bench.multiturn.engine_run import InProcessEngine, OnRequest
 from kvtier.bench.multiturn.presets import kv_bytes_per_token
-from kvtier.bench.multiturn.server import ServerSettings
-from kvtier.bench.multiturn.stats import RequestRecord
-from kvtier.chunks import DEVICE, HOST, RECOMPUTED
+from kvtier.bench.multiturn.summary import RequestRecord
+from kvtier.bench.multiturn.vllm_server import ServerSettings
 from kvtier.errors import KVTierError
-from kvtier.integrations.vllm.launch import in_process_env
+from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
+from kvtier.integrations.vllm.serving.launch import in_process_env
 
 SOURCES = (DEVICE, HOST, "fs", RECOMPUTED)
 

@@ -30,8 +30,8 @@ from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass
 from itertools import takewhile
 
-from kvtier.chunks import TierEvent, TierEventKind
 from kvtier.errors import KVTierError
+from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.policies.base import DEFAULT_PRIORITY, EvictionPolicy, Retention
 from kvtier.policies.classes import PriorityClasses
 

@@ -22,7 +22,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.chunks import HOST
+from kvtier.format.chunks import HOST
 from kvtier.policies.base import (
     DEFAULT_PRIORITY,
     AdmissionPolicy,

@@ -22,7 +22,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
-from kvtier.chunks import ChunkKey, TierEvent
+from kvtier.format.chunks import ChunkKey, TierEvent
 from kvtier.tiers.common.options import Option
 
 Medium = Literal["CPU", "STORAGE"]

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.format.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.tiers.base import Job, JobResult, LookupResult, SecondaryTier, TierContext, TierUsage
 from kvtier.tiers.common.options import at_least, check_options, max_bytes_option
 

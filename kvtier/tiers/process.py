@@ -29,8 +29,8 @@ from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
-from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.format.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierUsage
 from kvtier.tiers.common.answers import AnswerCache
 

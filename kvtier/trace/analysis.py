@@ -23,8 +23,8 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.trace.format import Trace
 from kvtier.trace.mrc import previous_reference
+from kvtier.trace.records import Trace
 
 BLOCKS_PER_CHUNK = (1, 2, 4, 8)
 TOP_PREFIXES = 10

@@ -12,8 +12,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from kvtier.trace.format import read_traces
 from kvtier.trace.plan import GIB, plan
+from kvtier.trace.records import read_traces
 
 SUMMARY = """\
 requests {requests}, prompt tokens {prompt_tokens}, {chunk_references} chunk references

@@ -42,8 +42,8 @@ import numpy as np
 
 from kvtier.policies.arc import ARCPolicy
 from kvtier.trace import analysis
-from kvtier.trace.format import Trace, TraceError
 from kvtier.trace.mrc import lru_hit_ratios, sample_rate, simulate, stack_distances
+from kvtier.trace.records import Trace, TraceError
 from kvtier.trace.replay import host_hits
 
 LRU_POINTS = 64

@@ -51,7 +51,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from kvtier.trace.format import Trace
+from kvtier.trace.records import Trace
 
 RELEASE, LOOKUP, STORE, FINISH = 0, 1, 2, 3
 _AFTER = 1e-6

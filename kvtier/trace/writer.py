@@ -21,7 +21,7 @@ import threading
 from pathlib import Path
 from typing import IO, Any
 
-from kvtier.trace.format import TraceHeader
+from kvtier.trace.records import TraceHeader
 
 log = logging.getLogger("kvtier.trace")
 

@@ -1,7 +1,7 @@
 """Device <-> host copies of KV chunks, at one face: `make_transfer`.
 
 - `base`: the copy contract (`Transfer`, `CopyResult`);
-- `host`: the CPU path (`HostTransfer`, synchronous copies through `kvtier.layout.CopyPlan`);
+- `host`: the CPU path (`HostTransfer`, synchronous copies through `kvtier.format.layout.CopyPlan`);
 - `stream`: the asynchronous machinery (copy streams, events, the hazards they order);
 - `cuda`: CUDA streams and events behind `stream`, the host region registered as pinned memory;
 - `staged`: batched copies through a device staging buffer.
@@ -16,9 +16,9 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.layout import CopyPlan
 from kvtier.transfer.base import CopyResult, Transfer
-from kvtier.transfer.host import HostTransfer
+from kvtier.transfer.copy_plan import CopyPlan
+from kvtier.transfer.cpu import HostTransfer
 
 __all__ = ["CopyResult", "HostTransfer", "Transfer", "make_transfer"]
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kvtier.layout import CopyPlan
+from kvtier.transfer.copy_plan import CopyPlan
 
 CopyFn = Callable[[Sequence[torch.Tensor], Sequence[Sequence[int]], torch.Tensor, Sequence[int]], None]
 

@@ -22,7 +22,7 @@ from typing import Any, cast
 
 import torch
 
-from kvtier.layout import CopyPlan
+from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.staged import DEFAULT_STAGING_BYTES
 from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer
 

@@ -28,7 +28,8 @@ from collections.abc import Sequence
 
 import torch
 
-from kvtier.layout import CopyPlan, check_rows
+from kvtier.format.layout import check_rows
+from kvtier.transfer.copy_plan import CopyPlan
 
 DEFAULT_STAGING_BYTES = 64 << 20
 

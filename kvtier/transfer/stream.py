@@ -43,9 +43,10 @@ from typing import Protocol
 
 import torch
 
+from kvtier.format.layout import host_rows
 from kvtier.host.region import HostPinner, HostRegion
-from kvtier.layout import CopyPlan, host_rows
 from kvtier.transfer.base import CopyResult, Transfer
+from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.staged import DEFAULT_STAGING_BYTES, StagedCopy
 
 log = logging.getLogger("kvtier.transfer")

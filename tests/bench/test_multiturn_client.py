@@ -11,9 +11,9 @@ import httpx
 import pytest
 
 from kvtier.bench.multiturn import endpoint_run
-from kvtier.bench.multiturn.client import ChatClient, LoopLag
+from kvtier.bench.multiturn.chat_client import ChatClient, LoopLag
 from kvtier.bench.multiturn.conversation import WorkloadSpec
-from kvtier.bench.multiturn.stats import RequestRecord
+from kvtier.bench.multiturn.summary import RequestRecord
 
 
 def _sse(chunks: list[dict]) -> bytes:

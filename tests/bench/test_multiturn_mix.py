@@ -12,7 +12,7 @@ import pytest
 
 from kvtier.bench.multiturn import endpoint_run
 from kvtier.bench.multiturn.conversation import WorkloadSpec
-from kvtier.bench.multiturn.stats import RequestRecord, point_summary
+from kvtier.bench.multiturn.summary import RequestRecord, point_summary
 from kvtier.bench.multiturn.workload import Mix, Ramp, SingleUse, Workload
 
 BLOCK = 64

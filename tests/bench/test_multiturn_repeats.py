@@ -12,8 +12,8 @@ import pytest
 
 from kvtier.bench.multiturn import configs, report, scrape, sweep
 from kvtier.bench.multiturn.conversation import WorkloadSpec
-from kvtier.bench.multiturn.server import ServerSettings
-from kvtier.bench.multiturn.stats import RequestRecord, point_summary, repeat_summary, spread
+from kvtier.bench.multiturn.summary import RequestRecord, point_summary, repeat_summary, spread
+from kvtier.bench.multiturn.vllm_server import ServerSettings
 from kvtier.cli import main
 
 

@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 
 from kvtier.bench.multiturn import configs, presets, report, scrape
-from kvtier.bench.multiturn.stats import RequestRecord, percentile, point_summary, sum_splits, summary
+from kvtier.bench.multiturn.summary import RequestRecord, percentile, point_summary, sum_splits, summary
 from kvtier.cli import main
 
 

@@ -14,7 +14,7 @@ from typing import Any
 import pytest
 
 from kvtier.bench.multiturn import configs, scrape
-from kvtier.integrations.vllm.launch import in_process_env
+from kvtier.integrations.vllm.serving.launch import in_process_env
 from tests.integrations.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow

@@ -10,7 +10,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.chunks import TierEvent, TierEventKind
+from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.host.tier import HostTier
 from kvtier.manager import PrefixLookup, TieringManager
 from kvtier.policies.base import DEFAULT_PRIORITY

@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import pytest
 
-from kvtier.chunks import HOST
+from kvtier.format.chunks import HOST
 from kvtier.host.tier import HostTier
 from kvtier.policies.base import Retention
 from kvtier.policies.registry import BUILTIN_EVICTION

@@ -9,7 +9,7 @@ from collections.abc import Container, Iterator
 import numpy as np
 import pytest
 
-from kvtier.chunks import TierEvent, TierEventKind
+from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.host.tier import HostTier, HostTierError
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy

@@ -2,7 +2,7 @@
 
 `vllm_env` points vLLM's temp files, sockets and caches at a private temp dir (vLLM's cache root:
 the session's, `vllm_cache_root`) and runs the engine in this process
-(`kvtier.integrations.vllm.launch.in_process_env`), so the test sees both connector halves.
+(`kvtier.integrations.vllm.serving.launch.in_process_env`), so the test sees both connector halves.
 `make_llm(extra_config)` starts one engine (about 10 s on 2 cores) and shuts it down at the end of
 the module; tests of one module share it.
 """
@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.integrations.vllm.launch import in_process_env, transfer_config
+from kvtier.integrations.vllm.serving.launch import in_process_env, transfer_config
 
 BLOCK_SIZE = 32  # the smallest block size vLLM's CPU attention accepts (a multiple of 32)
 DEVICE_BLOCKS = 64

@@ -14,7 +14,7 @@ import json
 import sys
 from typing import Any
 
-from kvtier.integrations.vllm.launch import transfer_config
+from kvtier.integrations.vllm.serving.launch import transfer_config
 
 
 def _describe(exc: BaseException) -> str:

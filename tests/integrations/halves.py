@@ -11,9 +11,9 @@ from typing import Any
 
 import torch
 
-from kvtier.integrations.vllm.geometry import EngineGeometry
-from kvtier.keys import ModelFingerprint
-from kvtier.layout import CanonicalLayout
+from kvtier.format.keys import ModelFingerprint
+from kvtier.format.layout import CanonicalLayout
+from kvtier.integrations.vllm.model.geometry import EngineGeometry
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 8, 4
 ROW_BYTES = 4096  # 2 layers * 2 (K, V) * 2 heads * 4 tokens * 8 dims * 2 bytes = 512, padded
@@ -82,7 +82,7 @@ def store_in_child(region_name: str, shm_dir: str, job: Any, seed: int) -> tuple
     """Run in a spawned process: a worker half with `kv_caches(16, seed)` stores `job` into the
     host region it attaches by name; returns its acknowledgement for the job."""
     from kvtier.integrations.vllm.metadata import KVTierMetadata
-    from kvtier.integrations.vllm.worker import KVTierWorker
+    from kvtier.integrations.vllm.worker_half import KVTierWorker
 
     worker = KVTierWorker(geometry(), tp_rank=0)
     worker.register_kv_caches(kv_caches(16, seed))
@@ -97,7 +97,7 @@ def rank_store(region_name: str, job: Any, seed: int, tp_rank: int) -> tuple[int
     """Run in a spawned process as TP rank `tp_rank` of 2: store `job` from this rank's shard of
     `kv_caches(16, seed)` into the shared host rows; return the acknowledgement."""
     from kvtier.integrations.vllm.metadata import KVTierMetadata
-    from kvtier.integrations.vllm.worker import KVTierWorker
+    from kvtier.integrations.vllm.worker_half import KVTierWorker
 
     worker = KVTierWorker(geometry(tp_size=2), tp_rank)
     worker.register_kv_caches(kv_caches(16, seed, tp_rank))
@@ -112,7 +112,7 @@ def rank_load(region_name: str, job: Any, tp_rank: int) -> dict[str, torch.Tenso
     """Run in a spawned process as TP rank `tp_rank` of 2: load `job` into zeroed shard tensors;
     return the loaded blocks of every layer, in the job's block order."""
     from kvtier.integrations.vllm.metadata import KVTierMetadata
-    from kvtier.integrations.vllm.worker import KVTierWorker
+    from kvtier.integrations.vllm.worker_half import KVTierWorker
 
     caches = {name: torch.zeros_like(kv) for name, kv in kv_caches(16, 0, tp_rank).items()}
     worker = KVTierWorker(geometry(tp_size=2), tp_rank)

@@ -14,8 +14,8 @@ from typing import Any
 import pytest
 import torch
 
-from kvtier.layout import SKIP_BLOCK
-from kvtier.state_rows import state_keys
+from kvtier.format.layout import SKIP_BLOCK
+from kvtier.format.state_rows import state_keys
 from tests.integrations.conftest import connector_halves
 from tests.integrations.shared_helpers import settle
 

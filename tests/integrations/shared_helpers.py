@@ -26,7 +26,7 @@ import time
 from pathlib import Path
 from typing import IO, Any
 
-from kvtier.integrations.vllm.launch import transfer_config
+from kvtier.integrations.vllm.serving.launch import transfer_config
 from tests.integrations.conftest import connector_halves
 
 REPLY = "@kvtier-engine@ "

@@ -19,8 +19,8 @@ from vllm.v1.kv_cache_interface import (
 )
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.groups import NULL_BLOCK, layer_groups, load_blocks, store_blocks
-from kvtier.layout import SKIP_BLOCK
+from kvtier.format.layout import SKIP_BLOCK
+from kvtier.integrations.vllm.model.groups import NULL_BLOCK, layer_groups, load_blocks, store_blocks
 
 GEOMETRY = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
 

@@ -9,10 +9,11 @@ import pytest
 import torch
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.kv_dtype import holds, stored_kv_dtype
-from kvtier.integrations.vllm.layouts import engine_layout
-from kvtier.keys import ChunkHasher, ModelFingerprint
-from kvtier.layout import CanonicalLayout, CopyPlan, TPShard
+from kvtier.format.keys import ChunkHasher, ModelFingerprint
+from kvtier.format.layout import CanonicalLayout, TPShard
+from kvtier.integrations.vllm.model.backend_layouts import engine_layout
+from kvtier.integrations.vllm.model.kv_dtype import holds, stored_kv_dtype
+from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.staged import StagedCopy
 
 

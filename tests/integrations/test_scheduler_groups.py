@@ -11,10 +11,10 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.groups import NULL_BLOCK
+from kvtier.format.layout import SKIP_BLOCK
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import KVTierScheduler
-from kvtier.layout import SKIP_BLOCK
+from kvtier.integrations.vllm.model.groups import NULL_BLOCK
+from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
 from tests.integrations.halves import ROW_BYTES, FakeRequest, FakeSchedulerOutput, geometry
 
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4

@@ -9,9 +9,9 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
+from kvtier.engine.request_options import RequestOptions, retention_priority
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
-from kvtier.integrations.vllm.options import RequestOptions, retention_priority
-from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
 from kvtier.policies.base import DEFAULT_PRIORITY
 from tests.integrations.halves import (
     ROW_BYTES,

@@ -25,12 +25,12 @@ from typing import Any
 
 import pytest
 
-from kvtier.bench.multiturn.server import stop_process_group
+from kvtier.bench.multiturn.vllm_server import stop_process_group
 from kvtier.host.reaper import owner_alive, start_time
 from kvtier.host.region import SHM_DIR
-from kvtier.integrations.vllm.launch import isolated_env, transfer_config
+from kvtier.integrations.vllm.serving.launch import isolated_env, transfer_config
 from tests.integrations.conftest import BLOCK_SIZE, _model_path, connector_halves
-from tests.test_serve import _free_port, _get
+from tests.integrations.test_serve import _free_port, _get
 
 pytestmark = pytest.mark.slow
 

@@ -16,11 +16,11 @@ import torch
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.groups import NULL_BLOCK as N
+from kvtier.format.state_rows import StateLayout, StatePart, state_keys
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
+from kvtier.integrations.vllm.model.groups import NULL_BLOCK as N
+from kvtier.integrations.vllm.model.state_groups import StateGroups
 from kvtier.integrations.vllm.state_scheduler import StateScheduler
-from kvtier.integrations.vllm.states import StateGroups
-from kvtier.state_rows import StateLayout, StatePart, state_keys
 from tests.integrations.halves import ROW_BYTES, FakeRequest, FakeSchedulerOutput, geometry
 
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4

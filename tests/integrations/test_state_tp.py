@@ -1,4 +1,4 @@
-"""How vLLM shards recurrent states over TP ranks (`kvtier.integrations.vllm.state_tp`), from the
+"""How vLLM shards recurrent states over TP ranks (`kvtier.integrations.vllm.model.state_tp`), from the
 shapes of the tiny models' layers (`kvtier.tools.tiny_models`) at TP=1 and TP=2 as vLLM's
 `MambaStateShapeCalculator` gives them, channels first: the sections are vLLM's conv-weight shards
 (q, k, v; x, B, C) and heads, and a shape that is no shard of them is refused."""
@@ -8,8 +8,8 @@ from __future__ import annotations
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.integrations.vllm.state_tp import state_sections
-from kvtier.state_shards import Section
+from kvtier.format.state_shards import Section
+from kvtier.integrations.vllm.model.state_tp import state_sections
 
 # qwen3-next: 2 key and 2 value heads of 64, kernel 4: conv 2*128 + 128 channels
 GDN_WHOLE = ((384, 3), (2, 64, 64))

@@ -11,8 +11,9 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.engine.copies import ChunkCopy
+from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
 from tests.integrations.halves import ROW_BYTES, FakeBlocks, FakeRequest, FakeSchedulerOutput, geometry
 
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4

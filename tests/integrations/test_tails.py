@@ -9,10 +9,11 @@ import pytest
 from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
+from kvtier.engine.copies import ChunkCopy
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler import KVTierScheduler
-from kvtier.integrations.vllm.worker import KVTierWorker
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
+from kvtier.integrations.vllm.worker_half import KVTierWorker
 from tests.integrations.halves import ROW_BYTES, FakeRequest, FakeSchedulerOutput, geometry, kv_caches
 
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4

@@ -14,7 +14,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.policies.base import DEFAULT_PRIORITY
-from kvtier.trace.format import KEY_BYTES, read_traces
+from kvtier.trace.records import KEY_BYTES, read_traces
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
 from tests.integrations.prompts import PROMPTS
 

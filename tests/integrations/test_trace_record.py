@@ -13,8 +13,8 @@ from typing import Any
 import pytest
 
 from kvtier.cli import main
-from kvtier.integrations.vllm.trace_record import Recorder, record
-from kvtier.trace.format import read_traces
+from kvtier.integrations.vllm.serving.trace_record import Recorder, record
+from kvtier.trace.records import read_traces
 from tests.integrations.conftest import BLOCK_SIZE, DEVICE_BLOCKS, _model_path
 from tests.integrations.prompts import PROMPTS
 

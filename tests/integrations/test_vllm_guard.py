@@ -87,7 +87,7 @@ def test_slow_tier_is_rolled_back_within_sustain_s(
     assert guard.rollbacks == 0 and value("kvtier_tier_enabled", tier="slow") == 1
     evict_host(llm, scheduler.hasher.keys(slow_prompt) + scheduler.hasher.keys(other))
 
-    with caplog.at_level(logging.WARNING, logger="kvtier.guard"):
+    with caplog.at_level(logging.WARNING, logger="kvtier.ops.guard"):
         slow = generate(llm, slow_prompt)
         over = time.monotonic()
         assert slow.kv_transfer_params["kvtier"]["tokens"]["slow"] == hit
@@ -104,7 +104,7 @@ def test_slow_tier_is_rolled_back_within_sustain_s(
     assert value("kvtier_config_info", eviction_policy="lru", admission_policy="all",
                  tiers="slow:SlowLoadTier", cpu_bytes_to_use=str(HOST_SLOTS * ROW_BYTES),
                  blocks_per_chunk="1") == 1
-    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.guard"]
+    (line,) = [r.getMessage() for r in caplog.records if r.name == "kvtier.ops.guard"]
     seen = re.search(r"ttft p99 ([0-9.]+) s > budget", line)
     assert seen is not None and float(seen.group(1)) > DELAY_S and "disabled tier 'slow'" in line
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.integrations.vllm.launch import transfer_config
+from kvtier.integrations.vllm.serving.launch import transfer_config
 from tests.integrations.conftest import connector_halves
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.reload_helpers import TAIL, Result, Spy, generate, reload_check

@@ -28,7 +28,7 @@ from typing import Any
 
 import pytest
 
-from kvtier.integrations.vllm.launch import transfer_config
+from kvtier.integrations.vllm.serving.launch import transfer_config
 from kvtier.tiers.fs.fsck import fsck
 from tests.integrations.conftest import connector_halves
 from tests.integrations.prompts import PROMPTS

@@ -40,7 +40,7 @@ from typing import Any
 import numpy as np
 import pytest
 
-from kvtier.state_rows import state_key
+from kvtier.format.state_rows import state_key
 from kvtier.tiers.common import chunkfmt
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.tp_engine import Pages, Served, Step, rank_pages, run_engine

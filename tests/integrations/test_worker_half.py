@@ -10,12 +10,14 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from kvtier.engine.copies import ChunkCopy
+from kvtier.format.layout import TPShard
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.layouts import engine_layout
-from kvtier.integrations.vllm.metadata import ChunkCopy, KVTierMetadata
-from kvtier.integrations.vllm.worker import KVTierWorker
-from kvtier.layout import CopyPlan, TPShard
+from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.model.backend_layouts import engine_layout
+from kvtier.integrations.vllm.worker_half import KVTierWorker
 from kvtier.transfer import HostTransfer
+from kvtier.transfer.copy_plan import CopyPlan
 from tests.integrations.halves import (
     BLOCK,
     HEAD_DIM,

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from kvtier.integrations.vllm.launch import transfer_config
+from kvtier.integrations.vllm.serving.launch import transfer_config
 
 ROOT = Path(__file__).resolve().parents[2]
 REPLY = "@kvtier-tp@ "
@@ -126,7 +126,7 @@ _RECORDED: dict[str, np.ndarray] = {}
 
 
 def _record(half: Any, op: str, jobs: Any) -> None:
-    from kvtier.layout import SKIP_BLOCK
+    from kvtier.format.layout import SKIP_BLOCK
 
     plan, tensors = half.transfer.plan, half.transfer.layer_tensors
     bpc = plan.blocks_per_chunk

@@ -6,9 +6,9 @@ from typing import Any
 
 import pytest
 
-from kvtier.chunks import HOST
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError
+from kvtier.format.chunks import HOST
 from kvtier.policies.admission import AdmissionChain, FrequencyAdmission, PriorityAdmission
 from kvtier.policies.base import AdmissionSettings, AdmitAll, Retention
 from kvtier.policies.sketch import COUNTER_MAX, FrequencySketch

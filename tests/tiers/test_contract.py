@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.chunks import TierEventKind
+from kvtier.format.chunks import TierEventKind
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult, SecondaryTier, TierContext, TierUsage
 from kvtier.tiers.process import TierProcess, TierSpec

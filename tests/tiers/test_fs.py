@@ -16,8 +16,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.chaos.runner import tmpfs
-from kvtier.chunks import TierEventKind
 from kvtier.errors import ConfigError
+from kvtier.format.chunks import TierEventKind
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs import native as fs_native

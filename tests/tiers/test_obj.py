@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from kvtier.chunks import TierEventKind
 from kvtier.errors import ConfigError
+from kvtier.format.chunks import TierEventKind
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt

@@ -26,7 +26,7 @@ from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.fetch import Fetcher
 from kvtier.tiers.p2p.index import ChunkIndex, Claim
-from kvtier.tiers.p2p.server import P2PServer
+from kvtier.tiers.p2p.row_server import P2PServer
 from tests.conftest import LAYOUT_FP, random_key
 
 SECRET = Secret(b"p2p-data-test-secret-0123")

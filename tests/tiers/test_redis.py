@@ -17,8 +17,8 @@ import pytest
 import redis
 
 from kvtier.bench.tier_bench import run_tier_bench
-from kvtier.chunks import TierEventKind
 from kvtier.errors import ConfigError
+from kvtier.format.chunks import TierEventKind
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt

@@ -15,9 +15,9 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.policies.arc import ARCPolicy
-from kvtier.trace.format import TraceError, read_traces
 from kvtier.trace.mrc import lru_hit_ratios, previous_reference, simulate, stack_distances
 from kvtier.trace.plan import plan
+from kvtier.trace.records import TraceError, read_traces
 from kvtier.trace.replay import host_hit_ratios
 from tests.trace.traces import write_trace
 

@@ -7,8 +7,8 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
-from kvtier.trace.format import Trace, read_traces
 from kvtier.trace.plan import plan
+from kvtier.trace.records import Trace, read_traces
 from kvtier.trace.replay import host_hit_ratios, host_hits, schedule_s
 from tests.trace.traces import write_trace
 

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.trace.format import TraceHeader, read_traces
+from kvtier.trace.records import TraceHeader, read_traces
 from kvtier.trace.writer import TraceWriter
 
 HEADER = TraceHeader("connector", 16, 1, 1000)

@@ -6,7 +6,7 @@ import json
 from collections.abc import Sequence
 from pathlib import Path
 
-from kvtier.trace.format import TraceHeader
+from kvtier.trace.records import TraceHeader
 
 
 def key(n: int) -> bytes:

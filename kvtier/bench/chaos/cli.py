@@ -54,7 +54,7 @@ def _model(given: Path | None) -> Path:
 
 def run_chaos(args: argparse.Namespace) -> int:
     from kvtier.bench.chaos import presets, report, runner
-    from kvtier.integrations.vllm.launch import in_process_env
+    from kvtier.integrations.vllm.serving.launch import in_process_env
 
     try:
         preset = presets.preset(args.preset, args.duration)

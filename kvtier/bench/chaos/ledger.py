@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.chunks import TierEvent, TierEventKind
+from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.tiers.base import Job, JobKind, JobResult
 
 OUTCOMES = ("detected", "served", "overwritten", "lost", "unread")

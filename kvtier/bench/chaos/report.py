@@ -20,7 +20,7 @@ from typing import Any
 
 from kvtier.bench.chaos.driver import Outcome
 from kvtier.bench.chaos.runner import outcome_during
-from kvtier.bench.multiturn.stats import percentile
+from kvtier.bench.multiturn.summary import percentile
 
 RESTARTS = ("tier_kill", "redis_restart", "seaweed_restart")
 GROWTH_LIMIT = 0.05

@@ -77,7 +77,7 @@ def _bad_chunks(metrics: Any) -> dict[str, int]:
 def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str, Any]:
     from vllm import LLM
 
-    from kvtier.integrations.vllm.launch import transfer_config
+    from kvtier.integrations.vllm.serving.launch import transfer_config
 
     spec, dtype = preset.spec, "float32"
     max_model_len = -(-(spec.max_prompt_tokens(16) + spec.output_tokens + BLOCK) // BLOCK) * BLOCK

@@ -227,7 +227,7 @@ def run_multiturn(args: argparse.Namespace) -> int:
         except ValueError as e:
             raise KVTierError(str(e)) from e
         if plan.mode == "inprocess":
-            from kvtier.integrations.vllm.launch import in_process_env
+            from kvtier.integrations.vllm.serving.launch import in_process_env
 
             vllm_tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-vllm-")))
             stack.enter_context(in_process_env(vllm_tmp))

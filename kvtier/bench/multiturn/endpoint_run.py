@@ -22,9 +22,9 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.bench.multiturn.client import ChatClient, LoopLag
+from kvtier.bench.multiturn.chat_client import ChatClient, LoopLag
 from kvtier.bench.multiturn.conversation import Conversation, Tokenizer, WorkloadSpec
-from kvtier.bench.multiturn.stats import RequestRecord, summary
+from kvtier.bench.multiturn.summary import RequestRecord, summary
 from kvtier.bench.multiturn.workload import Mix, Ramp, SingleUse, Workload
 
 OnRequest = Callable[[RequestRecord], None]

@@ -11,7 +11,7 @@ splits a whole point from their change, as it does for a server. A conversation 
 (`Conversation.recorded_reply`) asks for one output token per turn (its TTFT) and is answered with
 the recorded reply.
 
-The engine runs in this process: the caller enters `kvtier.integrations.vllm.launch.in_process_env`
+The engine runs in this process: the caller enters `kvtier.integrations.vllm.serving.launch.in_process_env`
 before vLLM is imported. The vLLM-native shim's tree (`configs.native_root`) is added to `sys.path`
 when the configuration loads it.
 """
@@ -28,9 +28,9 @@ from typing import Any
 
 from kvtier.bench.multiturn.configs import native_root
 from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
-from kvtier.bench.multiturn.server import ServerSettings
-from kvtier.bench.multiturn.stats import RequestRecord
-from kvtier.chunks import DEVICE, RECOMPUTED
+from kvtier.bench.multiturn.summary import RequestRecord
+from kvtier.bench.multiturn.vllm_server import ServerSettings
+from kvtier.format.chunks import DEVICE, RECOMPUTED
 
 OnRequest = Callable[[RequestRecord], None]
 

@@ -15,7 +15,7 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from kvtier.bench.multiturn.stats import RequestRecord
+from kvtier.bench.multiturn.summary import RequestRecord
 from kvtier.bench.multiturn.sweep import Hooks
 
 

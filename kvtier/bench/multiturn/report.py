@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.multiturn.stats import PERCENTILES, repeat_summary
-from kvtier.chunks import DEVICE, RECOMPUTED
+from kvtier.bench.multiturn.summary import PERCENTILES, repeat_summary
+from kvtier.format.chunks import DEVICE, RECOMPUTED
 
 Point = dict[str, Any]
 

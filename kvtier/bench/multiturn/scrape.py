@@ -12,7 +12,7 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Mapping
 
-from kvtier.chunks import DEVICE, HOST, RECOMPUTED
+from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
 
 KVTIER_TOKENS = "kvtier_prompt_tokens_total"
 VLLM_TOKENS = "vllm:prompt_tokens_by_source_total"

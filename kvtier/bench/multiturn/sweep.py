@@ -42,10 +42,10 @@ from kvtier.bench.multiturn import configs as config_registry
 from kvtier.bench.multiturn import scrape
 from kvtier.bench.multiturn.conversation import Tokenizer, WorkloadSpec
 from kvtier.bench.multiturn.endpoint_run import run_endpoint_point
-from kvtier.bench.multiturn.server import ServerSettings, VLLMServer, http_get
-from kvtier.bench.multiturn.stats import RequestRecord, point_summary, sum_splits
+from kvtier.bench.multiturn.summary import RequestRecord, point_summary, sum_splits
+from kvtier.bench.multiturn.vllm_server import ServerSettings, VLLMServer, http_get
 from kvtier.bench.multiturn.workload import Mix, Ramp
-from kvtier.chunks import DEVICE, HOST, RECOMPUTED
+from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
 
 METRICS_WAIT_S = 20.0
 CACHED_BY_SOURCE = "vllm:prompt_tokens_cached_by_source_total"

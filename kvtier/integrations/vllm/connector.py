@@ -7,9 +7,9 @@ parses the config and dispatches each vLLM hook to the half its role has; the ha
 `KVTierMetadata` / `KVTierWorkerMetadata` only.
 
 Observability: metrics reach vLLM's `/metrics` through `get_kv_connector_stats` /
-`build_kv_connector_stats` / `build_prom_metrics` (`stats.py`), and are readable in-process from
+`build_kv_connector_stats` / `build_prom_metrics` (`connector_stats.py`), and are readable in-process from
 `connector.scheduler.accounting.metrics.snapshot()`; each finished request's prompt tokens split by
-source come back in its output's `kv_transfer_params["kvtier"]["tokens"]` (`accounting.py`); KV
+source come back in its output's `kv_transfer_params["kvtier"]["tokens"]` (`kvtier.engine.accounting`); KV
 events go out through `take_events` when vLLM's KV events are enabled (`kvtier.integrations.vllm.kv_events`).
 """
 
@@ -30,12 +30,12 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.geometry import engine_geometry
+from kvtier.integrations.vllm.connector_stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.metadata import KVTierMetadata
-from kvtier.integrations.vllm.scheduler import KVTierScheduler
+from kvtier.integrations.vllm.model.geometry import engine_geometry
+from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
 from kvtier.integrations.vllm.state_scheduler import StateScheduler
-from kvtier.integrations.vllm.stats import KVTierPromMetrics, KVTierStats
-from kvtier.integrations.vllm.worker import KVTierWorker
+from kvtier.integrations.vllm.worker_half import KVTierWorker
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -188,7 +188,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Without the hybrid manager (the user disabled it): one group's blocks. True: vLLM keeps
-        them until the worker reports the request finished sending (`tails.py`)."""
+        them until the worker reports the request finished sending (`kvtier.engine.tails`)."""
         params = self._sched().request_finished(request)
         return self._sched().tails.held(request.request_id), params
 

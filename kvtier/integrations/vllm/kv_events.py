@@ -21,8 +21,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from kvtier.chunks import HOST, ChunkKey, TierEvent, TierEventKind
 from kvtier.errors import ConfigError
+from kvtier.format.chunks import HOST, ChunkKey, TierEvent, TierEventKind
 from kvtier.tiers.base import Locality, Medium, SecondaryTier
 from kvtier.tiers.registry import resolve_tier
 

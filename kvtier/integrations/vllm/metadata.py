@@ -21,47 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorWorkerMetadata,
 )
 
-from kvtier.layout import SKIP_BLOCK
-
-
-@dataclass(frozen=True)
-class ChunkCopy:
-    """One batch of chunk copies for one request, between engine blocks and host slots.
-
-    `block_ids[i]` are the `blocks_per_chunk` engine blocks of chunk i in token order, for each KV
-    cache group in turn (a load's `SKIP_BLOCK` where a group holds none); `slots[i]` is its host
-    row; `keys[i]` its chunk key (for logs, events and checks: copies need none). A load whose
-    `slots` is empty could not pin its host rows: the worker fails it. A request's load may come
-    in parts, one at a time (`streams.py`): the worker reports the request's load finished when
-    its `last` part ends. A `sync` load feeds the forward pass of its own step (its request is in
-    it): it is copied before that pass and never reported finished; a failed one's blocks are
-    reported as load errors (one KV cache group only).
-    """
-
-    job_id: int
-    req_id: str
-    keys: tuple[bytes, ...]
-    block_ids: tuple[tuple[int, ...], ...]
-    slots: tuple[int, ...]
-    last: bool = True
-    sync: bool = False
-
-    @property
-    def all_block_ids(self) -> list[int]:
-        return [b for chunk in self.block_ids for b in chunk if b != SKIP_BLOCK]
-
-
-@dataclass(frozen=True)
-class StateCopy:
-    """One state segment copy (`kvtier.state_rows`) for one request: `block_ids[l]` is the block of
-    recurrent layer l holding the state, `slots` the segment's host rows, `keys` their keys. A load
-    whose `slots` is empty could not pin its rows: the worker fails the request's load."""
-
-    job_id: int
-    req_id: str
-    keys: tuple[bytes, ...]
-    block_ids: tuple[int, ...]
-    slots: tuple[int, ...]
+from kvtier.engine.copies import ChunkCopy, StateCopy
 
 
 @dataclass
@@ -72,7 +32,7 @@ class KVTierMetadata(KVConnectorMetadata):
     in `wait_for_save`, after the forward pass computed the blocks (device → host). State copies
     (models with recurrent layers) run with them, before a request's chunk loads and after the
     forward pass. `releases` are finished requests whose blocks vLLM kept for kvtier's stores
-    (`tails.py`): each is reported finished sending once every store planned for it, up to this
+    (`kvtier.engine.tails`): each is reported finished sending once every store planned for it, up to this
     step's, has ended.
     """
 

@@ -1,7 +1,7 @@
 """The scheduler half for models with recurrent layers (gated delta net beside attention).
 
 `KVTierScheduler` keeps handling the attention layers' chunks, on the attention groups' block ids
-alone. This subclass adds the state segments (`kvtier.state_rows`, `states.py`):
+alone. This subclass adds the state segments (`kvtier.format.state_rows`, `model/state_groups.py`):
 
 - Lookups: of the chunks past the device hit that the tiers hold (attention rows, promoted as
   usual), the hit ends at the last chunk n whose end has a state segment held too (promoted from a
@@ -26,12 +26,12 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, cast
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.copies import CopyAcks, StoreCopy
-from kvtier.integrations.vllm.geometry import EngineGeometry
-from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata, StateCopy
-from kvtier.integrations.vllm.request_state import RequestState
-from kvtier.integrations.vllm.scheduler import BlockIdsFn, KVTierScheduler
-from kvtier.state_rows import state_keys
+from kvtier.engine.copies import CopyAcks, StateCopy, StoreCopy
+from kvtier.engine.request_state import RequestState
+from kvtier.format.state_rows import state_keys
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.model.geometry import EngineGeometry
+from kvtier.integrations.vllm.scheduler_half import BlockIdsFn, KVTierScheduler
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks

@@ -1,5 +1,5 @@
 """The connector's request trace (`trace_path`): one record per finished request, in the format of
-`kvtier.trace.format`, handed to the background `TraceWriter` (never blocking the scheduler).
+`kvtier.trace.records`, handed to the background `TraceWriter` (never blocking the scheduler).
 
 The scheduler half calls a `RequestTracer` on its scheduler thread at four points: each lookup
 (`looked_up`: a lookup answered "ask again" while a promotion is in flight, so the promotion wait
@@ -23,8 +23,8 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.geometry import EngineGeometry
-from kvtier.trace.format import TraceHeader, encode_keys
+from kvtier.integrations.vllm.model.geometry import EngineGeometry
+from kvtier.trace.records import TraceHeader, encode_keys
 from kvtier.trace.writer import TraceWriter
 
 if TYPE_CHECKING:

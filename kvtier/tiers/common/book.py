@@ -15,7 +15,7 @@ import time
 from collections import Counter
 from collections.abc import Callable, Iterable
 
-from kvtier.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.format.chunks import ChunkKey, TierEvent, TierEventKind
 from kvtier.tiers.base import Job, JobKind, JobResult, TierContext
 from kvtier.tiers.common.chunkfmt import ChunkError
 from kvtier.tiers.common.iopool import IoPool, JobTracker

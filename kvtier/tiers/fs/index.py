@@ -24,7 +24,7 @@ import secrets
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-from kvtier.tiers.common.booked import KeyIndex
+from kvtier.tiers.common.io_tier import KeyIndex
 
 KEY_BYTES = 32
 LAYOUT_DIR_RE = re.compile(r"^[0-9a-f]{32}$")

@@ -31,12 +31,12 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.chunks import ChunkKey, TierEventKind
 from kvtier.errors import ConfigError
+from kvtier.format.chunks import ChunkKey, TierEventKind
 from kvtier.tiers.base import LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog
-from kvtier.tiers.common.booked import PerKeyTier
+from kvtier.tiers.common.io_tier import PerKeyTier
 from kvtier.tiers.common.iopool import IoPool
 from kvtier.tiers.common.options import (
     Kind,

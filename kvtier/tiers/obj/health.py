@@ -14,7 +14,7 @@ import threading
 import time
 
 from kvtier.tiers.common.book import FailureLog
-from kvtier.tiers.obj.client import is_connection_error
+from kvtier.tiers.obj.s3_client import is_connection_error
 
 DOWN_S = 1.0
 """After a connection-level failure (refused, timed out, closed), requests are not sent for this

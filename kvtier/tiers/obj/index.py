@@ -18,9 +18,9 @@ import math
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
 
-from kvtier.chunks import ChunkKey
+from kvtier.format.chunks import ChunkKey
 from kvtier.tiers.base import LookupResult
-from kvtier.tiers.common.booked import KeyIndex
+from kvtier.tiers.common.io_tier import KeyIndex
 
 MAX_REMEMBERED = 1 << 20
 """Present keys remembered without `max_bytes` (about 150 MB of index at most)."""

@@ -41,11 +41,11 @@ import time
 from collections.abc import Sequence
 from typing import Any
 
-from kvtier.chunks import ChunkKey, TierEventKind
 from kvtier.errors import ConfigError
+from kvtier.format.chunks import ChunkKey, TierEventKind
 from kvtier.tiers.base import LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
-from kvtier.tiers.common.booked import PerKeyTier
+from kvtier.tiers.common.io_tier import PerKeyTier
 from kvtier.tiers.common.iopool import IoPool
 from kvtier.tiers.common.options import (
     Kind,
@@ -57,9 +57,9 @@ from kvtier.tiers.common.options import (
     max_bytes_option,
     seconds,
 )
-from kvtier.tiers.obj.client import NOT_FOUND, ChunkIO, connect, error_code
 from kvtier.tiers.obj.health import ServerHealth
 from kvtier.tiers.obj.index import ObjIndex
+from kvtier.tiers.obj.s3_client import NOT_FOUND, ChunkIO, connect, error_code
 
 
 class ObjTier(PerKeyTier):

@@ -16,7 +16,7 @@ from kvtier.errors import ConfigError
 from kvtier.tiers.base import Job, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog
-from kvtier.tiers.common.booked import BookedTier
+from kvtier.tiers.common.io_tier import BookedTier
 from kvtier.tiers.common.iopool import IoPool, JobTracker
 from kvtier.tiers.common.options import Kind, Option, check_options, count, hidden, seconds, word
 from kvtier.tiers.p2p import protocol
@@ -26,7 +26,7 @@ from kvtier.tiers.p2p.discovery import Discovery
 from kvtier.tiers.p2p.fetch import Fetcher, Request
 from kvtier.tiers.p2p.index import ChunkIndex, Claim
 from kvtier.tiers.p2p.lookup import PeerLookup
-from kvtier.tiers.p2p.server import P2PServer
+from kvtier.tiers.p2p.row_server import P2PServer
 from kvtier.tiers.p2p.tls import Tls, load_tls
 
 BATCH_BYTES = 16 << 20

@@ -33,14 +33,14 @@ from urllib.parse import urlsplit
 
 from redis.utils import HIREDIS_AVAILABLE
 
-from kvtier.chunks import ChunkKey
+from kvtier.format.chunks import ChunkKey
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common.answers import AnswerCache
-from kvtier.tiers.common.booked import BookedTier
+from kvtier.tiers.common.io_tier import BookedTier
 from kvtier.tiers.common.iopool import DualQueue
 from kvtier.tiers.common.options import Kind, Option, check_options, count, seconds, word
-from kvtier.tiers.redis.chunks import ChunkStore, Item
 from kvtier.tiers.redis.link import RedisLink
+from kvtier.tiers.redis.values import ChunkStore, Item
 from kvtier.tiers.redis.wire import redact_url
 
 SCHEMES = ("redis", "rediss", "unix")

@@ -1,0 +1,177 @@
+"""Start and stop one vLLM OpenAI-compatible server for one benchmark configuration.
+
+`VLLMServer` is a context manager: it picks a free loopback port, starts
+`python -m vllm.entrypoints.openai.api_server` (with the configuration's `--kv-transfer-config`,
+kvtier's or vLLM's own OffloadingConnector's, when it has one;
+`kvtier.integrations.vllm.serving.serve.vllm_command`) in its own session and process group, isolated in a
+private temp dir (`kvtier.integrations.vllm.serving.launch.isolated_env`), with our vLLM-native shim's tree
+on its `PYTHONPATH` when it loads the shim, with its output in `log_path`, and waits for `/health`.
+On exit, on an error and on Ctrl-C it stops the whole process group (SIGTERM, then SIGKILL after
+`stop_timeout_s`), so nothing it started is left running.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from types import TracebackType
+from typing import Any
+
+from kvtier.bench.multiturn.configs import native_connector_config, native_root
+from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.serving.launch import connector_config, isolated_env
+from kvtier.integrations.vllm.serving.serve import vllm_command
+
+
+@dataclass(frozen=True)
+class ServerSettings:
+    """The engine flags of one server (vLLM's names); the connector's extra config is kvtier's
+    (`kvtier`) or vLLM's own OffloadingConnector's (`native`), at most one of them."""
+
+    model: Path
+    served_name: str
+    block_size: int
+    device_blocks: int
+    max_model_len: int
+    max_num_seqs: int
+    block_bytes: int
+    dtype: str = "float32"
+    kvtier: dict[str, Any] | None = None
+    extra_args: tuple[str, ...] = field(default=())
+    native: dict[str, Any] | None = None
+
+    def kv_transfer_config(self) -> dict[str, Any] | None:
+        """The engine's whole kv-transfer-config (JSON object), None for vLLM alone."""
+        if self.kvtier is not None:
+            return connector_config(self.kvtier)
+        if self.native is not None:
+            return native_connector_config(self.native)
+        return None
+
+    def vllm_args(self, port: int) -> list[str]:
+        return ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", self.served_name,
+                "--dtype", self.dtype, "--enforce-eager", "--max-model-len", str(self.max_model_len),
+                "--block-size", str(self.block_size),
+                "--num-gpu-blocks-override", str(self.device_blocks),
+                "--kv-cache-memory-bytes", str((self.device_blocks + 1) * self.block_bytes),
+                "--max-num-seqs", str(self.max_num_seqs), "--seed", "0", *self.extra_args]
+
+    def argv(self, port: int) -> list[str]:
+        transfer = self.kv_transfer_config()
+        if transfer is None:
+            return [sys.executable, "-m", "vllm.entrypoints.openai.api_server",
+                    "--model", str(self.model), *self.vllm_args(port)]
+        return vllm_command(str(self.model), transfer, self.vllm_args(port))
+
+    def env(self, tmp_dir: Path) -> dict[str, str]:
+        """The server's environment: ours, isolated under `tmp_dir`, with the shim's tree first on
+        `PYTHONPATH` when the configuration loads it."""
+        env = {**os.environ, **isolated_env(tmp_dir, in_process=False)}
+        if self.native is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(native_root()), env.get("PYTHONPATH")) if p)
+        return env
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def http_get(url: str, timeout: float = 10.0) -> str:
+    with urllib.request.urlopen(url, timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
+class VLLMServer:
+    """One server, started on `__enter__` and stopped (process group) on `__exit__`."""
+
+    def __init__(self, settings: ServerSettings, log_path: Path, *, start_timeout_s: float = 300,
+                 stop_timeout_s: float = 20) -> None:
+        self.settings = settings
+        self.log_path = log_path
+        self.start_timeout_s = start_timeout_s
+        self.stop_timeout_s = stop_timeout_s
+        self.port = 0
+        self.proc: subprocess.Popen[bytes] | None = None
+        self._tmp: Path | None = None
+
+    @property
+    def base_url(self) -> str:
+        return f"http://127.0.0.1:{self.port}"
+
+    def __enter__(self) -> VLLMServer:
+        try:
+            self._start()
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        self.stop()
+
+    def _start(self) -> None:
+        self._tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-server-"))
+        self.port = free_port()
+        env = self.settings.env(self._tmp)
+        self.log_path.parent.mkdir(parents=True, exist_ok=True)
+        with self.log_path.open("ab") as log:
+            log.write(f"$ {json.dumps(self.settings.argv(self.port))}\n".encode())
+            log.flush()
+            self.proc = subprocess.Popen(self.settings.argv(self.port), stdout=log,
+                                         stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                                         env=env, start_new_session=True)
+        deadline = time.monotonic() + self.start_timeout_s
+        while True:
+            if self.proc.poll() is not None:
+                raise KVTierError(f"vLLM server exited with status {self.proc.returncode} while "
+                                  f"starting; last lines of {self.log_path}:\n{self.log_tail()}")
+            if time.monotonic() > deadline:
+                raise KVTierError(f"vLLM server not healthy after {self.start_timeout_s:.0f} s; "
+                                  f"see {self.log_path}:\n{self.log_tail()}")
+            with contextlib.suppress(OSError):
+                http_get(f"{self.base_url}/health", timeout=2)
+                return
+            time.sleep(0.5)
+
+    def log_tail(self, chars: int = 3000) -> str:
+        with contextlib.suppress(OSError):
+            return self.log_path.read_text(errors="replace")[-chars:]
+        return ""
+
+    def stop(self) -> None:
+        """Stop the server's process group and remove its temp dir; idempotent."""
+        proc, self.proc = self.proc, None
+        if proc is not None:
+            stop_process_group(proc, self.stop_timeout_s)
+        if self._tmp is not None:
+            shutil.rmtree(self._tmp, ignore_errors=True)
+            self._tmp = None
+
+
+def stop_process_group(proc: subprocess.Popen[bytes], term_timeout_s: float) -> None:
+    """SIGTERM the process group `proc` leads, SIGKILL it if `proc` outlives `term_timeout_s`;
+    afterwards no process of the group is left (stragglers get SIGKILL too)."""
+    for sig, wait_s in ((signal.SIGTERM, term_timeout_s), (signal.SIGKILL, 10.0)):
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, sig)
+        try:
+            proc.wait(timeout=wait_s)
+            break
+        except subprocess.TimeoutExpired:
+            continue
+    with contextlib.suppress(ProcessLookupError):
+        os.killpg(proc.pid, signal.SIGKILL)

@@ -1,0 +1,89 @@
+"""One live request as the scheduler half tracks it: the keys of its full chunks known so far (the
+prompt's, then those its decode fills), its options and retention priority, where its prompt
+tokens came from, and how far its loads and stores have got."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+from kvtier.engine.accounting import RequestHits
+from kvtier.engine.request import Request
+from kvtier.engine.request_options import RequestOptions, retention_priority
+from kvtier.format.chunks import HOST
+from kvtier.format.keys import ChunkHasher
+
+
+@dataclass
+class RequestState:
+    """A live request: the keys of its full chunks known so far (the prompt's, then those its
+    decode fills), and how far loads and stores have got."""
+
+    request: Request
+    keys: list[bytes]
+    lora: str | None
+    options: RequestOptions
+    hits: RequestHits
+    priority: int
+    load_from: int = 0
+    stored: int = 0
+    asked: int = 0
+    """Chunks before this index were put to the host tier's admission (device → host gate)."""
+    refused: set[int] = field(default_factory=set)
+    """Indices of the chunks the host tier's admission refused: never stored for this request."""
+    looked_up: int = 0
+    promoted_from: dict[int, str] = field(default_factory=dict)
+    """The source tier of each chunk promoted for this request, by chunk index."""
+    promoted_at: int | None = None
+    """The device hit (in chunks) of the last lookup that started a promotion (None: none did)."""
+    streamed: range = range(0)
+    """The chunks found in secondary tiers that did not fit in the host tier: streamed."""
+    load_sync: bool = False
+    """The last lookup offered a synchronous load (the host tier alone serves it)."""
+    released: bool = False
+    load_failed: bool = False
+    """A load for this request failed (vLLM recomputes it): it is offered no load again."""
+
+    def may_promote(self, start: int) -> bool:
+        """Whether a lookup from chunk `start` (vLLM's device hit now) may promote: once per
+        request, and again only when the device hit has shrunk below the last promotion's start
+        (vLLM evicted those blocks while the request waited). The chunks in between are then
+        promoted too; without them the promoted chunks after them would be unusable and the whole
+        prefix recomputed."""
+        return self.promoted_at is None or start < self.promoted_at
+
+    def record_promotion(self, start: int, ready: int, tiers: Sequence[str]) -> None:
+        """A lookup from chunk `start` found `ready` chunks in the host tier and promotes the
+        chunks after them from `tiers`. The ready ones count as promoted from the host tier: the
+        promotion holds them too, and the request releases them with the rest."""
+        if tiers:
+            for i, tier in enumerate((*(HOST,) * ready, *tiers), start):
+                self.promoted_from.setdefault(i, tier)
+            self.promoted_at = start
+
+    def take_promoted(self, keep: range = range(0)) -> list[bytes]:
+        """The chunks promoted for this request, whose holds are to be released, once (then none):
+        its own load has pinned the rows it needs, or it no longer needs them. The chunks it
+        streams (`keep`) stay held: the stream releases each as its part pins it, or when it ends."""
+        if not self.promoted_from or self.released:
+            return []
+        self.released = True
+        return [self.keys[i] for i in self.promoted_from if i not in keep]
+
+    @classmethod
+    def of(cls, request: Request, hasher: ChunkHasher) -> RequestState | None:
+        """A new request's state, its prompt keyed; None when it cannot be cached (multimodal
+        inputs or prompt embeddings are not hashed yet)."""
+        if request.prompt_token_ids is None or request.mm_features:
+            return None
+        lora = request.lora_request.lora_name if request.lora_request else None
+        keys = hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
+        options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
+        priority = retention_priority(options, request.priority)
+        return cls(request, keys, lora, options, RequestHits(request.num_prompt_tokens), priority)
+
+
+def mark_load_failed(state: RequestState | None) -> None:
+    """Record that a load of the request failed (no state: nothing to record)."""
+    if state is not None:
+        state.load_failed = True

@@ -1,0 +1,135 @@
+"""The KV geometry of the model vLLM serves: chunk keys' model fingerprint and the canonical layout.
+
+Both halves of the connector compute it from the same vLLM config, so the scheduler (which sizes
+host rows and hashes keys) and every worker (which copies bytes) agree without talking. Called once
+per connector, at construction.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from kvtier.errors import ConfigError
+from kvtier.format.keys import ModelFingerprint
+from kvtier.format.layout import CanonicalLayout
+from kvtier.integrations.vllm.model.groups import layer_groups
+from kvtier.integrations.vllm.model.kv_dtype import stored_kv_dtype
+from kvtier.integrations.vllm.model.state_groups import StateGroups, state_groups
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+
+@dataclass(frozen=True)
+class EngineGeometry:
+    """What kvtier needs to know about the engine's KV cache.
+
+    `layer_names` are the attention layers in model order (canonical page order in a host row);
+    `layer_groups[l]` is the attention group whose block ids address layer l (empty: one group);
+    `group_ids[g]` is attention group g's index among vLLM's KV cache groups (empty: the same).
+    `states`: the model's recurrent layers (gated delta net), stored as state segments.
+    """
+
+    fingerprint: ModelFingerprint
+    layout: CanonicalLayout
+    block_size: int
+    blocks_per_chunk: int
+    layer_names: tuple[str, ...]
+    tp_size: int
+    layer_groups: tuple[int, ...] = ()
+    group_ids: tuple[int, ...] = ()
+    states: StateGroups | None = None
+
+    @property
+    def chunk_tokens(self) -> int:
+        return self.layout.chunk_tokens
+
+    @property
+    def one_group(self) -> bool:
+        """One KV cache group and no recurrent state: vLLM takes a failed load's block ids
+        (with several groups, block ids are per group, and a failed load is reported by request)."""
+        return len(set(self.layer_groups)) <= 1 and self.states is None
+
+
+def model_name(model: str, served_model_name: str | list[str] | None) -> str:
+    """The model's name in chunk keys: the same on every machine serving the same model.
+
+    `served_model_name` when the user set one (vLLM fills it with `model` otherwise; a list gives
+    its first name). Else, for a local directory, its basename plus a hash of its `config.json`
+    (so two machines with the same model at different paths share chunks, and two different
+    models in same-named directories do not); else `model` itself (a hub id).
+    """
+    served = served_model_name[0] if isinstance(served_model_name, list) else served_model_name
+    if served and served != model:
+        return served
+    path = Path(model)
+    config = path / "config.json"
+    if not config.is_file():
+        return model
+    digest = hashlib.sha256(config.read_bytes()).hexdigest()[:16]
+    return f"{path.resolve().name}@config-{digest}"
+
+
+def engine_geometry(
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, blocks_per_chunk: int
+) -> EngineGeometry:
+    """Read the geometry from vLLM's config; ConfigError for a cache kvtier cannot hold yet.
+
+    Supported: KV cache groups of full and sliding-window attention or MLA (`groups.layer_groups`),
+    with gated-delta-net and Mamba2 state groups beside them (`states.state_groups`), K and V of
+    the same head size (MLA: one latent), a KV cache dtype `kv_dtype.stored_kv_dtype` holds
+    (unquantized or fp8).
+    """
+    found = layer_groups(kv_cache_config)
+    spec = found.spec
+    if spec.head_size_v != spec.head_size and not found.latent:
+        raise ConfigError("model", (spec.head_size, spec.head_size_v), "K and V head sizes differ")
+    cache = vllm_config.cache_config
+    kv_dtype = stored_kv_dtype(cache.cache_dtype, spec.dtype, cache.kv_cache_dtype_skip_layers)
+    model = vllm_config.model_config
+    layer_names = found.layer_names
+    kinds = found.layer_kinds if found.hybrid else ()
+    num_kv_heads = 1 if found.latent else model.get_total_num_kv_heads()
+    chunk_tokens = spec.block_size * blocks_per_chunk
+    layout = CanonicalLayout(
+        num_layers=len(layer_names),
+        num_kv_heads=num_kv_heads,
+        head_dim=spec.head_size,
+        chunk_tokens=chunk_tokens,
+        dtype=kv_dtype,
+        layer_kinds=kinds,
+        latent=found.latent,
+    )
+    tp_size = vllm_config.parallel_config.tensor_parallel_size
+    states = state_groups(vllm_config, kv_cache_config, layout.row_bytes)
+    extra = [("layer_kinds", ",".join(kinds))] if kinds else []
+    if states is not None:
+        layout = dataclasses.replace(layout, segments=states.layout.describe())
+        extra.append(("states", states.layout.describe()))
+    fingerprint = ModelFingerprint(
+        model=model_name(model.model, model.served_model_name),
+        revision=str(model.revision or ""),
+        dtype=str(model.dtype),
+        kv_dtype=str(kv_dtype),
+        num_layers=len(layer_names),
+        num_kv_heads=num_kv_heads,
+        head_dim=spec.head_size,
+        quantization=str(model.quantization or ""),
+        extra=tuple(sorted(extra)),
+    )
+    return EngineGeometry(
+        fingerprint=fingerprint,
+        layout=layout,
+        block_size=spec.block_size,
+        blocks_per_chunk=blocks_per_chunk,
+        layer_names=layer_names,
+        tp_size=tp_size,
+        layer_groups=found.layer_groups,
+        group_ids=found.group_ids,
+        states=states,
+    )

@@ -1,0 +1,240 @@
+"""The worker half of the connector: runs the chunk copies the scheduler half planned.
+
+Runs in each vLLM worker (one per TP rank), on the worker's model-runner thread. It needs nothing
+from the scheduler process but the connector metadata of each step: the host region's name, and
+(block ids, slots) pairs; it maps the region by name on first use.
+
+Per step, in vLLM's order: `before_forward` (vLLM's `handle_preemptions`, before the forward pass
+is launched), the forward pass, `start_load` (the bound metadata's loads, host → device; vLLM 0.32
+calls it after launching the pass, and the loading requests are not in it), `save` (its stores,
+device → host), then `take_finished_loads`, `take_load_errors` and `take_worker_meta` report the
+copies that ended.
+
+The copies themselves are `kvtier.transfer`'s, picked by the device of the KV tensors: on the CPU
+they run synchronously, so every job of a step is reported in that step; on CUDA they are queued on
+copy streams and each job is reported in the first report that finds it ended. A failed load's
+blocks are reported no later than its request: vLLM asks for finished requests, then for load
+errors, in each step, and a load found ended in between has its blocks reported first.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from kvtier.format.layout import SKIP_BLOCK, TPShard
+from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
+from kvtier.integrations.vllm.model.backend_layouts import engine_layout, engine_layout_name
+from kvtier.integrations.vllm.model.geometry import EngineGeometry
+from kvtier.integrations.vllm.model.kv_dtype import holds
+from kvtier.integrations.vllm.model.state_groups import StateWorker
+from kvtier.transfer import Transfer, make_transfer
+from kvtier.transfer.copy_plan import CopyPlan, EngineLayout
+
+log = logging.getLogger("kvtier.vllm.worker")
+
+TransferFactory = Callable[[CopyPlan, Sequence[torch.Tensor]], Transfer]
+
+
+@dataclass(frozen=True)
+class _Job:
+    load: bool
+    req_id: str
+    block_ids: tuple[int, ...]
+    last: bool = True
+    sync: bool = False
+
+
+class KVTierWorker:
+    """One rank's copies between its KV tensors and the shared host region."""
+
+    def __init__(
+        self, geometry: EngineGeometry, tp_rank: int, transfer_factory: TransferFactory = make_transfer
+    ) -> None:
+        self.geometry = geometry
+        self.shard = TPShard(geometry.layout.num_kv_heads, geometry.tp_size, tp_rank)
+        self.transfer: Transfer | None = None
+        self._transfer_factory = transfer_factory
+        self._jobs: dict[int, _Job] = {}
+        self._finished_loads: set[str] = set()
+        self._load_errors: set[int] = set()
+        self.states: StateWorker | None = None
+        self._by_request = not geometry.one_group
+        """Several KV cache groups: failed loads are reported by request, not by block."""
+        self._failing: set[str] = set()
+        self._failed_loads: set[str] = set()
+        self._stores: dict[int, tuple[int, bool]] = {}
+        self._loads: dict[int, tuple[int, bool]] = {}
+        self._seconds: dict[int, float] = {}
+        self._releasing: dict[str, int] = {}
+        """Released requests (`KVTierMetadata.releases`) → their stores still in flight."""
+        self._finished_sends: set[str] = set()
+
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
+        """Build the copy plan and the transfer from the real tensors. Called once, after vLLM
+        allocated its KV cache and before the first step; raises ValueError when a tensor's layout
+        is unexpected, NotImplementedError when its device has no transfer."""
+        missing = [name for name in self.geometry.layer_names if name not in kv_caches]
+        if missing:
+            raise ValueError(f"kvtier: no KV cache tensor for layers {missing}")
+        tensors = [kv_caches[name] for name in self.geometry.layer_names]
+        layout = self._engine_layout(tensors[0])
+        geometry = self.geometry
+        plan = CopyPlan(geometry.layout, layout, self.shard, geometry.block_size, geometry.layer_groups)
+        for name, kv in zip(self.geometry.layer_names, tensors, strict=True):
+            self._check(name, plan, kv)
+        self.transfer = self._transfer_factory(plan, tensors)
+        if geometry.states is not None:
+            self.states = StateWorker(geometry.states, kv_caches, self.shard.rank)
+
+    def _check(self, name: str, plan: CopyPlan, kv: torch.Tensor) -> None:
+        if not holds(kv.dtype, self.geometry.layout.dtype):
+            raise ValueError(f"kvtier: layer {name} KV is {kv.dtype}, not {self.geometry.layout.dtype}")
+        try:
+            plan.engine_views(kv)
+        except ValueError as exc:
+            raise ValueError(f"kvtier: layer {name}: {exc}") from exc
+
+    def _engine_layout(self, kv: torch.Tensor) -> EngineLayout:
+        return engine_layout(engine_layout_name(kv.device.type, kv.shape, self.geometry.layout.latent))
+
+    def before_forward(self) -> None:
+        """Order the coming forward pass after the stores still reading its blocks. Called before
+        each forward pass is launched (vLLM's `handle_preemptions`), also on steps without one."""
+        if self.transfer is not None:
+            self.transfer.before_forward()
+
+    def start_load(self, meta: KVTierMetadata) -> None:
+        """Queue every load of `meta` host → device. Called once per step, by vLLM's
+        `start_load_kv`; the loading requests are not in this step's forward pass. A load without
+        pinned host rows fails at once."""
+        self._copy_states(meta, load=True)
+        for job in meta.loads:
+            self._jobs[job.job_id] = _Job(True, job.req_id, tuple(job.all_block_ids), job.last, job.sync)
+            if job.slots:
+                self._transfer(meta).submit_load(job.job_id, job.block_ids, job.slots)
+            else:
+                self._ended(job.job_id, False, 0.0)
+        self._collect()
+
+    def save(self, meta: KVTierMetadata) -> None:
+        """Queue every store of `meta` device → host. Called once per step by vLLM's
+        `wait_for_save`, after the forward pass that writes the blocks was launched."""
+        if meta.stores:
+            transfer = self._transfer(meta)
+            transfer.forward_done()
+            for job in meta.stores:
+                self._jobs[job.job_id] = _Job(False, job.req_id, ())
+                transfer.submit_store(job.job_id, job.block_ids, job.slots)
+        self._copy_states(meta, load=False)
+        for req_id in meta.releases:
+            self._releasing[req_id] = sum(1 for j in self._jobs.values() if not j.load and j.req_id == req_id)
+            if not self._releasing[req_id]:
+                del self._releasing[req_id]
+                self._finished_sends.add(req_id)
+        self._collect()
+
+    def _copy_states(self, meta: KVTierMetadata, load: bool) -> None:
+        """Run the step's state copies now (a load before the request's chunk loads end, so a
+        failed one fails the request's load)."""
+        jobs = meta.state_loads if load else meta.state_stores
+        if self.states is None or not jobs:
+            return
+        for job in jobs:
+            start = time.perf_counter()
+            ok = bool(job.slots) and self.states.copy(meta.region_name, meta.shm_dir, job, load)
+            (self._loads if load else self._stores)[job.job_id] = (1, ok)
+            self._seconds[job.job_id] = time.perf_counter() - start
+            if load and not ok:
+                self._failing.add(job.req_id)
+
+    def _transfer(self, meta: KVTierMetadata) -> Transfer:
+        if self.transfer is None:
+            raise RuntimeError("kvtier: a transfer was planned before register_kv_caches")
+        self.transfer.attach(meta.region_name, meta.shm_dir)
+        return self.transfer
+
+    def _collect(self) -> None:
+        """Record the copies the transfer reports ended (never waits)."""
+        if self.transfer is not None:
+            for result in self.transfer.poll():
+                self._ended(result.job_id, result.ok, result.seconds)
+
+    def _ended(self, job_id: int, ok: bool, seconds: float) -> None:
+        job = self._jobs.pop(job_id, None)
+        if job is None:
+            log.error("kvtier: the transfer reported unknown job %d", job_id)
+            return
+        self._seconds[job_id] = seconds
+        if not job.load:
+            self._stores[job_id] = (1, ok)
+            if job.req_id in self._releasing:
+                self._releasing[job.req_id] -= 1
+                if not self._releasing[job.req_id]:
+                    del self._releasing[job.req_id]
+                    self._finished_sends.add(job.req_id)
+            return
+        if not ok:
+            if self._by_request:
+                self._failing.add(job.req_id)
+            else:
+                self._load_errors.update(b for b in job.block_ids if b != SKIP_BLOCK)
+        self._loads[job_id] = (1, ok)
+        if job.last and not job.sync:
+            self._finished_loads.add(job.req_id)
+            if job.req_id in self._failing:
+                self._failing.discard(job.req_id)
+                self._failed_loads.add(job.req_id)
+
+    def take_finished_loads(self) -> set[str]:
+        """Request ids whose loads ended (their last part, successfully or not) since the last
+        call."""
+        self._collect()
+        done, self._finished_loads = self._finished_loads, set()
+        return done
+
+    def take_finished_sends(self) -> set[str]:
+        """Released requests whose stores have all ended since the last call: vLLM may free their
+        blocks."""
+        self._collect()
+        done, self._finished_sends = self._finished_sends, set()
+        return done
+
+    def take_failed_loads(self) -> set[str]:
+        """Of the requests `take_finished_loads` returned, those whose load failed and must be
+        recomputed whole: with several KV cache groups, where vLLM takes no block-level errors
+        (block ids are per group). Call right after it."""
+        failed, self._failed_loads = self._failed_loads, set()
+        return failed
+
+    def take_load_errors(self) -> set[int]:
+        """Block ids whose loads failed since the last call (one KV cache group only); vLLM
+        recomputes from the first of a request's."""
+        self._collect()
+        errors, self._load_errors = self._load_errors, set()
+        return errors
+
+    def take_worker_meta(self) -> KVTierWorkerMetadata | None:
+        """This rank's finished copies since the last call, or None when there are none."""
+        self._collect()
+        if not self._stores and not self._loads:
+            return None
+        meta = KVTierWorkerMetadata(self._stores, self._loads, self._seconds)
+        self._stores, self._loads, self._seconds = {}, {}, {}
+        return meta
+
+    @property
+    def copies_running(self) -> int:
+        """Copy jobs queued and not yet ended."""
+        return len(self._jobs)
+
+    def shutdown(self) -> None:
+        """Wait for the copies still running, then unmap the host region. Idempotent."""
+        if self.transfer is not None:
+            self.transfer.close()
+        if self.states is not None:
+            self.states.close()

@@ -1,0 +1,2 @@
+"""The operator's surface: the declared metrics, the SLO guard, the control socket and its client.
+"""

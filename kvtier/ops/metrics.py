@@ -1,0 +1,202 @@
+"""kvtier's Prometheus metrics, declared in one place (`METRICS`), all named `kvtier_*`.
+
+Labels are bounded: `tier` is "host" or a configured secondary tier's name; `op` is "store" or
+"load"; `reason` is a configured admission policy's name (`rejected_chunks`, `probation_chunks`)
+or why a stored chunk was rejected (`bad_chunks`: a `ChunkError` value); `cause` one of
+`kvtier.tiers.process.FAILURE_CAUSES`; `config_info` carries the configuration
+(one series per engine); `source` is "device", "host", a
+secondary tier's name, or "recomputed". For the host tier,
+"store" is a device → host copy and "load" a host → device copy; for a secondary tier, "store" is
+a cascade (host → tier) and "load" a promotion (tier → host).
+
+`KVTierMetrics` holds one set in its own `CollectorRegistry` (two instances in one process never
+collide), readable in-process with `snapshot()`. Every update is also queued as a delta that
+`take_delta()` hands over (a JSON-able dict): the vLLM connector ships it through vLLM's
+connector-stats path to the process that serves `/metrics`, where `apply_delta` replays it into
+the same metrics created there (see `kvtier.integrations.vllm.connector_stats`).
+
+Threading: one owner thread (the scheduler's) updates and takes deltas; `snapshot()` may be read
+from any thread (prometheus_client's metrics are thread-safe).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+PREFIX = "kvtier_"
+Kind = Literal["counter", "gauge", "histogram"]
+LATENCY_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+
+
+@dataclass(frozen=True)
+class MetricSpec:
+    """One metric: `name` without the prefix, and for counters without `_total`."""
+
+    name: str
+    kind: Kind
+    doc: str
+    labels: tuple[str, ...] = ()
+
+    @property
+    def full_name(self) -> str:
+        return PREFIX + self.name
+
+
+_T, _O, _S = ("tier",), ("tier", "op"), ("source",)
+CONFIG_LABELS = ("eviction_policy", "admission_policy", "tiers", "cpu_bytes_to_use", "blocks_per_chunk")
+"""`config_info`'s labels: one series per engine, set once at start."""
+METRICS: tuple[MetricSpec, ...] = (
+    MetricSpec("used_bytes", "gauge", "Bytes of KV chunks held by the tier", _T),
+    MetricSpec("used_chunks", "gauge", "KV chunks held by the tier", _T),
+    MetricSpec("capacity_bytes", "gauge", "Capacity of the tier in bytes (0: unbounded)", _T),
+    MetricSpec("used_fraction", "gauge", "used_bytes / capacity_bytes (0 when unbounded)", _T),
+    MetricSpec("transfer_chunks", "counter", "Chunks moved (store: into the tier; load: out)", _O),
+    MetricSpec("transfer_bytes", "counter", "Bytes moved (store: into the tier; load: out)", _O),
+    MetricSpec("transfer_seconds", "counter", "Seconds spent moving chunks, summed over jobs", _O),
+    MetricSpec("transfer_latency_seconds", "histogram", "Duration of one transfer job", _O),
+    MetricSpec("failures", "counter", "Chunks whose store or load failed (a failed load is a miss)", _O),
+    MetricSpec("bad_chunks", "counter",
+               "Stored chunks a tier rejected (header or checksum), removed and treated as misses",
+               ("tier", "reason")),
+    MetricSpec("lookups", "counter", "Requests whose prefix kvtier looked up past the device hit"),
+    MetricSpec("lookup_chunks", "counter", "Chunks looked up past the device prefix-cache hit"),
+    MetricSpec("hit_chunks", "counter", "Looked-up chunks served by the tier (host: already there)", _T),
+    MetricSpec("prompt_tokens", "counter", "Prompt tokens by where their KV came from", _S),
+    MetricSpec("promotion_refused_chunks", "counter",
+               "Chunks not promoted because the host tier had no room for them (they are recomputed)"),
+    MetricSpec("cascade_skipped_chunks", "counter",
+               "Chunks not copied to the tier because their host rows could not be pinned", _T),
+    MetricSpec("admitted_chunks", "counter", "Chunks the admission policies let into the tier", _T),
+    MetricSpec("rejected_chunks", "counter",
+               "Chunks kept out of the tier, by the admission policy that refused them (for a secondary "
+               "tier: or that put them on host probation; they may cascade later, once reused)",
+               ("tier", "reason")),
+    MetricSpec("probation_chunks", "counter",
+               "Chunks stored on probation (evicted first, not cascaded until reused), by the admission "
+               "policy that put them there", ("tier", "reason")),
+    MetricSpec("probation_reused_chunks", "counter",
+               "Probation chunks a later request reused: they settled and were cascaded then", _T),
+    MetricSpec("tier_enabled", "gauge",
+               "1 while the secondary tier takes loads and stores, 0 once disabled (guard or operator)", _T),
+    MetricSpec("slo_rollbacks", "counter", "Secondary tiers the SLO guard disabled"),
+    MetricSpec("slo_alerts", "counter", "Sustained SLO budget overruns the guard only reported"),
+    MetricSpec("slo_over_budget", "gauge", "1 while a latency p99 the SLO guard watches is over budget"),
+    MetricSpec("promotion_wait_seconds", "histogram",
+               "Time a request waited for its promotion ('ask again' steps), by source tier", _T),
+    MetricSpec("tier_up", "gauge", "1 while the secondary tier's process is up, 0 while it is down", _T),
+    MetricSpec("tier_restarts", "gauge", "Times the secondary tier's process was restarted", _T),
+    MetricSpec("tier_last_failure", "gauge",
+               "Unix time of the secondary tier's latest failure with this cause (exited, hung, error, "
+               "store_failed, load_failed); the most recent series is the last failure's cause",
+               ("tier", "cause")),
+    MetricSpec("jobs_in_flight", "gauge", "Store and load jobs submitted to the tier and not finished", _T),
+    MetricSpec("host_pinned_chunks", "gauge", "Host-tier chunks pinned by copies in flight (not evictable)"),
+    MetricSpec("config_info", "gauge", "1, labelled with the configuration that produced these metrics",
+               CONFIG_LABELS),
+)
+SPECS = {spec.name: spec for spec in METRICS}
+
+
+def new_metric(spec: MetricSpec, labelnames: Sequence[str], factory: Callable[..., Any]) -> Any:
+    """Create `spec` with `factory` (a prometheus_client class or vLLM's wrapper of one), with
+    `labelnames` before the spec's own labels."""
+    kwargs: dict[str, Any] = {
+        "name": spec.full_name,
+        "documentation": spec.doc,
+        "labelnames": [*labelnames, *spec.labels],
+    }
+    if spec.kind == "histogram":
+        kwargs["buckets"] = LATENCY_BUCKETS
+    return factory(**kwargs)
+
+
+def apply_delta(delta: Mapping[str, Any], metric_of: Callable[[str], Any], prefix: Sequence[str]) -> None:
+    """Replay a `take_delta()` dict into metrics: `metric_of(name)` gives the metric (or None to
+    skip it), `prefix` the label values that come before the spec's own."""
+    for name, labels, value in delta.get("counter", ()):
+        metric = metric_of(name)
+        if metric is not None:
+            metric.labels(*prefix, *labels).inc(value)
+    for name, labels, value in delta.get("gauge", ()):
+        metric = metric_of(name)
+        if metric is not None:
+            metric.labels(*prefix, *labels).set(value)
+    for name, labels, values in delta.get("histogram", ()):
+        metric = metric_of(name)
+        if metric is not None:
+            child = metric.labels(*prefix, *labels)
+            for value in values:
+                child.observe(value)
+
+
+class KVTierMetrics:
+    """One engine's kvtier metrics in a private registry, plus the delta queued for vLLM."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry(auto_describe=True)
+        factories: dict[Kind, Callable[..., Any]] = {
+            "counter": Counter, "gauge": Gauge, "histogram": Histogram,
+        }
+        self._metrics = {
+            spec.name: new_metric(
+                spec, (), lambda factory=factories[spec.kind], **kw: factory(registry=self.registry, **kw)
+            )
+            for spec in METRICS
+        }
+        self._delta: dict[str, list[Any]] = {"counter": [], "gauge": [], "histogram": []}
+        self._gauges: dict[tuple[str, tuple[str, ...]], float] = {}
+
+    def _child(self, name: str, labels: Sequence[str]) -> Any:
+        metric = self._metrics[name]
+        return metric.labels(*labels) if labels else metric
+
+    def inc(self, name: str, value: float, *labels: str) -> None:
+        """Add `value` (>= 0) to counter `name`; zero increments are dropped."""
+        if value:
+            self._child(name, labels).inc(value)
+            self._delta["counter"].append([name, list(labels), value])
+
+    def set(self, name: str, value: float, *labels: str) -> None:
+        """Set gauge `name`; queued for vLLM only when it changed."""
+        key = (name, tuple(labels))
+        if self._gauges.get(key) != value:
+            self._gauges[key] = value
+            self._child(name, labels).set(value)
+            self._delta["gauge"].append([name, list(labels), value])
+
+    def observe(self, name: str, value: float, *labels: str) -> None:
+        """Add one observation to histogram `name`."""
+        self._child(name, labels).observe(value)
+        delta = self._delta["histogram"]
+        if delta and delta[-1][0] == name and delta[-1][1] == list(labels):
+            delta[-1][2].append(value)
+        else:
+            delta.append([name, list(labels), [value]])
+
+    def take_delta(self) -> dict[str, list[Any]] | None:
+        """The updates since the last call (None when there are none), for `apply_delta`."""
+        if not any(self._delta.values()):
+            return None
+        delta, self._delta = self._delta, {"counter": [], "gauge": [], "histogram": []}
+        return delta
+
+    def snapshot(self) -> dict[str, float]:
+        """Every sample now, keyed `name{label="value",...}` as in Prometheus' text format
+        (counters end in `_total`; histograms give `_count` and `_sum`, not their buckets)."""
+        out: dict[str, float] = {}
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name.endswith(("_created", "_bucket")):
+                    continue
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
+                out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
+        return out
+
+    def value(self, name: str, **labels: str) -> float:
+        """One sample of `snapshot()` by full sample name and labels; 0 when absent."""
+        text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        return self.snapshot().get(f"{name}{{{text}}}" if text else name, 0.0)

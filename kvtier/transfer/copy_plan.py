@@ -1,0 +1,189 @@
+"""Copy plans between one TP rank's engine tensors and canonical host rows, and the engine-layout
+contract they read engine tensors through.
+
+An engine's layout is a small `EngineLayout` subclass (the engine's own, under
+`kvtier.integrations`) that gives zero-copy strided views `[num_blocks, H_local, block_size,
+head_dim]` of K and of V in one layer tensor (or of the latent alone, for MLA); a `CopyPlan` needs
+nothing else, so a new backend is one more subclass. The plan is written once over torch tensors
+and runs on any device: the CPU path (`transfer.host`) and the CUDA path (`transfer.staged`,
+`transfer.stream`) call the same plan.
+
+Copy plans hold no state: concurrent calls are safe when their slots and blocks are disjoint.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from typing import ClassVar
+
+import torch
+
+from kvtier.errors import ConfigError
+from kvtier.format.layout import SKIP_BLOCK, CanonicalLayout, TPShard, check_rows
+
+
+class EngineLayout(ABC):
+    """How one engine backend lays out one layer's KV cache tensor."""
+
+    name: ClassVar[str]
+    latent: ClassVar[bool] = False  # True: a layer holds one latent per token (MLA), not K and V
+
+    @abstractmethod
+    def kv_views(self, kv: torch.Tensor, head_dim: int) -> tuple[torch.Tensor, ...]:
+        """K and V of `kv` (or its latent alone, for an MLA layout) as views `[num_blocks,
+        H_local, block_size, head_dim]` sharing its memory; ValueError when `kv` does not have
+        this layout."""
+
+
+class CopyPlan:
+    """Copies chunks between one TP rank's engine tensors and canonical host rows.
+
+    A chunk is `blocks_per_chunk` engine blocks (chunk_tokens = blocks_per_chunk * block_size),
+    given in token order. Stores from a rank that does not write (a non-first replica) copy
+    nothing. K and V of each engine block of each layer are one strided `copy_` each between
+    zero-copy views: a single pass over the bytes. (Batched `index_select`/`index_copy_` over these permuted
+    multi-dimensional views takes torch's per-element path on CPU and measured several times
+    slower, besides needing a staging copy.)
+    """
+
+    def __init__(
+        self,
+        layout: CanonicalLayout,
+        engine: EngineLayout,
+        shard: TPShard,
+        block_size: int,
+        layer_groups: Sequence[int] = (),
+    ) -> None:
+        """`layer_groups[l]`: the block-id group of layer l (default: one group for all layers)."""
+        if block_size <= 0 or layout.chunk_tokens % block_size:
+            raise ConfigError("block_size", block_size, f"must divide chunk_tokens={layout.chunk_tokens}")
+        if shard.num_kv_heads != layout.num_kv_heads:
+            raise ConfigError("tp", shard.num_kv_heads, f"shard of {layout.num_kv_heads} KV heads expected")
+        if engine.latent != layout.latent:
+            raise ConfigError("engine_layout", engine.name, f"a layout with latent={layout.latent}")
+        groups = tuple(layer_groups) or (0,) * layout.num_layers
+        if len(groups) != layout.num_layers or sorted(set(groups)) != list(range(max(groups) + 1)):
+            raise ConfigError("layer_groups", groups, f"{layout.num_layers} group indices 0..n-1, each used")
+        self.layout = layout
+        self.engine = engine
+        self.shard = shard
+        self.block_size = block_size
+        self.blocks_per_chunk = layout.chunk_tokens // block_size
+        self.layer_groups = groups
+        self.num_groups = max(groups) + 1
+
+    def engine_to_host(
+        self,
+        layer_tensors: Sequence[torch.Tensor],
+        block_ids_per_chunk: Sequence[Sequence[int]],
+        host_rows: torch.Tensor,
+        slots: Sequence[int],
+    ) -> None:
+        """Write this rank's heads of chunk i (blocks `block_ids_per_chunk[i]`: `blocks_per_chunk`
+        per group, group by group) to `slots[i]`."""
+        self._copy(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host=True)
+
+    def host_to_engine(
+        self,
+        layer_tensors: Sequence[torch.Tensor],
+        block_ids_per_chunk: Sequence[Sequence[int]],
+        host_rows: torch.Tensor,
+        slots: Sequence[int],
+    ) -> None:
+        """Write this rank's heads of row `slots[i]` into blocks `block_ids_per_chunk[i]` (group
+        by group; a `SKIP_BLOCK` leaves that group's page of that block unread)."""
+        self._copy(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host=False)
+
+    def _copy(
+        self,
+        layer_tensors: Sequence[torch.Tensor],
+        block_ids_per_chunk: Sequence[Sequence[int]],
+        host_rows: torch.Tensor,
+        slots: Sequence[int],
+        to_host: bool,
+    ) -> None:
+        """One pass over the bytes in either direction; the destinations must be distinct (host
+        slots on a store, engine blocks on a load), and a non-writing replica stores nothing."""
+        pairs = self._pairs(layer_tensors, block_ids_per_chunk, host_rows, slots)
+        if to_host and len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {list(slots)}")
+        if to_host and any(len(group) != len(slots) * self.blocks_per_chunk for group in pairs):
+            raise ValueError(f"a store needs every block of every chunk, got {list(block_ids_per_chunk)}")
+        if not to_host and any(len({b for _, _, b in group}) != len(group) for group in pairs):
+            raise ValueError("destination block ids must be distinct")
+        if to_host and not self.shard.writes:
+            return
+        for layer, kv in enumerate(layer_tensors):
+            for engine, host in self._views(kv, host_rows, layer):
+                for slot, j, block in pairs[self.layer_groups[layer]]:
+                    if to_host:
+                        host[slot, j].copy_(engine[block])
+                    else:
+                        engine[block].copy_(host[slot, j])
+
+    def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """K and V (or latent) block views `[num_blocks, H_local, block_size, D]` of one layer
+        tensor; ValueError when its shape, head count, block size or dtype width do not fit."""
+        views = self.engine.kv_views(kv, self.layout.head_dim)
+        if len(views) != self.layout.parts:
+            parts = self.layout.parts
+            raise ValueError(f"{self.engine.name}: {len(views)} views per layer, the layout has {parts}")
+        k = views[0]
+        expected = (self.shard.num_heads, self.block_size, self.layout.head_dim)
+        if tuple(k.shape[1:]) != expected or any(v.shape != k.shape for v in views):
+            raise ValueError(
+                f"{self.engine.name}: layer tensor {tuple(kv.shape)} holds K/V blocks "
+                f"[H, block_size, D] = {tuple(k.shape[1:])}, expected {expected}"
+            )
+        if kv.dtype.itemsize != self.layout.itemsize:
+            raise ValueError(f"layer dtype {kv.dtype} does not match layout {self.layout.dtype}")
+        return views
+
+    def _views(
+        self, kv: torch.Tensor, rows: torch.Tensor, layer: int
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
+        """(engine, host) view pairs for K and V (or the latent): engine `[num_blocks, H_local,
+        block_size, D]`, host `[num_slots, blocks_per_chunk, H_local, block_size, D]` (this rank's
+        heads)."""
+        page = self.layout.page_view(rows, layer, kv.dtype)
+        heads = page[:, :, self.shard.head_start : self.shard.head_end]
+        s, parts, h, _, d = heads.shape
+        split = heads.view(s, parts, h, self.blocks_per_chunk, self.block_size, d)
+        host = split.permute(1, 0, 3, 2, 4, 5)
+        return tuple(zip(self.engine_views(kv), host, strict=True))
+
+    def _pairs(
+        self,
+        layer_tensors: Sequence[torch.Tensor],
+        block_ids_per_chunk: Sequence[Sequence[int]],
+        host_rows: torch.Tensor,
+        slots: Sequence[int],
+    ) -> list[list[tuple[int, int, int]]]:
+        """Per group, (slot, block index within the chunk, engine block) for every block the group
+        holds (`SKIP_BLOCK`s left out), all validated."""
+        if len(layer_tensors) != self.layout.num_layers:
+            raise ValueError(
+                f"{len(layer_tensors)} layer tensors, layout has {self.layout.num_layers} layers"
+            )
+        if len(block_ids_per_chunk) != len(slots):
+            raise ValueError(f"{len(block_ids_per_chunk)} chunks of blocks for {len(slots)} slots")
+        bpc = self.blocks_per_chunk
+        if any(len(ids) != bpc * self.num_groups for ids in block_ids_per_chunk):
+            raise ValueError(f"every chunk needs exactly {bpc * self.num_groups} block ids")
+        check_rows(self.layout, host_rows)
+        num_blocks = min(self.engine_views(kv)[0].shape[0] for kv in layer_tensors)
+        if any(not 0 <= s < len(host_rows) for s in slots):
+            raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
+        pairs = [
+            [
+                (slot, j, block)
+                for slot, ids in zip(slots, block_ids_per_chunk, strict=True)
+                for j, block in enumerate(ids[g * bpc : (g + 1) * bpc])
+                if block != SKIP_BLOCK
+            ]
+            for g in range(self.num_groups)
+        ]
+        if any(not 0 <= block < num_blocks for group in pairs for _, _, block in group):
+            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        return pairs

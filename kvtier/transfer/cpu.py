@@ -1,0 +1,99 @@
+"""The CPU copy path: `HostTransfer` copies synchronously on the calling thread.
+
+The host region is attached by name (`HostRegion.attach`), so the rank may live in another process
+than the host tier that owns the region. Rows are viewed as a uint8 `[num_slots, row_bytes]` tensor
+over the shared mapping (no copy); `kvtier.format.layout.CopyPlan` defines the canonical format. Each job
+has ended when `submit_*` returns, and the next `poll` reports it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from kvtier.format.layout import host_rows
+from kvtier.host.region import HostRegion
+from kvtier.transfer.base import CopyFn, CopyResult, Transfer
+from kvtier.transfer.copy_plan import CopyPlan
+
+log = logging.getLogger("kvtier.transfer")
+
+
+class HostTransfer(Transfer):
+    """The CPU path: copies run synchronously on the calling thread through `CopyPlan`."""
+
+    def __init__(self, plan: CopyPlan, layer_tensors: Sequence[torch.Tensor]) -> None:
+        devices = {t.device.type for t in layer_tensors}
+        if devices != {"cpu"}:
+            raise NotImplementedError(
+                f"HostTransfer copies KV from CPU tensors only, got devices {sorted(devices)}"
+            )
+        self.plan = plan
+        self.layer_tensors = list(layer_tensors)
+        self._region: HostRegion | None = None
+        self._rows: torch.Tensor | None = None
+        self._results: list[CopyResult] = []
+
+    def attach(self, region_name: str, shm_dir: str) -> None:
+        if self._region is not None and self._region.name == region_name:
+            return
+        self.close()
+        region = HostRegion.attach(region_name, shm_dir=shm_dir)
+        row_bytes = self.plan.layout.row_bytes
+        self._rows = host_rows(region.buf, row_bytes, region.size // row_bytes)
+        self._region = region
+
+    def submit_store(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        self._timed(job_id, self.store, block_ids, slots)
+
+    def submit_load(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        self._timed(job_id, self.load, block_ids, slots)
+
+    def poll(self) -> list[CopyResult]:
+        done, self._results = self._results, []
+        return done
+
+    def store(self, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> bool:
+        """`submit_store` done now: True once the rows hold the chunks, False (logged) on failure."""
+        return self._run("store", self.plan.engine_to_host, block_ids, slots)
+
+    def load(self, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> bool:
+        """`submit_load` done now: True once the blocks hold the chunks, False (logged) on failure."""
+        return self._run("load", self.plan.host_to_engine, block_ids, slots)
+
+    def _timed(
+        self,
+        job_id: int,
+        copy: Callable[[Sequence[Sequence[int]], Sequence[int]], bool],
+        block_ids: Sequence[Sequence[int]],
+        slots: Sequence[int],
+    ) -> None:
+        start = time.perf_counter()
+        ok = copy(block_ids, slots)
+        self._results.append(CopyResult(job_id, ok, time.perf_counter() - start))
+
+    def _run(
+        self,
+        what: str,
+        copy: CopyFn,
+        block_ids: Sequence[Sequence[int]],
+        slots: Sequence[int],
+    ) -> bool:
+        if self._rows is None:
+            log.error("kvtier %s of %d chunk(s) before the host region was attached", what, len(slots))
+            return False
+        try:
+            copy(self.layer_tensors, block_ids, self._rows, slots)
+        except Exception:
+            log.exception("kvtier %s of %d chunk(s) failed", what, len(slots))
+            return False
+        return True
+
+    def close(self) -> None:
+        self._rows = None
+        if self._region is not None:
+            self._region.close()
+            self._region = None

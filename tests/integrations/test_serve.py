@@ -1,0 +1,325 @@
+"""`kvtier serve`: the kv-transfer-config built from its flags (and from a config written for vLLM's
+OffloadingConnector), the vLLM flags it adds on CPU (device cache size, eager mode) while the user's
+own win, bad flags and keys refused before vLLM starts naming them, and (slow) a real vLLM OpenAI
+server started with no device-memory flag that answers a chat and exposes kvtier_ metrics."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from kvtier.bench.multiturn.vllm_server import stop_process_group
+from kvtier.cli import main
+from kvtier.errors import KVTierError
+from kvtier.integrations.vllm.serving import serve, startup
+from kvtier.integrations.vllm.serving.launch import CONNECTOR, isolated_env
+from kvtier.integrations.vllm.serving.serve import build_transfer_config
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def test_flags_make_the_transfer_config(tmp_path: Path) -> None:
+    config, notes = build_transfer_config(0.25, tmp_path / "kv", None)
+    assert notes == []
+    assert {k: config[k] for k in CONNECTOR} == CONNECTOR
+    extra = config["kv_connector_extra_config"]
+    assert extra == {"cpu_bytes_to_use": 2**28,
+                     "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv")}]}
+    assert (tmp_path / "kv").is_dir()
+
+
+def test_config_file_whole_or_extra_only_and_flags_override(tmp_path: Path) -> None:
+    whole = tmp_path / "whole.json"
+    whole.write_text(json.dumps({**CONNECTOR, "kv_connector_extra_config": {
+        "cpu_bytes_to_use": 1 << 20, "eviction_policy": "arc"}}))
+    assert build_transfer_config(None, None, whole)[0]["kv_connector_extra_config"] == {
+        "cpu_bytes_to_use": 1 << 20, "eviction_policy": "arc"}
+    extra_only = tmp_path / "extra.json"
+    extra_only.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20, "blocks_per_chunk": 2}))
+    config, _ = build_transfer_config(0.5, None, extra_only)
+    assert config["kv_connector"] == "KVTierConnector"
+    assert config["kv_connector_extra_config"] == {"cpu_bytes_to_use": 2**29, "blocks_per_chunk": 2}
+
+
+@pytest.mark.parametrize(
+    ("argv", "named"),
+    [
+        (["--cpu-gb", "-1"], "--cpu-gb -1.0"),
+        (["--cpu-gb", "1e9"], "--cpu-gb"),
+        (["--fs", "/proc/kvtier-cannot-be-here"], "--fs /proc/kvtier-cannot-be-here"),
+        (["--config", "/nonexistent/kvtier.json"], "--config /nonexistent/kvtier.json"),
+    ],
+)
+def test_bad_flags_fail_fast_naming_the_flag(
+    argv: list[str], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    assert main(["serve", "some-model", *argv]) == 2
+    err = capsys.readouterr().err
+    assert named in err, err
+
+
+def test_bad_config_key_fails_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    bad = tmp_path / "bad.json"
+    bad.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "arc"}))
+    started = time.monotonic()
+    assert main(["serve", "some-model", "--config", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert "eviction_polcy" in err and "eviction_policy" in err, err
+    assert time.monotonic() - started < 5
+    with pytest.raises(KVTierError, match="secondary_tiers"):
+        build_transfer_config(None, None, _write(tmp_path, {"cpu_bytes_to_use": 1,
+                                                           "secondary_tiers": [{"type": "nope"}]}))
+
+
+def _write(tmp_path: Path, obj: Any) -> Path:
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps(obj))
+    return path
+
+
+def test_dry_run_prints_the_config_and_vllm_command(capsys: pytest.CaptureFixture[str]) -> None:
+    argv = ["serve", "my-model", "--cpu-gb", "0.125", "--dry-run", "--", "--port", "9",
+            "--kv-cache-memory-bytes", "1000000000", "--enforce-eager"]
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("--kv-transfer-config '")
+    assert json.loads(out[0].split("'", 1)[1].rstrip("'"))["kv_connector_extra_config"] == {
+        "cpu_bytes_to_use": 2**27}
+    assert "--model my-model --kv-transfer-config" in out[1]
+    assert out[1].endswith("--port 9 --kv-cache-memory-bytes 1000000000 --enforce-eager")
+
+
+def test_arguments_after_dashes_only_for_serve() -> None:
+    with pytest.raises(SystemExit):
+        main(["fsck", "/tmp", "--", "x"])
+
+
+SEED_CONFIG = {"kv_connector_extra_config": {
+    "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 26, "block_size": 256,
+    "eviction_policy": "arc", "store_threshold": 2,
+    "secondary_tiers": [{"type": "fs", "root_dir": "ROOT", "n_read_threads": 8,
+                         "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}]}}
+"""The seed's config for vLLM's tiering (no connector name), with keys kvtier maps and ignores."""
+
+
+def _seed(tmp_path: Path, **top: Any) -> dict[str, Any]:
+    raw = json.loads(json.dumps(SEED_CONFIG).replace("ROOT", str(tmp_path / "kv")))
+    return {**top, **raw}
+
+
+@pytest.mark.parametrize("connector", [None, "OffloadingConnector", "KVTierConnector"])
+def test_vllm_offloading_config_is_mapped_key_by_key(tmp_path: Path, connector: str | None) -> None:
+    top = {} if connector is None else {"kv_connector": connector, "kv_role": "kv_both"}
+    transfer, notes = build_transfer_config(None, None, _write(tmp_path, _seed(tmp_path, **top)),
+                                            engine_block_size=128)
+    assert {k: transfer[k] for k in CONNECTOR} == CONNECTOR
+    assert transfer["kv_connector_extra_config"] == {
+        "blocks_per_chunk": 2, "cpu_bytes_to_use": 1 << 26, "eviction_policy": "arc",
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "n_read_threads": 8}]}
+    [line] = notes
+    for said in ("spec_name TieringOffloadingSpec -> KVTierConnector",
+                 "block_size 256 -> blocks_per_chunk 2 (engine blocks of 128 tokens)",
+                 "cpu_bytes_to_use kept", "eviction_policy kept",
+                 "secondary_tiers[0] fs -> fs (root_dir, n_read_threads kept)",
+                 "ignored: store_threshold, secondary_tiers[0].backpressure"):
+        assert said in line, line
+
+
+@pytest.mark.parametrize("given", [None, "fail"])
+def test_a_failed_load_recomputes_unless_the_user_chose_otherwise(
+    tmp_path: Path, given: str | None
+) -> None:
+    top = {} if given is None else {"kv_load_failure_policy": given}
+    expected = given or "recompute"
+    for raw in ({"kv_connector": "KVTierConnector", **top, "kv_connector_extra_config": {}},
+                _seed(tmp_path, kv_connector="OffloadingConnector", **top)):
+        transfer, _ = build_transfer_config(None, None, _write(tmp_path, raw), engine_block_size=128)
+        assert transfer["kv_load_failure_policy"] == expected
+
+
+def test_vllm_cpu_spec_ignores_tiers_and_kvtier_flags_still_apply(tmp_path: Path) -> None:
+    raw = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
+        "spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 26, "blocks_per_chunk": 4,
+        "secondary_tiers": [{"type": "obj"}]}}
+    transfer, [line] = build_transfer_config(0.0625, tmp_path / "fs", _write(tmp_path, raw))
+    assert transfer["kv_connector_extra_config"] == {
+        "blocks_per_chunk": 4, "cpu_bytes_to_use": 1 << 26,
+        "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}]}
+    assert "ignored: secondary_tiers" in line and "blocks_per_chunk kept" in line
+
+
+@pytest.mark.parametrize(
+    ("extra", "named"),
+    [
+        ({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1, "block_size": 200},
+         "block_size = 200 is invalid: a positive multiple of the engine's block size, 128"),
+        ({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1, "block_size": 256,
+          "blocks_per_chunk": 2}, "block_size = 256 is invalid: give block_size or blocks_per_chunk"),
+        ({"spec_name": "LMCacheSpec", "cpu_bytes_to_use": 1}, "spec_name = 'LMCacheSpec'"),
+        ({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1,
+          "secondary_tiers": [{"type": "fs", "root_dir": "/tmp"}, {"type": "p2p"}]},
+         "secondary_tiers[1].type = 'p2p' is invalid: only vLLM's fs tier maps"),
+        ({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1,
+          "eviction_policy": "lfu"}, "eviction_policy"),
+    ],
+)
+def test_bad_vllm_config_fails_naming_the_key(
+    tmp_path: Path, extra: dict[str, Any], named: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    path = _write(tmp_path, {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": extra})
+    assert main(["serve", "m", "--config", str(path), "--dry-run", "--", "--kv-cache-memory-bytes", "1"]) == 2
+    err = capsys.readouterr().err
+    assert named in err, err
+
+
+def test_another_connector_in_config_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(KVTierError, match="kv_connector = 'LMCacheConnectorV1'"):
+        build_transfer_config(None, None, _write(tmp_path, {"kv_connector": "LMCacheConnectorV1"}))
+
+
+def test_kv_offloading_size_is_cpu_gb(capsys: pytest.CaptureFixture[str]) -> None:
+    dry = ["--dry-run", "--", "--kv-cache-memory-bytes", "1", "--enforce-eager"]
+    assert main(["serve", "m", "--kv-offloading-size", "0.25", *dry]) == 0
+    out = capsys.readouterr().out
+    assert f'"cpu_bytes_to_use": {2**28}' in out
+    assert main(["serve", "m", "--kv-offloading-size", "0", *dry]) == 2
+    assert "--kv-offloading-size 0.0: must be a positive number" in capsys.readouterr().err
+    assert main(["serve", "m", "--cpu-gb", "1", "--kv-offloading-size", "2", *dry]) == 2
+    assert "--cpu-gb 1 and --kv-offloading-size 2: the same setting" in capsys.readouterr().err
+
+
+def test_device_cache_size_from_memory_host_tier_and_weights() -> None:
+    gib = startup.GIB
+    small = startup.device_cache_bytes(6 * gib, gib, gib // 4)
+    assert small.size == 6 * gib - gib - startup.PROCESS_MARGIN - gib // 2
+    assert "MemAvailable 6.00 GiB - host tier 1.00 GiB - margin 2.50 GiB" in small.line()
+    assert "capped" not in small.line()
+    big = startup.device_cache_bytes(64 * gib, gib, 0)
+    assert big.size == startup.DEVICE_CACHE_CAP and "capped at 4 GiB" in big.line()
+    with pytest.raises(KVTierError, match=r"host tier \(--cpu-gb\) 3.00 GiB.*--kv-cache-memory-bytes"):
+        startup.device_cache_bytes(5 * gib, 3 * gib, 0)
+
+
+def test_mem_available_read_from_meminfo(tmp_path: Path) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemTotal: 24684096 kB\nMemAvailable:   8388608 kB\n")
+    assert startup.mem_available(meminfo) == 8 << 30
+    meminfo.write_text("MemTotal: 1 kB\n")
+    with pytest.raises(KVTierError, match="no MemAvailable"):
+        startup.mem_available(meminfo)
+
+
+@pytest.mark.parametrize(
+    ("user", "env", "added"),
+    [
+        ([], {}, ["--kv-cache-memory-bytes", str(4 << 30), "--enforce-eager"]),
+        (["--kv-cache-memory-bytes", "1G"], {}, ["--enforce-eager"]),
+        (["--gpu-memory-utilization=0.3", "--no-enforce-eager"], {}, []),
+        (["--device-memory-utilization", "0.3", "-O3"], {}, []),
+        (["--compilation-config", "{}"], {"VLLM_CPU_KVCACHE_SPACE": "2"}, []),
+        (["--num-gpu-blocks-override", "64", "--enforce-eager"], {},
+         ["--kv-cache-memory-bytes", str(4 << 30)]),
+    ],
+)
+def test_startup_flags_added_only_where_the_user_gave_none(
+    tmp_path: Path, user: list[str], env: dict[str, str], added: list[str]
+) -> None:
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text("MemAvailable: 33554432 kB\n")
+    got, lines = startup.startup_args(user, host_bytes=1 << 30, model=str(tmp_path), cpu=True,
+                                      env=env, meminfo=meminfo)
+    assert got == added
+    assert len(lines) == len([a for a in added if a.startswith("--")]) + ("64" in user)
+    assert startup.startup_args([], host_bytes=1, model="m", cpu=False, env={}) == ([], [])
+
+
+def test_engine_block_size() -> None:
+    assert startup.engine_block_size([], cpu=True) == 128
+    assert startup.engine_block_size([], cpu=False) == 16
+    assert startup.engine_block_size(["--block-size=32"], cpu=True) == 32
+    with pytest.raises(KVTierError, match="--block-size x: must be a positive"):
+        startup.engine_block_size(["--block-size", "x"], cpu=True)
+
+
+def test_serve_prints_its_size_choice(monkeypatch: pytest.MonkeyPatch,
+                                      capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(serve, "is_cpu_backend", lambda env: True)
+    monkeypatch.setattr(startup, "mem_available", lambda meminfo: 5 << 30)
+    assert main(["serve", "m", "--cpu-gb", "1", "--dry-run"]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0].startswith("kvtier: device KV cache 2.00 GiB (--kv-cache-memory-bytes 2147483648)")
+    assert out[1].startswith("kvtier: --enforce-eager")
+    assert out[-1].endswith("--kv-cache-memory-bytes 2147483648 --enforce-eager")
+    monkeypatch.setattr(startup, "mem_available", lambda meminfo: 3 << 30)
+    assert main(["serve", "m", "--cpu-gb", "1", "--dry-run"]) == 2
+    assert "no room for vLLM's CPU KV cache" in capsys.readouterr().err
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def _get(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> str:
+    data = None if body is None else json.dumps(body).encode()
+    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(req, timeout=timeout) as resp:
+        return str(resp.read().decode())
+
+
+@pytest.mark.slow
+def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path, vllm_cache_root: Path) -> None:
+    """vLLM's CPU backend with its defaults would reserve 92% of memory and compile for minutes:
+    `kvtier serve` given a vLLM tiering config and no size or eager flag starts and serves."""
+    from kvtier.tools.models import prepare_smollm2
+
+    model = prepare_smollm2(quiet=True)
+    port = _free_port()
+    env = {**os.environ, **isolated_env(tmp_path, in_process=False), "VLLM_CACHE_ROOT": str(vllm_cache_root)}
+    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+    config = _write(tmp_path, {**_seed(tmp_path, kv_connector="OffloadingConnector")})
+    vllm_args = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smol",
+                 "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "2"]
+    log_path = tmp_path / "server.log"
+    log = log_path.open("w")
+    started = time.monotonic()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "kvtier.cli", "serve", str(model), "--kv-offloading-size", "0.0625",
+         "--config", str(config), "--", *vllm_args],
+        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        deadline = started + 300  # ~30 s on an idle machine; minutes when the 2 cores are shared
+        while True:
+            assert proc.poll() is None, log_path.read_text()[-3000:]
+            assert time.monotonic() < deadline, "server not up in 300 s"
+            try:
+                _get(f"{base}/health", timeout=2)
+                break
+            except OSError:
+                time.sleep(1)
+        up_s = time.monotonic() - started
+        reply = json.loads(_get(f"{base}/v1/chat/completions", {
+            "model": "smol", "max_tokens": 8, "temperature": 0,
+            "messages": [{"role": "user", "content": "What is the capital of France?"}]}))
+        assert "Paris" in reply["choices"][0]["message"]["content"]
+        assert reply["usage"]["prompt_tokens"] > 0
+        assert "kvtier_" in _get(f"{base}/metrics")
+        text = log_path.read_text()
+        for said in ("kvtier: device KV cache", "kvtier: --enforce-eager",
+                     "mapped to KVTierConnector", '"blocks_per_chunk": 2', "--kv-transfer-config '"):
+            assert said in text, said
+        print(f"server up in {up_s:.1f} s")
+    finally:
+        stop_process_group(proc, 20.0)
+        log.close()

@@ -1,0 +1,140 @@
+"""`StagedCopy` (the CUDA path's copies, run here on CPU tensors) against `CopyPlan`: the same row
+bytes for every engine layout and physical stride order, TP shard and chunk size; batching; the
+contiguous runs; checks before any copy."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+import torch
+
+from kvtier.format.layout import CanonicalLayout, TPShard
+from kvtier.integrations.vllm.model.backend_layouts import engine_layout
+from kvtier.transfer.copy_plan import CopyPlan
+from kvtier.transfer.staged import StagedCopy
+from tests.format.test_layout import make_rows, random_kv, same
+
+BLOCK, HEAD_DIM, LAYERS, HEADS = 4, 8, 3, 4
+NUM_BLOCKS, NUM_SLOTS = 20, 10
+
+
+def layer_tensors(
+    kind: str, heads: int, gen: torch.Generator, device: str = "cpu"
+) -> tuple[str, list[torch.Tensor]]:
+    """(engine layout name, per-layer tensors on `device`) of vLLM's shapes, in several physical
+    orders: the memory is allocated in that order, the tensors are vLLM's logical views of it."""
+
+    def phys(shape: tuple[int, ...]) -> torch.Tensor:
+        return random_kv(shape, torch.bfloat16, gen).to(device)
+
+    logical = (NUM_BLOCKS, heads, BLOCK, 2 * HEAD_DIM)
+    if kind == "vllm_cpu":
+        return kind, [phys(logical) for _ in range(LAYERS)]
+    if kind == "flash_hnd":  # vLLM KVCacheLayout LBHNC: the logical order is the memory order
+        return "vllm_flash_attn", [phys(logical) for _ in range(LAYERS)]
+    if kind == "flash_nhd":  # LBNHC (vLLM's default on CUDA): memory [B, N, H, C]
+        nhd = (NUM_BLOCKS, BLOCK, heads, 2 * HEAD_DIM)
+        return "vllm_flash_attn", [phys(nhd).transpose(1, 2) for _ in range(LAYERS)]
+    if kind == "flash_cross_layer":  # BLNHC: one buffer [B, L, N, H, C], layers interleaved per block
+        buf = phys((NUM_BLOCKS, LAYERS, BLOCK, heads, 2 * HEAD_DIM))
+        return "vllm_flash_attn", [buf[:, i].transpose(1, 2) for i in range(LAYERS)]
+    assert kind == "stacked_kv"
+    return kind, [phys((2, NUM_BLOCKS, BLOCK, heads, HEAD_DIM)) for _ in range(LAYERS)]
+
+
+KINDS = ["vllm_cpu", "flash_hnd", "flash_nhd", "flash_cross_layer", "stacked_kv"]
+
+
+def job(bpc: int, n_chunks: int, seed: int) -> tuple[list[list[int]], list[int]]:
+    rng = random.Random(seed)
+    picked = rng.sample(range(NUM_BLOCKS), n_chunks * bpc)
+    return [picked[i * bpc : (i + 1) * bpc] for i in range(n_chunks)], rng.sample(range(NUM_SLOTS), n_chunks)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+@pytest.mark.parametrize("bpc", [1, 2])
+@pytest.mark.parametrize("tp_size, rank", [(1, 0), (2, 1), (8, 5)])
+@pytest.mark.parametrize("staging_bytes", [1, 1 << 20])
+def test_staged_copies_write_and_read_what_copy_plan_does(
+    kind: str, bpc: int, tp_size: int, rank: int, staging_bytes: int
+) -> None:
+    shard = TPShard(HEADS, tp_size, rank)
+    gen = torch.Generator().manual_seed(bpc * 10 + rank)
+    name, src = layer_tensors(kind, shard.num_heads, gen)
+    layout = CanonicalLayout(LAYERS, HEADS, HEAD_DIM, BLOCK * bpc, torch.bfloat16)
+    plan = CopyPlan(layout, engine_layout(name), shard, BLOCK)
+    blocks, slots = job(bpc, 4, seed=bpc + rank)
+    _, expected = make_rows(layout, NUM_SLOTS)
+    plan.engine_to_host(src, blocks, expected, slots)
+    _, rows = make_rows(layout, NUM_SLOTS)
+    StagedCopy(plan, src, staging_bytes).store(rows, blocks, slots)
+    assert same(rows, expected)
+    if not shard.writes:
+        assert not rows.any()
+        first_replica = CopyPlan(layout, engine_layout(name), TPShard(HEADS, tp_size, rank - 1), BLOCK)
+        first_replica.engine_to_host(src, blocks, rows, slots)  # the same heads' bytes, to read back
+
+    expected_dst = [torch.zeros_like(t) for t in src]
+    plan.host_to_engine(expected_dst, blocks, rows, slots)
+    dst = [torch.zeros_like(t) for t in src]
+    StagedCopy(plan, dst, staging_bytes).load(rows, blocks, slots)
+    for got, want, orig in zip(dst, expected_dst, src, strict=True):
+        assert same(got, want)
+        k, v = plan.engine_views(got)
+        k0, v0 = plan.engine_views(orig)
+        picked = [b for ids in blocks for b in ids]
+        assert same(k[picked], k0[picked]) and same(v[picked], v0[picked])
+
+
+def test_runs_merge_what_is_contiguous_on_both_sides() -> None:
+    layout = CanonicalLayout(2, 2, HEAD_DIM, BLOCK, torch.bfloat16)  # 512 bytes of a 4096-byte row
+    src = [torch.zeros((NUM_BLOCKS, 2, BLOCK, 2 * HEAD_DIM), dtype=torch.bfloat16) for _ in range(2)]
+    tp1 = StagedCopy(CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(2), BLOCK), src)
+    assert tp1.runs([3]) == [(3 * 4096, 0, 512)]
+    assert tp1.runs([3, 4, 1]) == [(3 * 4096, 0, 512), (4 * 4096, 512, 512), (4096, 1024, 512)]
+    half = [t[:, :1] for t in src]
+    tp2 = StagedCopy(CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(2, 2, 1), BLOCK), half)
+    run = BLOCK * HEAD_DIM * 2  # one head's K (or V) of one chunk: 64 bytes
+    # Rank 1's head is the second of two in each of K0, V0, K1, V1: one run of 64 bytes in four.
+    assert tp2.runs([0]) == [(run * (2 * i + 1), run * i, run) for i in range(4)]
+    packed = CanonicalLayout(2, 2, 16, 16, torch.bfloat16)  # exactly one 4096-byte row
+    flat = [torch.zeros((NUM_BLOCKS, 2, 16, 32), dtype=torch.bfloat16) for _ in range(2)]
+    whole = StagedCopy(CopyPlan(packed, engine_layout("vllm_cpu"), TPShard(2), 16), flat)
+    assert whole.runs([2, 3, 4, 0]) == [(2 * 4096, 0, 3 * 4096), (0, 3 * 4096, 4096)]
+
+
+def test_batches_bound_the_staging_memory() -> None:
+    layout = CanonicalLayout(LAYERS, HEADS, HEAD_DIM, BLOCK, torch.bfloat16)
+    _, src = layer_tensors("vllm_cpu", HEADS, torch.Generator().manual_seed(0))
+    plan = CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(HEADS), BLOCK)
+    chunk = 2 * LAYERS * HEADS * BLOCK * HEAD_DIM * 2
+    assert StagedCopy(plan, src, 3 * chunk + 1).chunks_per_batch == 3
+    assert StagedCopy(plan, src, 1).chunks_per_batch == 1
+
+
+def test_bad_jobs_raise_before_any_copy() -> None:
+    layout = CanonicalLayout(LAYERS, HEADS, HEAD_DIM, BLOCK, torch.bfloat16)
+    _, src = layer_tensors("flash_nhd", HEADS, torch.Generator().manual_seed(0))
+    staged = StagedCopy(CopyPlan(layout, engine_layout("vllm_flash_attn"), TPShard(HEADS), BLOCK), src)
+    _, rows = make_rows(layout, NUM_SLOTS)
+    before = [t.clone() for t in src]
+    bad = [
+        ([[1], [NUM_BLOCKS]], [0, 1], "block ids must lie"),
+        ([[1], [2]], [0, NUM_SLOTS], "slots must lie"),
+        ([[1, 2]], [0], "exactly 1 block ids"),
+        ([[1]], [0, 1], "chunks of blocks"),
+    ]
+    for blocks, slots, message in bad:
+        with pytest.raises(ValueError, match=message):
+            staged.store(rows, blocks, slots)
+        with pytest.raises(ValueError, match=message):
+            staged.load(rows, blocks, slots)
+    with pytest.raises(ValueError, match="slots must be distinct"):
+        staged.store(rows, [[1], [2]], [3, 3])
+    with pytest.raises(ValueError, match="block ids must be distinct"):
+        staged.load(rows, [[1], [1]], [3, 4])
+    assert not rows.any()
+    assert all(same(a, b) for a, b in zip(src, before, strict=True))
+    with pytest.raises(ValueError, match="layer tensors"):
+        StagedCopy(staged.plan, src[:1])
