@@ -1,7 +1,7 @@
 """The SLO guard against a tier that turns slow while serving: how long until p99 TTFT is back
 under budget.
 
-    python -m benchmarks.bench_guard --json benchmarks/results/guard_timeline.json
+    python -m benchmarks.bench_guard --json benchmarks/results/guard_timeline_delay30s_$(date +%F).json
 
 One in-process engine (SmolLM2, CPU backend, float32, blocks of 32 tokens) with a small device
 cache and host tier in front of a plug-in secondary tier (`benchmarks/slow_tier.py`, loaded by
