@@ -18,20 +18,11 @@ from kvtier.integrations.vllm.model.backend_layouts import (
     engine_layout,
 )
 from kvtier.transfer.copy_plan import CopyPlan, EngineLayout
+from tests.format.helpers import make_rows, random_kv, same
 
 BLOCK = 8
 HEAD_DIM = 4
 KV_LAYOUTS = sorted(name for name, cls in ENGINE_LAYOUTS.items() if not cls.latent)  # K and V
-
-
-def random_kv(shape: tuple[int, ...], dtype: torch.dtype, gen: torch.Generator) -> torch.Tensor:
-    """Random bit patterns of `dtype` (NaNs included: compare with `same`)."""
-    raw = torch.randint(0, 256, (*shape, dtype.itemsize), dtype=torch.uint8, generator=gen)
-    return raw.view(dtype).view(shape)
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.contiguous().view(torch.uint8), b.contiguous().view(torch.uint8))
 
 
 def to_engine(layout: EngineLayout, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -44,11 +35,6 @@ def to_engine(layout: EngineLayout, k: torch.Tensor, v: torch.Tensor) -> torch.T
     if isinstance(layout, VllmFlashAttnLayout):
         return torch.cat([k, v], dim=-1)
     return torch.stack([k, v]).permute(0, 1, 3, 2, 4).contiguous()
-
-
-def make_rows(layout: CanonicalLayout, num_slots: int) -> tuple[bytearray, torch.Tensor]:
-    buf = bytearray(num_slots * layout.row_bytes)
-    return buf, host_rows(memoryview(buf), layout.row_bytes, num_slots)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16, torch.uint8])

@@ -11,14 +11,13 @@ from collections.abc import Iterator
 import pytest
 
 from kvtier.format.chunks import TierEvent, TierEventKind
-from kvtier.host.tier import HostTier
 from kvtier.manager import PrefixLookup, TieringManager
 from kvtier.policies.base import DEFAULT_PRIORITY
 from kvtier.policies.registry import BUILTIN_EVICTION
 from kvtier.policies.remembered import RememberedPriorities
 from tests.conftest import random_key
-from tests.host.test_host_tier import ROW, make_tier
-from tests.test_manager import HOST_SLOTS, drain, start
+from tests.host.helpers import ROW, evicted, k, make_tier, put
+from tests.manager_helpers import HOST_SLOTS, drain, start
 
 
 @pytest.fixture
@@ -33,20 +32,6 @@ def buf() -> Iterator[memoryview]:
 @pytest.fixture(params=sorted(BUILTIN_EVICTION))
 def policy_name(request: pytest.FixtureRequest) -> str:
     return str(request.param)
-
-
-def k(i: int) -> bytes:
-    return i.to_bytes(8, "big")
-
-
-def put(tier: HostTier, keys: list[int], priority: int) -> None:
-    slots = tier.prepare_store([k(i) for i in keys])
-    assert slots is not None
-    tier.complete_store(list(slots), True, priority=priority)
-
-
-def evicted(tier: HostTier) -> list[bytes]:
-    return [key for e in tier.take_events() if e.kind is TierEventKind.REMOVED for key in e.keys]
 
 
 def test_lower_priorities_leave_first_whatever_their_recency(buf: memoryview, policy_name: str) -> None:

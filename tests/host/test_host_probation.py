@@ -14,9 +14,8 @@ from kvtier.host.tier import HostTier
 from kvtier.policies.base import Retention
 from kvtier.policies.registry import BUILTIN_EVICTION
 from tests.conftest import random_key
-from tests.host.test_host_priority import evicted, k, put
-from tests.host.test_host_tier import ROW, make_tier
-from tests.test_manager import drain, start
+from tests.host.helpers import ROW, evicted, k, make_tier, put
+from tests.manager_helpers import drain, start
 
 
 @pytest.fixture

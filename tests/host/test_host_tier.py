@@ -13,9 +13,9 @@ from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.host.tier import HostTier, HostTierError
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
-from kvtier.policies.registry import BUILTIN_EVICTION, resolve_eviction
+from kvtier.policies.registry import BUILTIN_EVICTION
+from tests.host.helpers import ROW, make_tier
 
-ROW = 4096
 STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED
 
 
@@ -25,11 +25,6 @@ def k(i: int) -> bytes:
 
 def ks(*ids: int) -> list[bytes]:
     return [k(i) for i in ids]
-
-
-def make_policy(name: str, capacity: int) -> EvictionPolicy[int]:
-    policy: EvictionPolicy[int] = resolve_eviction(name)(capacity)  # type: ignore[assignment]
-    return policy
 
 
 @pytest.fixture(params=sorted(BUILTIN_EVICTION))
@@ -44,10 +39,6 @@ def buf() -> Iterator[memoryview]:
     yield view
     view.release()
     m.close()
-
-
-def make_tier(buf: memoryview, policy_name: str, slots: int = 8) -> HostTier:
-    return HostTier(buf[: slots * ROW], ROW, make_policy(policy_name, slots))
 
 
 def store(tier: HostTier, keys: list[bytes]) -> dict[bytes, int]:

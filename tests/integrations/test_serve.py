@@ -7,11 +7,9 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -23,6 +21,7 @@ from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.serving import serve, startup
 from kvtier.integrations.vllm.serving.launch import CONNECTOR, isolated_env
 from kvtier.integrations.vllm.serving.serve import build_transfer_config
+from tests.integrations.serve_helpers import free_port, http_get
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -264,19 +263,6 @@ def test_serve_prints_its_size_choice(monkeypatch: pytest.MonkeyPatch,
     assert "no room for vLLM's CPU KV cache" in capsys.readouterr().err
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _get(url: str, body: dict[str, Any] | None = None, timeout: float = 60) -> str:
-    data = None if body is None else json.dumps(body).encode()
-    req = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
-    with urllib.request.urlopen(req, timeout=timeout) as resp:
-        return str(resp.read().decode())
-
-
 @pytest.mark.slow
 def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path, vllm_cache_root: Path) -> None:
     """vLLM's CPU backend with its defaults would reserve 92% of memory and compile for minutes:
@@ -284,7 +270,7 @@ def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path, vllm_cach
     from kvtier.tools.models import prepare_smollm2
 
     model = prepare_smollm2(quiet=True)
-    port = _free_port()
+    port = free_port()
     env = {**os.environ, **isolated_env(tmp_path, in_process=False), "VLLM_CACHE_ROOT": str(vllm_cache_root)}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     config = _write(tmp_path, {**_seed(tmp_path, kv_connector="OffloadingConnector")})
@@ -304,17 +290,17 @@ def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path, vllm_cach
             assert proc.poll() is None, log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "server not up in 300 s"
             try:
-                _get(f"{base}/health", timeout=2)
+                http_get(f"{base}/health", timeout=2)
                 break
             except OSError:
                 time.sleep(1)
         up_s = time.monotonic() - started
-        reply = json.loads(_get(f"{base}/v1/chat/completions", {
+        reply = json.loads(http_get(f"{base}/v1/chat/completions", {
             "model": "smol", "max_tokens": 8, "temperature": 0,
             "messages": [{"role": "user", "content": "What is the capital of France?"}]}))
         assert "Paris" in reply["choices"][0]["message"]["content"]
         assert reply["usage"]["prompt_tokens"] > 0
-        assert "kvtier_" in _get(f"{base}/metrics")
+        assert "kvtier_" in http_get(f"{base}/metrics")
         text = log_path.read_text()
         for said in ("kvtier: device KV cache", "kvtier: --enforce-eager",
                      "mapped to KVTierConnector", '"blocks_per_chunk": 2', "--kv-transfer-config '"):

@@ -30,7 +30,7 @@ from kvtier.host.reaper import owner_alive, start_time
 from kvtier.host.region import SHM_DIR
 from kvtier.integrations.vllm.serving.launch import isolated_env, transfer_config
 from tests.integrations.conftest import BLOCK_SIZE, _model_path, connector_halves
-from tests.integrations.test_serve import _free_port, _get
+from tests.integrations.serve_helpers import free_port, http_get
 
 pytestmark = pytest.mark.slow
 
@@ -109,7 +109,7 @@ def _assert_all_gone(regions: list[str], tiers: list[tuple[int, int]], what: str
 
 class _Server:
     def __init__(self, tmp: Path, cache_root: Path) -> None:
-        self.port = _free_port()
+        self.port = free_port()
         self.log_path = tmp / "server.log"
         env = {**os.environ, **isolated_env(tmp, in_process=False), "VLLM_CACHE_ROOT": str(cache_root)}
         args = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smol",
@@ -126,7 +126,7 @@ class _Server:
             assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
             assert time.monotonic() < deadline, "server not up in time"
             try:
-                _get(f"http://127.0.0.1:{self.port}/health", timeout=2)
+                http_get(f"http://127.0.0.1:{self.port}/health", timeout=2)
                 return
             except OSError:
                 time.sleep(1)
@@ -156,7 +156,7 @@ def test_server_stopped_by_a_signal_leaves_nothing(
     servers: dict[str, _Server], name: str, sig: signal.Signals, group: bool,
 ) -> None:
     server = servers[name]
-    reply = _get(f"http://127.0.0.1:{server.port}/v1/completions", {
+    reply = http_get(f"http://127.0.0.1:{server.port}/v1/completions", {
         "model": "smol", "prompt": "The capital of France is " * 12, "max_tokens": 4})
     assert '"text"' in reply
     tree = _tree(server.proc.pid)

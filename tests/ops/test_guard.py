@@ -16,7 +16,7 @@ from kvtier.manager import PrefixLookup, TieringManager
 from kvtier.ops.guard import SLOGuard, SLOGuardConfig, p99
 from kvtier.ops.metrics import KVTierMetrics
 from tests.conftest import random_key
-from tests.test_manager import drain, settle, start, store_in_host
+from tests.manager_helpers import drain, settle, start, store_in_host
 
 
 class Clock:

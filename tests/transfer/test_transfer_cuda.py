@@ -20,9 +20,9 @@ from kvtier.transfer import CopyResult
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.cuda import CudaStreams, cuda_transfer
 from kvtier.transfer.stream import CopyEvent, Direction, StreamTransfer
-from tests.format.test_layout import make_rows, same
+from tests.format.helpers import make_rows, same
 from tests.integrations import halves
-from tests.transfer.test_transfer_staged import (
+from tests.transfer.helpers import (
     BLOCK,
     HEAD_DIM,
     HEADS,
