@@ -8,7 +8,10 @@
 - no import circle anywhere in `kvtier`, counting imports inside functions and under
   `TYPE_CHECKING` (a lazy import is still a dependency);
 - no module over 400 lines, at most 6 modules at the top of the package, no folder of over 20 files;
-- no two modules share a name unless they play the same role in sibling folders (`SAME_ROLE`).
+- no two modules share a name unless they play the same role in sibling folders (`SAME_ROLE`);
+- a secondary tier never touches the accelerator: nothing under `tiers/` imports torch;
+- nothing in the package imports a deserializer that runs code (pickle and its kin): stored chunks
+  are parsed by their header, never unpickled.
 
 Each rule is also run on a small package written here that breaks it, so the checks can fail.
 """
@@ -32,6 +35,7 @@ OUTSIDE_INTEGRATIONS = ("bench", "tools", "cli")
 # The core's parts, each importing only the parts before it (a part is a top-level module or folder).
 LAYERS = ("errors", "plugins", "format", "ops", "policies", "host", "tiers", "transfer", "config",
           "manager", "trace", "engine")
+UNSAFE_DESERIALIZERS = ("pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib")
 # Names several modules may share because each plays that role for its own family or command.
 SAME_ROLE = frozenset({"__init__", "base", "cli", "index", "presets", "registry", "report", "tier"})
 
@@ -135,6 +139,17 @@ def shared_names(root: Path) -> list[str]:
                   if len(where) > 1 and n not in SAME_ROLE)
 
 
+def tier_device_imports(deps: dict[str, set[str]], package: str) -> list[str]:
+    return sorted(f"{name} imports {dep}" for name, targets in deps.items()
+                  if part(name) == "tiers" for dep in targets
+                  if dep == "torch" or dep.startswith("torch."))
+
+
+def unsafe_deserializers(deps: dict[str, set[str]]) -> list[str]:
+    return sorted(f"{name} imports {dep}" for name, targets in deps.items() for dep in targets
+                  if dep.split(".")[0] in UNSAFE_DESERIALIZERS)
+
+
 def core_violations(deps: dict[str, set[str]], package: str) -> list[str]:
     forbidden = tuple(f.replace("kvtier", package, 1) for f in FORBIDDEN_IN_CORE)
     return sorted(
@@ -217,6 +232,14 @@ def test_no_two_modules_share_a_name() -> None:
     assert shared_names(PACKAGE_DIR) == []
 
 
+def test_no_tier_imports_torch() -> None:
+    assert tier_device_imports(graph(PACKAGE_DIR, "kvtier"), "kvtier") == []
+
+
+def test_nothing_imports_pickle_or_its_kin() -> None:
+    assert unsafe_deserializers(graph(PACKAGE_DIR, "kvtier")) == []
+
+
 def test_no_import_circle() -> None:
     assert cycles(graph(PACKAGE_DIR, "kvtier")) == []
 
@@ -231,12 +254,13 @@ def bad_package(tmp_path: Path) -> Path:
     integration importing a tool, a back-arrow, a lazy-import circle, an over-long module, too
     many top-level modules, a crowded folder and two modules of one name."""
     root = tmp_path / "pkg"
-    for folder in ("", "transfer", "integrations", "tools", "format"):
+    for folder in ("", "transfer", "integrations", "tools", "format", "tiers"):
         (root / folder).mkdir(exist_ok=True)
         (root / folder / "__init__.py").write_text("")
     (root / "manager.py").write_text("from pkg.integrations import glue\nimport vllm.config\n")
     (root / "integrations" / "glue.py").write_text("from pkg import manager\nfrom pkg.tools import t\n")
     (root / "tools" / "t.py").write_text("")
+    (root / "tiers" / "disk.py").write_text("import pickle\n\ndef f():\n    import torch.cuda\n")
     (root / "transfer" / "a.py").write_text("def f():\n    from pkg.transfer import b\n")
     (root / "transfer" / "b.py").write_text("from .a import f\n")
     (root / "format" / "keys.py").write_text("from pkg.transfer import a\n")
@@ -263,6 +287,8 @@ def test_the_checks_catch_what_they_guard(bad_package: Path) -> None:
     assert crowded[0].startswith(f"{MAX_TOP_MODULES + 3} top-level modules: __init__.py, long.py")
     assert crowded[1] == f"pkg/tools: {MAX_FOLDER_FILES + 2} modules"
     assert shared_names(bad_package) == ["manager: format/manager.py, manager.py"]
+    assert tier_device_imports(deps, "pkg") == ["pkg.tiers.disk imports torch.cuda"]
+    assert unsafe_deserializers(deps) == ["pkg.tiers.disk imports pickle"]
     assert sorted(cycles(deps)) == [
         ["pkg.integrations.glue", "pkg.manager"], ["pkg.transfer.a", "pkg.transfer.b"],
     ]

@@ -66,6 +66,15 @@ def test_bad_flags_fail_fast_naming_the_flag(
     assert named in err, err
 
 
+def test_an_oversized_host_region_fails_the_region_check_before_vllm_starts(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """`kvtier serve` runs the host region's own size check (`check_region_size`) on the flags."""
+    assert main(["serve", "some-model", "--cpu-gb", "1e9"]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu-gb = " in err and "the host region must fit in /dev/shm" in err, err
+
+
 def test_bad_config_key_fails_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "arc"}))

@@ -1,16 +1,17 @@
 """`KVTierConnector`: the class vLLM loads (`kv_connector_module_path="kvtier.integrations.vllm"`).
 
 vLLM builds one instance per role: the SCHEDULER role in the engine core (it owns the host region,
-the host tier and the secondary tier processes, see `scheduler.py`), the WORKER role in each worker
-(it copies KV between the engine's tensors and the host region, see `worker.py`). This class only
-parses the config and dispatches each vLLM hook to the half its role has; the halves talk through
-`KVTierMetadata` / `KVTierWorkerMetadata` only.
+the host tier and the secondary tier processes, see `scheduler_half.py`), the WORKER role in each
+worker (it copies KV between the engine's tensors and the host region, see `worker_half.py`). This
+class only parses the config and dispatches each vLLM hook to the half its role has; the halves
+talk through `KVTierMetadata` / `KVTierWorkerMetadata` only.
 
 Observability: metrics reach vLLM's `/metrics` through `get_kv_connector_stats` /
-`build_kv_connector_stats` / `build_prom_metrics` (`connector_stats.py`), and are readable in-process from
-`connector.scheduler.accounting.metrics.snapshot()`; each finished request's prompt tokens split by
-source come back in its output's `kv_transfer_params["kvtier"]["tokens"]` (`kvtier.engine.accounting`); KV
-events go out through `take_events` when vLLM's KV events are enabled (`kvtier.integrations.vllm.kv_events`).
+`build_kv_connector_stats` / `build_prom_metrics` (`connector_stats.py`), and are readable
+in-process from `connector.scheduler.accounting.metrics.snapshot()`; each finished request's
+prompt tokens split by source come back in its output's `kv_transfer_params["kvtier"]["tokens"]`
+(`kvtier.engine.accounting`); KV events go out through `take_events` when vLLM's KV events are
+enabled (`kv_events.py`).
 """
 
 from __future__ import annotations

@@ -23,7 +23,6 @@ import json
 import math
 import os
 import shlex
-import shutil
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -31,6 +30,7 @@ from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.host.region import check_region_size
 from kvtier.integrations.vllm.serving.launch import CONNECTOR, connector_config
 from kvtier.integrations.vllm.serving.native_config import NATIVE_CONNECTOR, is_native, to_kvtier
 from kvtier.integrations.vllm.serving.startup import (
@@ -111,11 +111,8 @@ def build_transfer_config(cpu_gb: float | None, fs: Path | None, config_file: Pa
         tiers.append({"type": "fs", "root_dir": str(fs.resolve())})
         extra["secondary_tiers"] = tiers
     config = KVTierConfig.from_dict(extra)
-    free = shutil.disk_usage(config.shm_dir).free
-    if config.cpu_bytes_to_use > free:
-        flag = cpu_flag if cpu_gb is not None else "cpu_bytes_to_use"
-        raise KVTierError(f"{flag}: {config.cpu_bytes_to_use} bytes of host region do not fit in "
-                          f"{config.shm_dir} ({free} bytes free)")
+    check_region_size(config.cpu_bytes_to_use, config.shm_dir,
+                      cpu_flag if cpu_gb is not None else "cpu_bytes_to_use")
     transfer["kv_connector_extra_config"] = extra
     return transfer, notes
 
