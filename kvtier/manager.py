@@ -119,6 +119,7 @@ class TieringManager:
         nothing: when a part fails, what was built is shut down in reverse order, the error raised."""
         rows = generations.create_region(config.cpu_bytes_to_use, row_bytes, config.shm_dir)
         region, num_slots = rows.region, rows.num_slots
+        metrics = KVTierMetrics()  # the manager's, which every tier process counts into too
         started: list[TierProcess] = []
         try:
             policy, gens = config.eviction_class(num_slots), rows.generations
@@ -131,13 +132,13 @@ class TieringManager:
                     num_slots=num_slots, layout_fingerprint=layout_fingerprint,
                     generations_offset=rows.offset)
                 proc = TierProcess(spec, job_timeout_s=config.tier_job_timeout_s,
-                                   restart_backoff_s=config.tier_restart_backoff_s)
+                                   restart_backoff_s=config.tier_restart_backoff_s, metrics=metrics)
                 proc.launch()
                 started.append(proc)
             for proc in started:
                 proc.wait_ready()
             chain = AdmissionChain([c(config.admission_settings()) for c in config.admission_classes])
-            manager = cls(host, started, chain, lookup_wait_s=config.tier_lookup_wait_s)
+            manager = cls(host, started, chain, metrics, lookup_wait_s=config.tier_lookup_wait_s)
         except BaseException:
             for proc in reversed(started):
                 proc.shutdown()

@@ -131,7 +131,7 @@ def run_tier_bench(
             "store_s": store_s, **loads, "store_gib_s": gib / store_s,
             **{name.removesuffix("_s") + "_gib_s": gib / seconds
                for name, seconds in loads.items() if name != "lookup_s"},
-            "tier_stats": proc.last_stats,
+            "tier_counts": proc.metrics.tier_counts(proc.name).as_json(),
             "tier_usage": None if proc.last_usage is None else dataclasses.asdict(proc.last_usage),
         }
     finally:

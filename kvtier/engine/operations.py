@@ -75,9 +75,6 @@ class Operations:
         for name, tier in self.manager.tiers.items():
             m.set("tier_up", 1.0 if getattr(tier, "is_up", True) else 0.0, name)
             m.set("tier_restarts", float(getattr(tier, "restarts", 0)), name)
-            take_bad = getattr(tier, "take_bad_chunks", None)
-            for reason, count in (take_bad() if take_bad is not None else {}).items():
-                m.inc("bad_chunks", count, name, reason)
             failure = getattr(tier, "last_failure", None)
             if failure is not None:
                 m.set("tier_last_failure", failure[1], name, failure[0])

@@ -1,5 +1,6 @@
 """What every part of kvtier says about chunks: their key type, the events that announce where
-they live, and the names of the places a prompt token's KV comes from.
+they live, why a stored copy is rejected, and the names of the places a prompt token's KV comes
+from.
 
 This module imports nothing from kvtier, so the host tier, the secondary tiers, the manager and the
 engine integrations all share one vocabulary without importing each other.
@@ -32,3 +33,16 @@ class TierEvent:
 
     kind: TierEventKind
     keys: tuple[ChunkKey, ...]
+
+
+class ChunkError(enum.Enum):
+    """Why a stored chunk was rejected. The value is the `reason` label of the `bad_chunks` metric
+    and what fsck prints."""
+
+    SHORT = "short"
+    MAGIC = "foreign_format"
+    VERSION = "version"
+    KEY = "wrong_key"
+    LAYOUT = "wrong_layout"
+    LENGTH = "wrong_length"
+    CHECKSUM = "checksum"

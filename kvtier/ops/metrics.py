@@ -2,7 +2,9 @@
 
 Labels are bounded: `tier` is "host" or a configured secondary tier's name; `op` is "store" or
 "load"; `reason` is a configured admission policy's name (`rejected_chunks`, `probation_chunks`)
-or why a stored chunk was rejected (`bad_chunks`: a `ChunkError` value); `cause` one of
+or why a stored chunk was rejected (`bad_chunks`: a `ChunkError` value); `counter` a
+`TierCounter` value and `gauge` a `TierGauge` value (what a secondary tier counts itself, declared
+here like every other metric, and reported as a `TierCounts`); `cause` one of
 `kvtier.tiers.process.FAILURE_CAUSES`; `config_info` carries the configuration
 (one series per engine); `source` is "device", "host", a
 secondary tier's name, or "recomputed". For the host tier,
@@ -21,11 +23,14 @@ from any thread (prometheus_client's metrics are thread-safe).
 
 from __future__ import annotations
 
+import enum
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from kvtier.format.chunks import ChunkError
 
 PREFIX = "kvtier_"
 Kind = Literal["counter", "gauge", "histogram"]
@@ -46,6 +51,107 @@ class MetricSpec:
         return PREFIX + self.name
 
 
+class TierCounter(enum.Enum):
+    """What a secondary tier counts itself (the tiers that count it in brackets); the value is the
+    `counter` label of `tier_counter`. Bad chunks are counted by reason, as `ChunkError`s."""
+
+    STORED = "stored"
+    """Chunks written to the tier (fs, obj, redis)."""
+    LOADED = "loaded"
+    """Chunks copied from the tier into host-region slots, verified (fs, obj, redis, p2p)."""
+    STORE_FAILURES = "store_failures"
+    """Chunks whose store failed (fs, obj, redis)."""
+    LOAD_FAILURES = "load_failures"
+    """Chunks whose load failed, misses and bad chunks included (fs, obj, redis, p2p)."""
+    LOAD_MISSES = "load_misses"
+    """Loads of a chunk the tier (p2p: the holder) no longer had (fs, obj, redis, p2p)."""
+    EVICTIONS = "evictions"
+    """Chunks removed to stay under `max_bytes` (fs, obj)."""
+    RESCANS = "rescans"
+    """Scans of the chunk directory (fs)."""
+    HEADS = "heads"
+    """HEAD requests that answered lookups (obj)."""
+    LOOKUP_FAILURES = "lookup_failures"
+    """HEAD requests that failed (obj): the lookup answered a brief miss."""
+    LISTINGS = "listings"
+    """Listings of the bucket's chunk objects (obj)."""
+    LOOKUPS = "lookups"
+    """Keys asked of the server (redis) or of the peers (p2p)."""
+    CONNECTION_ERRORS = "connection_errors"
+    """Times the server was marked down after a failed request (redis)."""
+    LOOKUPS_SERVED = "lookups_served"
+    """Keys peers asked this instance about (p2p)."""
+    DATA_REQUESTS = "data_requests"
+    """Batches of chunks peers asked this instance for (p2p)."""
+    CHUNKS_SERVED = "chunks_served"
+    """Chunks sent whole to a peer (p2p)."""
+    SERVE_MISSES = "serve_misses"
+    """Chunks a peer asked for that this instance no longer offered (p2p)."""
+    SERVE_ABORTED = "serve_aborted"
+    """Chunks whose host slot was reused while being sent (p2p): the peer discards them."""
+    STALE_DROPPED = "stale_dropped"
+    """Offered chunks forgotten because their host slot was found reused (p2p)."""
+    AUTH_REFUSED = "auth_refused"
+    """Control messages, data connections or CURVE handshakes refused as unauthenticated (p2p)."""
+    MALFORMED = "malformed"
+    """Control messages or data connections dropped as malformed (p2p)."""
+    PEER_ERRORS = "peer_errors"
+    """Failed exchanges with a holder peer, which is then left alone a while (p2p)."""
+    DISCOVERY_REFRESHES = "discovery_refreshes"
+    """Peer lists read from the discovery server (p2p)."""
+
+
+class TierGauge(enum.Enum):
+    """What a secondary tier reports as it is now; the value is the `gauge` label of `tier_gauge`."""
+
+    DIRECT_IO = "direct_io"
+    """1 when the chunk files are read and written with O_DIRECT (fs)."""
+    NATIVE_IO = "native_io"
+    """1 when the native I/O helper is in use (fs)."""
+    HIREDIS = "hiredis"
+    """1 when replies are parsed by hiredis (redis)."""
+    SERVER_DOWN = "server_down"
+    """1 while the server is taken as down after a failed request (redis)."""
+    PEERS = "peers"
+    """Peers this instance knows (p2p)."""
+    SERVING_CONNECTIONS = "serving_connections"
+    """Data connections peers hold open to this instance (p2p)."""
+
+
+TierStat = TierCounter | ChunkError | TierGauge
+"""One value a secondary tier reports: a count of its own, a count of the stored chunks it rejected
+for one reason, or a gauge."""
+
+
+@dataclass(frozen=True)
+class TierCounts:
+    """What one secondary tier reported (`SecondaryTier.counts`), or what the metrics hold of it
+    (`KVTierMetrics.tier_counts`): counts since the tier was built (in the metrics: since the
+    engine started, over every tier process), gauges as of the report. An absent value is 0."""
+
+    values: Mapping[TierStat, float] = field(default_factory=dict)
+
+    def __getitem__(self, stat: TierStat) -> float:
+        return self.values.get(stat, 0.0)
+
+    @property
+    def bad_chunks(self) -> float:
+        """Stored chunks rejected, every reason together."""
+        return sum(v for k, v in self.values.items() if isinstance(k, ChunkError))
+
+    def as_json(self) -> dict[str, dict[str, float]]:
+        """For reports: {metric name: {label value: value}} (`tier_counter`, `bad_chunks`, `tier_gauge`)."""
+        out: dict[str, dict[str, float]] = {name: {} for name in TIER_STAT_METRICS.values()}
+        for stat, value in self.values.items():
+            out[TIER_STAT_METRICS[type(stat)]][stat.value] = value
+        return out
+
+
+TIER_STAT_METRICS: dict[type[TierStat], str] = {
+    TierCounter: "tier_counter", ChunkError: "bad_chunks", TierGauge: "tier_gauge",
+}
+"""The metric that carries each kind of `TierStat` (its second label: the value's `.value`)."""
+
 _T, _O, _S = ("tier",), ("tier", "op"), ("source",)
 CONFIG_LABELS = ("eviction_policy", "admission_policy", "tiers", "cpu_bytes_to_use", "blocks_per_chunk")
 """`config_info`'s labels: one series per engine, set once at start."""
@@ -62,6 +168,11 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("bad_chunks", "counter",
                "Stored chunks a tier rejected (header or checksum), removed and treated as misses",
                ("tier", "reason")),
+    MetricSpec("tier_counter", "counter",
+               "What a secondary tier counted itself, by `TierCounter` (its process's counts, summed "
+               "over restarts)", ("tier", "counter")),
+    MetricSpec("tier_gauge", "gauge", "What a secondary tier reported as it is now, by `TierGauge`",
+               ("tier", "gauge")),
     MetricSpec("lookups", "counter", "Requests whose prefix kvtier looked up past the device hit"),
     MetricSpec("lookup_chunks", "counter", "Chunks looked up past the device prefix-cache hit"),
     MetricSpec("hit_chunks", "counter", "Looked-up chunks served by the tier (host: already there)", _T),
@@ -195,6 +306,28 @@ class KVTierMetrics:
                 labels = ",".join(f'{k}="{v}"' for k, v in sorted(sample.labels.items()))
                 out[f"{sample.name}{{{labels}}}" if labels else sample.name] = sample.value
         return out
+
+    def count_tier(self, tier: str, counts: TierCounts, since: TierCounts) -> None:
+        """Add what tier `tier` counted between two of its reports (`since`: the earlier one, empty
+        for a new tier process) and set its gauges."""
+        for stat, value in counts.values.items():
+            name = TIER_STAT_METRICS[type(stat)]
+            if isinstance(stat, TierGauge):
+                self.set(name, value, tier, stat.value)
+            elif (new := value - since[stat]) > 0:
+                self.inc(name, new, tier, stat.value)
+
+    def tier_counts(self, tier: str) -> TierCounts:
+        """What the metrics hold of tier `tier`'s own counts and gauges (`count_tier`)."""
+        values: dict[TierStat, float] = {}
+        for kind, name in TIER_STAT_METRICS.items():
+            label = SPECS[name].labels[1]
+            for family in self._metrics[name].collect():
+                for sample in family.samples:
+                    if sample.name.endswith("_created") or sample.labels.get("tier") != tier:
+                        continue
+                    values[kind(sample.labels[label])] = sample.value
+        return TierCounts(values)
 
     def value(self, name: str, **labels: str) -> float:
         """One sample of `snapshot()` by full sample name and labels; 0 when absent."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import ClassVar, Literal
 
 from kvtier.format.chunks import ChunkKey, TierEvent
+from kvtier.ops.metrics import TierCounts
 from kvtier.tiers.common.options import Option
 
 Medium = Literal["CPU", "STORAGE"]
@@ -164,10 +165,12 @@ class SecondaryTier(ABC):
         on the dispatch thread about twice a second and on request; must not block on I/O."""
         return None
 
-    def stats(self) -> dict[str, float]:
-        """Free-form counters of the tier's own (e.g. bad chunks dropped, failures), shown as they
-        are; what fills the tier is `usage`. Optional hook, called like `usage`."""
-        return {}
+    def counts(self) -> TierCounts:
+        """What the tier counts itself (bad chunks by reason, failures, ...) and its gauges, keyed by
+        the declared `TierCounter`, `ChunkError` and `TierGauge`; counts since the tier was built.
+        The tier process ships them to kvtier's metrics; what fills the tier is `usage`. Optional
+        hook, called like `usage` (and after every job), so it must be cheap."""
+        return TierCounts()
 
     def endpoints(self) -> dict[str, str]:
         """Addresses where other processes reach this tier, by role (p2p: "control", "data"); empty

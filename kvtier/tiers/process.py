@@ -5,6 +5,10 @@ requests go out through a sender thread's queue and replies come back through a 
 queue. Lookups are asynchronous: a key not answered yet is RETRY and is asked in one batch; answers
 are remembered for `lookup_ttl_s`.
 
+Counting: the tier's own counts (`SecondaryTier.counts`) come in the process's stats reports and
+go straight into kvtier's metrics (`KVTierMetrics.count_tier`), the manager's when the manager
+built the process; each generation of the process counts from zero, the metrics over all of them.
+
 Liveness: a process that exits, or leaves a job or lookup unanswered for `job_timeout_s`, is marked
 down (`last_failure` keeps the latest cause, as does a failed job). Its in-flight jobs finish as
 failures, lookups answer MISS and new jobs fail at once, so serving goes on without it. It is
@@ -31,6 +35,7 @@ from typing import Any
 
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.format.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.ops.metrics import KVTierMetrics, TierCounts
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierUsage
 from kvtier.tiers.common.answers import AnswerCache
 
@@ -83,9 +88,12 @@ class TierProcess:
         job_timeout_s: float = 60.0,
         restart_backoff_s: float = 1.0,
         lookup_ttl_s: float = 2.0,
+        metrics: KVTierMetrics | None = None,
     ) -> None:
         self.spec = spec
         self.name = spec.tier_name
+        self.metrics = KVTierMetrics() if metrics is None else metrics
+        """Where the tier's own counts go (`tier_counter`, `bad_chunks`, `tier_gauge`)."""
         self.job_timeout_s = job_timeout_s
         self.lookup_ttl_s = lookup_ttl_s
         self._base_backoff = restart_backoff_s
@@ -100,19 +108,16 @@ class TierProcess:
         self._answers = AnswerCache(lookup_ttl_s)
         self._asked: dict[int, tuple[tuple[ChunkKey, ...], float]] = {}
         self._next_req = 0
-        self.last_stats: dict[str, float] = {}
-        """The tier's own counters (`SecondaryTier.stats`), as of the last report."""
         self.last_usage: TierUsage | None = None
         """How full the tier is (`SecondaryTier.usage`), as of the last report; None: not reported."""
         self.stats_version = 0
-        """Counts the stats reports received; `request_stats` makes the next one come at once."""
+        """Counts the stats reports received (each already in `metrics`); `request_stats` makes the
+        next one come at once."""
         self.endpoints: dict[str, str] = {}
         """Where other processes reach the tier (`SecondaryTier.endpoints`), once it is up."""
         self.restarts = 0
-        self._bad_reported: dict[str, float] = {}
-        """This generation's cumulative `bad_<reason>` counters, as of its last stats report."""
-        self._bad_new: dict[str, float] = {}
-        """Bad chunks reported since the last `take_bad_chunks`, by reason."""
+        self._counted = TierCounts()
+        """This generation's counts as of its last report (what `metrics` already has of it)."""
         self.last_failure: tuple[str, float] | None = None
         """The cause (`FAILURE_CAUSES`) and Unix time of the tier's latest failure; None: none yet."""
         self._closed = False
@@ -170,7 +175,7 @@ class TierProcess:
         proc.stdin.write(json.dumps(spec).encode())
         proc.stdin.close()
         self._gen_id += 1
-        self._bad_reported = {}
+        self._counted = TierCounts()
         gen = _Generation(proc, Connection(parent_sock.detach()))
         self._gen = gen
         threading.Thread(target=self._send_loop, args=(gen,), daemon=True,
@@ -349,26 +354,12 @@ class TierProcess:
         elif op == "events":
             self._events.extend(TierEvent(TierEventKind(k), tuple(keys)) for k, keys in msg[1])
         elif op == "stats":
-            self.last_stats = msg[1]
-            self._count_bad(msg[1])
+            self.metrics.count_tier(self.name, msg[1], self._counted)
+            self._counted = msg[1]
             self.last_usage = None if msg[2] is None else TierUsage(*msg[2])
             self.stats_version += 1
         elif op == "error":
             self._mark_down("error", msg[1])
-
-    def _count_bad(self, stats: dict[str, float]) -> None:
-        for name, value in stats.items():
-            if name.startswith("bad_") and name != "bad_chunks":
-                if (new := value - self._bad_reported.get(name, 0.0)) > 0:
-                    self._bad_new[name[len("bad_"):]] = self._bad_new.get(name[len("bad_"):], 0.0) + new
-                self._bad_reported[name] = value
-
-    def take_bad_chunks(self) -> dict[str, float]:
-        """Stored chunks rejected since the last call, by reason (`ChunkError` values), over every
-        generation of the process (each generation's counters start from zero)."""
-        self.poll()
-        out, self._bad_new = self._bad_new, {}
-        return out
 
     def _failed(self, cause: str) -> None:
         self.last_failure = (cause, time.time())

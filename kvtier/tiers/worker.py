@@ -1,19 +1,23 @@
 """The body of a tier process: `python -m kvtier.tiers.worker FD` with a JSON spec on stdin.
 
 The process maps the host region, builds one secondary tier, then serves the parent over the
-socket FD: requests come in as tuples, completions, lookup answers, events and stats go out. One
-dispatch thread calls the tier; the tier's own I/O threads signal completions through a self-pipe,
-so finished jobs are sent without polling delay. The process exits when the parent closes the socket
-or dies, or on a shutdown request.
+socket FD: requests come in as tuples, completions, lookup answers, events and the tier's counts
+and usage go out. One dispatch thread calls the tier; the tier's own I/O threads signal
+completions through a self-pipe, so finished jobs are sent without polling delay. The process
+exits when the parent closes the socket or dies, or on a shutdown request.
 
-Wire messages (tuples of plain values; this socket connects two processes of the same instance):
+Wire messages (tuples of plain values and kvtier's own `TierCounts`; this socket connects two
+processes of the same instance):
   in:  ("lookup", req_id, [key, ...]) | ("store"|"load", job_id, [key, ...], [slot, ...])
        | ("stats",) | ("shutdown",)
   out: ("ready", loads_own_stores, {role: address}) | ("error", message[, key, value, allowed])
        | ("lookup", req_id, [int, ...])
        | ("done", [(job_id, success, [key, ...], bytes, seconds), ...])
        | ("events", [(kind, [key, ...]), ...])
-       | ("stats", {name: value}, (bytes_used, chunks, capacity_bytes) | None)
+       | ("stats", TierCounts, (bytes_used, chunks, capacity_bytes) | None)
+
+A stats report goes out every STATS_INTERVAL_S, on request, and right after a job that made the
+tier count a bad chunk.
 """
 
 from __future__ import annotations
@@ -71,11 +75,11 @@ def _flush(conn: Connection, tier: SecondaryTier) -> None:
 def _report(conn: Connection, tier: SecondaryTier) -> None:
     usage = tier.usage()
     fill = None if usage is None else (usage.bytes_used, usage.chunks, usage.capacity_bytes)
-    conn.send(("stats", tier.stats(), fill))
+    conn.send(("stats", tier.counts(), fill))
 
 
 def _serve(conn: Connection, tier: SecondaryTier, wake: _Wakeup) -> None:
-    last_stats = 0.0
+    last_report = 0.0
     reported_bad = 0.0
     parent = os.getppid()
     while True:
@@ -97,10 +101,10 @@ def _serve(conn: Connection, tier: SecondaryTier, wake: _Wakeup) -> None:
                 return
         _flush(conn, tier)
         now = time.monotonic()
-        bad = tier.stats().get("bad_chunks", 0.0)
-        if now - last_stats >= STATS_INTERVAL_S or bad != reported_bad:
+        bad = tier.counts().bad_chunks
+        if now - last_report >= STATS_INTERVAL_S or bad != reported_bad:
             _report(conn, tier)
-            last_stats, reported_bad = now, bad
+            last_report, reported_bad = now, bad
             if os.getppid() != parent:
                 return
 

@@ -150,7 +150,7 @@ def main() -> None:
             while tier.stats_version == seen:
                 time.sleep(0.01)
                 tier.poll()
-            _answer(tier.last_stats)
+            _answer(tier.metrics.tier_counts(tier.name).as_json()["tier_counter"])
             continue
         results = []
         for item in request["generate"]:

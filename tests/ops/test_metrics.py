@@ -4,14 +4,60 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvtier.ops.metrics import CONFIG_LABELS, METRICS, PREFIX, KVTierMetrics, apply_delta, new_metric
+from kvtier.format.chunks import ChunkError
+from kvtier.ops.metrics import (
+    CONFIG_LABELS,
+    METRICS,
+    PREFIX,
+    SPECS,
+    TIER_STAT_METRICS,
+    KVTierMetrics,
+    TierCounter,
+    TierCounts,
+    TierGauge,
+    apply_delta,
+    new_metric,
+)
 
 
 def test_every_metric_has_the_prefix_and_bounded_labels() -> None:
     assert len({spec.name for spec in METRICS}) == len(METRICS)
     for spec in METRICS:
         assert spec.full_name.startswith(PREFIX)
-        assert set(spec.labels) <= {"tier", "op", "source", "reason", "cause", *CONFIG_LABELS}
+        assert set(spec.labels) <= {"tier", "op", "source", "reason", "cause", "counter", "gauge",
+                                     *CONFIG_LABELS}
+
+
+def test_every_tier_stat_has_its_metric_and_a_distinct_label() -> None:
+    """A tier's counts are declared here once: each kind has its metric, whose label takes the
+    members' values (no two alike)."""
+    for kind, name in TIER_STAT_METRICS.items():
+        assert SPECS[name].labels[0] == "tier" and len(SPECS[name].labels) == 2
+        assert len({m.value for m in kind}) == len(kind)
+    assert SPECS["tier_counter"].kind == "counter" and SPECS["tier_gauge"].kind == "gauge"
+    assert TIER_STAT_METRICS[ChunkError] == "bad_chunks"
+
+
+def test_every_tier_count_reaches_the_metrics_once_across_restarts() -> None:
+    """Every declared counter, bad-chunk reason and gauge a tier reports lands in its metric; counts
+    add up over a tier process's generations (each starting from zero), gauges are as reported."""
+    m = KVTierMetrics()
+    stats = [*TierCounter, *ChunkError, *TierGauge]
+    first = TierCounts({stat: 3.0 for stat in stats})
+    m.count_tier("fs", first, TierCounts())
+    m.count_tier("fs", first, first)  # the same report again: nothing new
+    restarted = TierCounts({stat: 2.0 for stat in stats})  # a new process, counting from zero
+    m.count_tier("fs", restarted, TierCounts())
+    counts = m.tier_counts("fs")
+    for stat in stats:
+        assert counts[stat] == (2.0 if isinstance(stat, TierGauge) else 5.0), stat
+    assert counts.bad_chunks == 5.0 * len(ChunkError)
+    assert m.tier_counts("obj") == TierCounts()
+    snap = m.snapshot()
+    assert snap['kvtier_tier_counter_total{counter="chunks_served",tier="fs"}'] == 5
+    assert snap['kvtier_bad_chunks_total{reason="wrong_layout",tier="fs"}'] == 5
+    assert snap['kvtier_tier_gauge{gauge="peers",tier="fs"}'] == 2
+    assert counts.as_json()["bad_chunks"]["checksum"] == 5
 
 
 def test_two_instances_in_one_process_do_not_collide() -> None:

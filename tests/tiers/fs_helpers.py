@@ -12,6 +12,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from kvtier.ops.metrics import TierCounts
 from kvtier.tiers.base import Job, JobKind, JobResult, TierContext
 from kvtier.tiers.fs.tier import FsTier
 
@@ -101,10 +102,10 @@ def set_mtime(path: Path, seconds_ago: float) -> None:
     os.utime(path, (t, t))
 
 
-def stress_worker(root: str, seed: int, keys: list[bytes], ops: int = 100) -> dict[str, float]:
+def stress_worker(root: str, seed: int, keys: list[bytes], ops: int = 100) -> tuple[TierCounts, int]:
     """Random stores and loads of `keys` against the shared `root` (runs in a spawned process).
 
-    Returns the tier's stats plus `mismatches`: loads reported successful whose bytes differ.
+    Returns the tier's counts and the mismatches: loads reported successful whose bytes differ.
     """
     import random
 
@@ -135,4 +136,4 @@ def stress_worker(root: str, seed: int, keys: list[bytes], ops: int = 100) -> di
                         os.unlink(chunk_path(root, batch[0]))
     finally:
         tier.shutdown()
-    return {**tier.stats(), "mismatches": mismatches}
+    return tier.counts(), mismatches

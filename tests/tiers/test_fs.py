@@ -17,7 +17,8 @@ import pytest
 
 from kvtier.bench.chaos.runner import tmpfs
 from kvtier.errors import ConfigError
-from kvtier.format.chunks import TierEventKind
+from kvtier.format.chunks import ChunkError, TierEventKind
+from kvtier.ops.metrics import TierCounter, TierGauge
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs import native as fs_native
@@ -79,9 +80,9 @@ def test_round_trip_is_byte_identical_and_files_follow_the_layout(root: Path, di
         assert loaded.success and loaded.successful_keys == tuple(keys[::-1])
         for slot, key in enumerate(keys[::-1]):
             assert bytes(tier.ctx.slot_view(slot)) == payload(key, ROW)
-        stats, usage = tier.stats(), tier.usage()
+        counts, usage = tier.counts(), tier.usage()
         assert (usage.chunks, usage.bytes_used) == (6, 6 * FILE)
-        assert (stats["stored"], stats["loaded"], stats["bad_chunks"]) == (6, 6, 0)
+        assert (counts[TierCounter.STORED], counts[TierCounter.LOADED], counts.bad_chunks) == (6, 6, 0)
         [event] = tier.take_events()
         assert event.kind is TierEventKind.STORED and set(event.keys) == set(keys)
         assert temp_files(root) == []
@@ -98,7 +99,7 @@ def test_storing_a_present_key_rewrites_nothing(root: Path) -> None:
         inode = chunk_path(root, key).stat().st_ino
         assert store_keys(tier, tier.ctx, [key], job_id=3).success
         assert chunk_path(root, key).stat().st_ino == inode
-        assert tier.stats()["stored"] == 1
+        assert tier.counts()[TierCounter.STORED] == 1
     finally:
         tier.shutdown()
 
@@ -201,16 +202,16 @@ def test_float_max_bytes_is_accepted(root: Path) -> None:
 # ---- bad files --------------------------------------------------------------------------------
 
 HEADER_FIELDS = {
-    "magic": (0, chunkfmt.ChunkError.MAGIC),
-    "version": (8, chunkfmt.ChunkError.VERSION),
-    "flags": (10, chunkfmt.ChunkError.VERSION),
-    "header_length": (12, chunkfmt.ChunkError.VERSION),
-    "key": (16 + 31, chunkfmt.ChunkError.KEY),
-    "layout": (48, chunkfmt.ChunkError.LAYOUT),
-    "payload_length": (64, chunkfmt.ChunkError.LENGTH),
-    "checksum": (72 + 15, chunkfmt.ChunkError.CHECKSUM),
-    "payload_first_byte": (chunkfmt.HEADER_BYTES, chunkfmt.ChunkError.CHECKSUM),
-    "payload_last_byte": (FILE - 1, chunkfmt.ChunkError.CHECKSUM),
+    "magic": (0, ChunkError.MAGIC),
+    "version": (8, ChunkError.VERSION),
+    "flags": (10, ChunkError.VERSION),
+    "header_length": (12, ChunkError.VERSION),
+    "key": (16 + 31, ChunkError.KEY),
+    "layout": (48, ChunkError.LAYOUT),
+    "payload_length": (64, ChunkError.LENGTH),
+    "checksum": (72 + 15, ChunkError.CHECKSUM),
+    "payload_first_byte": (chunkfmt.HEADER_BYTES, ChunkError.CHECKSUM),
+    "payload_last_byte": (FILE - 1, ChunkError.CHECKSUM),
 }
 
 
@@ -223,7 +224,7 @@ def flip_byte(path: Path, offset: int) -> None:
 
 
 def expect_dropped(
-    tier: FsTier, root: Path, bad: bytes, good: bytes, reason: str, known: bool = True
+    tier: FsTier, root: Path, bad: bytes, good: bytes, reason: ChunkError, known: bool = True
 ) -> None:
     """A load of [bad, good] fails for `bad` only; the bad file is gone and counted, and its
     removal announced when the tier knew it (had stored it)."""
@@ -233,9 +234,9 @@ def expect_dropped(
     assert bytes(tier.ctx.slot_view(1)) == payload(good, ROW)
     assert not chunk_path(root, bad).exists()
     assert tier.lookup([bad, good]) == [LookupResult.MISS, LookupResult.HIT]
-    stats = tier.stats()
-    assert stats["bad_chunks"] == 1 and stats[f"bad_{reason}"] == 1
-    assert stats["load_failures"] == 1
+    counts = tier.counts()
+    assert counts.bad_chunks == 1 and counts[reason] == 1
+    assert counts[TierCounter.LOAD_FAILURES] == 1
     removed = any(e.kind is TierEventKind.REMOVED and bad in e.keys for e in tier.take_events())
     assert removed is known
 
@@ -248,7 +249,7 @@ def test_each_corrupted_field_is_detected_and_removed(root: Path, field: str) ->
         store_keys(tier, tier.ctx, [bad, good])
         offset, reason = HEADER_FIELDS[field]
         flip_byte(chunk_path(root, bad), offset)
-        expect_dropped(tier, root, bad, good, reason.value)
+        expect_dropped(tier, root, bad, good, reason)
     finally:
         tier.shutdown()
 
@@ -273,7 +274,7 @@ def test_truncated_extended_and_foreign_files_are_detected(root: Path, damage: s
                 f.write(b"\0" * 4096)
         else:
             path.write_bytes(os.urandom(FILE))
-        reason = {"extended": "wrong_length", "foreign": "foreign_format"}.get(damage, "short")
+        reason = {"extended": ChunkError.LENGTH, "foreign": ChunkError.MAGIC}.get(damage, ChunkError.SHORT)
         expect_dropped(tier, root, bad, good, reason)
     finally:
         tier.shutdown()
@@ -288,13 +289,13 @@ def test_a_chunk_of_another_key_or_layout_is_detected(root: Path) -> None:
         store_keys(other, other.ctx, [c])
         chunk_path(root, b).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(chunk_path(root, a), chunk_path(root, b))
-        expect_dropped(tier, root, b, good, "wrong_key", known=False)
+        expect_dropped(tier, root, b, good, ChunkError.KEY, known=False)
         chunk_path(root, c).parent.mkdir(parents=True, exist_ok=True)
         shutil.copyfile(chunk_path(root, c, OTHER_FP), chunk_path(root, c))
         result = load_keys(tier, tier.ctx, [c, good], job_id=10)
         assert result.successful_keys == (good,)
         assert not chunk_path(root, c).exists() and chunk_path(root, c, OTHER_FP).exists()
-        assert tier.stats()["bad_wrong_layout"] == 1
+        assert tier.counts()[ChunkError.LAYOUT] == 1
     finally:
         tier.shutdown()
         other.shutdown()
@@ -332,8 +333,7 @@ def test_eviction_follows_last_use_and_bounds_bytes(root: Path) -> None:
         assert [(e.kind, e.keys) for e in events] == [
             (TierEventKind.REMOVED, (b,)), (TierEventKind.STORED, (d,))
         ]
-        stats = tier.stats()
-        assert tier.usage().bytes_used == 3 * FILE and stats["evictions"] == 1
+        assert tier.usage().bytes_used == 3 * FILE and tier.counts()[TierCounter.EVICTIONS] == 1
         assert sum(p.stat().st_size for p in all_files(root)) <= 3 * FILE
         del c
     finally:
@@ -362,9 +362,9 @@ def test_restart_rebuilds_accounting_from_mtimes_and_respects_max_bytes(root: Pa
 
     again = new_tier(root)
     try:
-        stats, usage = again.stats(), again.usage()
+        counts, usage = again.counts(), again.usage()
         assert (usage.chunks, usage.bytes_used) == (5, 5 * FILE)
-        assert stats["bad_wrong_length"] == 1
+        assert counts[ChunkError.LENGTH] == 1
         assert not stale.exists() and fresh.exists() and not wrong_size.exists()
         assert again.take_events() == []
     finally:
@@ -394,7 +394,7 @@ def test_instances_sharing_a_directory_see_each_others_files(root: Path) -> None
         chunk_path(root, b).unlink()  # as if a third instance evicted it
         result = load_keys(one, one.ctx, [b, a], job_id=5)
         assert result.successful_keys == (a,)
-        assert one.stats()["load_misses"] == 1
+        assert one.counts()[TierCounter.LOAD_MISSES] == 1
         deadline = time.monotonic() + 5
         while two.usage().chunks != 1 and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -427,7 +427,7 @@ def test_disk_full_fails_keys_as_values_with_one_log_line(tmp_path: Path, caplog
             assert temp_files(small) == []
             assert [m for m in warnings(caplog) if "ENOSPC" in m] == warnings(caplog)
             assert len(warnings(caplog)) == 1
-            assert tier.stats()["store_failures"] == 32 - len(result.successful_keys)
+            assert tier.counts()[TierCounter.STORE_FAILURES] == 32 - len(result.successful_keys)
             done = list(result.successful_keys)
             loaded = load_keys(tier, ctx, done, job_id=7)
             assert loaded.success
@@ -485,7 +485,7 @@ def test_root_dir_removed_while_running(root: Path, caplog) -> None:
         assert len(warnings(caplog)) == 1 and "ENOENT" in warnings(caplog)[0]
         assert tier.lookup(keys) == [LookupResult.MISS] * 10
         assert load_keys(tier, tier.ctx, [kept], job_id=3).successful_keys == ()
-        assert tier.stats()["store_failures"] == 11
+        assert tier.counts()[TierCounter.STORE_FAILURES] == 11
         assert not root.exists()  # root_dir is never recreated by the tier
         root.mkdir()
         result = store_keys(tier, tier.ctx, keys, job_id=4)
@@ -521,9 +521,9 @@ def test_processes_sharing_a_directory_stay_consistent(root: Path) -> None:
     seeds = [random.randrange(1 << 30) for _ in range(3)]
     with ProcessPoolExecutor(3, mp_context=spawn) as pool:
         outcomes = list(pool.map(stress_worker, [str(root)] * 3, seeds, [keys] * 3))
-    for seed, out in zip(seeds, outcomes, strict=True):
-        assert out["mismatches"] == 0, (seed, out)
-        assert out["loaded"] > 0 and out["stored"] > 0, (seed, out)
+    for seed, (counts, mismatches) in zip(seeds, outcomes, strict=True):
+        assert mismatches == 0, (seed, counts)
+        assert counts[TierCounter.LOADED] > 0 and counts[TierCounter.STORED] > 0, (seed, counts)
     report = fsck(str(root), repair=False, temp_grace_s=0)
     assert report.ok, report
     assert report.in_progress == [] and report.orphans == []
@@ -540,7 +540,7 @@ def test_native_and_python_store_paths_write_the_same_file(root: Path, monkeypat
             monkeypatch.setattr(fs_native, "load", lambda: None)
         tier = new_tier(root / str(use_native))
         try:
-            assert tier.stats()["native_io"] == float(use_native)
+            assert tier.counts()[TierGauge.NATIVE_IO] == float(use_native)
             tier.ctx.slot_view(0)[:] = bytes(range(256)) * (tier.ctx.row_bytes // 256)
             key = bytes(32)
             assert store_keys(tier, tier.ctx, [key]).success

@@ -14,8 +14,9 @@ from typing import Any
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.format.chunks import TierEventKind
+from kvtier.format.chunks import ChunkError, TierEventKind
 from kvtier.host.region import HostRegion
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.obj.tier import ObjTier
@@ -83,8 +84,9 @@ def test_an_object_is_the_chunk_header_then_the_row(make_tier, ctx, s3_server, s
         ctx.slot_view(s)[:] = bytes(ROW_BYTES)
     assert load(tier, keys).success
     assert [bytes(ctx.slot_view(16 + i)) for i in range(3)] == data
-    stats = tier.stats()
-    assert stats["stored"] == 3 and stats["loaded"] == 3 and tier.usage().bytes_used == 3 * OBJECT_BYTES
+    counts = tier.counts()
+    assert counts[TierCounter.STORED] == 3 and counts[TierCounter.LOADED] == 3
+    assert tier.usage().bytes_used == 3 * OBJECT_BYTES
 
 
 def test_lookups_are_asynchronous_and_misses_expire(make_tier, ctx, s3_server, s3_tier_options) -> None:
@@ -114,7 +116,7 @@ def test_credentials_may_come_from_the_environment(make_tier, ctx, s3_tier_optio
 def _listed(tier: ObjTier) -> None:
     """Wait for the start-up listing of a tier with max_bytes."""
     deadline = time.monotonic() + 10
-    while tier.stats()["listings"] < 1:
+    while tier.counts()[TierCounter.LISTINGS] < 1:
         assert time.monotonic() < deadline, "the start-up listing did not finish"
         time.sleep(0.01)
 
@@ -130,7 +132,7 @@ def test_max_bytes_evicts_the_least_recently_used_objects(make_tier, ctx, s3_ser
     assert [_exists(client, bucket, object_name(k)) for k in keys] == [False, True, True]
     removed = {k for e in tier.take_events() if e.kind is TierEventKind.REMOVED for k in e.keys}
     assert removed == {keys[0]}
-    assert tier.stats()["evictions"] == 1 and tier.usage().bytes_used == 2 * OBJECT_BYTES
+    assert tier.counts()[TierCounter.EVICTIONS] == 1 and tier.usage().bytes_used == 2 * OBJECT_BYTES
     # A restarted instance learns the existing objects and keeps the bound.
     tier.shutdown()
     again = make_tier(s3_tier_options, max_bytes=2 * OBJECT_BYTES)
@@ -140,7 +142,7 @@ def test_max_bytes_evicts_the_least_recently_used_objects(make_tier, ctx, s3_ser
     store(again, ctx, [newest], job_id=9)
     # SeaweedFS may still list the object deleted above for a moment (it is then evicted again), and
     # keys[1] and keys[2] may share a last-modified second: either may be the one evicted.
-    assert again.usage().chunks == 2 and again.stats()["evictions"] >= 1
+    assert again.usage().chunks == 2 and again.counts()[TierCounter.EVICTIONS] >= 1
     assert _exists(client, bucket, object_name(newest))
 
 
@@ -174,11 +176,11 @@ def _bad_body(kind: str, key: bytes, row: bytes) -> bytes:
 
 
 @pytest.mark.parametrize("kind, reason", [
-    ("checksum", "checksum"), ("truncated", "wrong_length"), ("short", "short"),
-    ("foreign_format", "foreign_format"), ("wrong_layout", "wrong_layout"), ("wrong_key", "wrong_key"),
-])
+    ("checksum", ChunkError.CHECKSUM), ("truncated", ChunkError.LENGTH), ("short", ChunkError.SHORT),
+    ("foreign_format", ChunkError.MAGIC), ("wrong_layout", ChunkError.LAYOUT), ("wrong_key", ChunkError.KEY),
+], ids=lambda v: getattr(v, "value", v))
 def test_a_bad_object_is_counted_deleted_and_fails_its_key(make_tier, ctx, s3_server, s3_tier_options,
-                                                           kind: str, reason: str, caplog) -> None:
+                                                           kind: str, reason: ChunkError, caplog) -> None:
     tier = make_tier(s3_tier_options)
     good, bad = random_key(), random_key()
     data = store(tier, ctx, [good, bad])
@@ -188,12 +190,12 @@ def test_a_bad_object_is_counted_deleted_and_fails_its_key(make_tier, ctx, s3_se
         result = load(tier, [bad, good])
     assert not result.success and result.successful_keys == (good,)
     assert bytes(ctx.slot_view(17)) == data[0]
-    stats = tier.stats()
-    assert stats["bad_chunks"] == 1 and stats[f"bad_{reason}"] == 1
+    counts = tier.counts()
+    assert counts.bad_chunks == 1 and counts[reason] == 1
     assert client.list_objects_v2(Bucket=bucket, Prefix=object_name(bad)).get("KeyCount") == 0
     assert any(e.kind is TierEventKind.REMOVED and bad in e.keys for e in tier.take_events())
     assert settle_lookup(tier, [bad, good]) == [LookupResult.MISS, LookupResult.HIT]
-    assert len([m for m in warnings(caplog) if reason in m]) == 1
+    assert len([m for m in warnings(caplog) if reason.value in m]) == 1
 
 
 def test_invalid_keys_fail_as_values(make_tier, ctx, s3_tier_options) -> None:
@@ -419,11 +421,12 @@ def test_a_burst_of_lookups_never_blocks_the_caller(make_tier, ctx, s3_tier_opti
         time.sleep(0.001)
     assert answers == [LookupResult.MISS] * 200
     assert worst < 0.2, f"a lookup of 200 keys took {worst * 1000:.0f} ms"
-    assert tier.stats()["heads"] == 200
+    assert tier.counts()[TierCounter.HEADS] == 200
 
 
 def test_tier_bench_runs_against_seaweedfs(s3_tier_options) -> None:
     from kvtier.bench.tier_bench import run_tier_bench
 
     report = run_tier_bench("obj", s3_tier_options, chunk_bytes=64 << 10, chunks=16, threads=4)
-    assert report["tier_stats"].get("stored", 0) >= 0 and report["load_gib_s"] > 0
+    assert report["tier_counts"]["tier_counter"][TierCounter.STORED.value] == 16
+    assert report["load_gib_s"] > 0

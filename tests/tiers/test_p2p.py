@@ -12,16 +12,13 @@ import signal
 import socket
 import threading
 import time
-from collections.abc import Callable, Iterator
-from urllib.parse import urlsplit
 
 import pytest
 import zmq
 
 from kvtier.errors import ConfigError
-from kvtier.host import generations
-from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
+from kvtier.ops.metrics import TierCounter
 from kvtier.policies.lru import LRUPolicy
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
@@ -29,71 +26,9 @@ from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import P2PTier, protocol
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.fetch import Fetcher
-from kvtier.tiers.process import TierProcess, TierSpec
 from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
-
-SECRET = "p2p-test-secret-0123456789"
-CURVE_KEY = "D:)Q[IlAW!ahhC2ac:9*A}h:p?([4%wOTJ%JR%cs"
-FP = bytes.fromhex(LAYOUT_FP)
-Peer = tuple[TierProcess, HostRegion]
-
-
-def stats(proc: TierProcess, timeout_s: float = 5.0) -> dict[str, float]:
-    """A stats report requested now."""
-    seen = proc.stats_version
-    proc.request_stats()
-    deadline = time.monotonic() + timeout_s
-    while proc.stats_version == seen:
-        proc.poll()
-        if time.monotonic() > deadline:
-            pytest.fail("no stats report")
-        time.sleep(0.002)
-    return proc.last_stats
-
-
-def address(proc: TierProcess) -> str:
-    return f"tcp://127.0.0.1:{urlsplit(proc.endpoints['control']).port}"
-
-
-def data_address(proc: TierProcess) -> tuple[str, int]:
-    port = urlsplit(proc.endpoints["data"]).port
-    assert port is not None
-    return "127.0.0.1", port
-
-
-@pytest.fixture
-def make_peer() -> Iterator[Callable[..., Peer]]:
-    made: list[Peer] = []
-
-    def make(row_bytes: int = ROW_BYTES, slots: int = SLOTS, **options: object) -> Peer:
-        region = HostRegion.create(row_bytes * slots + generations.nbytes(slots))
-        spec = TierSpec(
-            tier_name="p2p", type="p2p", module_path=None, options={"secret": SECRET, **options},
-            config_key="secondary_tiers[0]", region_name=region.name, shm_dir="/dev/shm",
-            row_bytes=row_bytes, num_slots=slots, layout_fingerprint=LAYOUT_FP,
-            generations_offset=row_bytes * slots,
-        )
-        proc = TierProcess(spec, job_timeout_s=30)
-        made.append((proc, region))
-        proc.start()
-        return proc, region
-
-    yield make
-    for proc, region in made:
-        proc.shutdown()
-        region.close()
-
-
-def ctx_of(region: HostRegion, row_bytes: int = ROW_BYTES, slots: int = SLOTS) -> TierContext:
-    return TierContext(region=region.buf, row_bytes=row_bytes, num_slots=slots,
-                       layout_fingerprint=LAYOUT_FP, tier_name="p2p",
-                       generations=generations.view(region.buf, row_bytes * slots, slots))
-
-
-def store(proc: TierProcess, keys: list[bytes], slots: list[int], job_id: int = 1) -> None:
-    proc.submit_store(Job(job_id, JobKind.STORE, tuple(keys), tuple(slots)))
-    [result] = wait_jobs(proc, 1)
-    assert result.success
+from tests.tiers.p2p_helpers import CURVE_KEY, FP, SECRET, address, ctx_of, data_address, store
+from tests.tiers.process_helpers import bench_count, report_now, reported_counts
 
 
 def test_b_finds_and_loads_what_a_stored(make_peer) -> None:
@@ -110,17 +45,18 @@ def test_b_finds_and_loads_what_a_stored(make_peer) -> None:
     [result] = wait_jobs(b, 1)
     assert result.success and result.successful_keys == tuple(keys)
     assert [bytes(b_ctx.slot_view(s)) for s in (9, 8, 7, 6)] == rows
-    assert stats(a)["chunks_served"] == 4 and stats(b)["loaded"] == 4
+    assert reported_counts(a)[TierCounter.CHUNKS_SERVED] == 4
+    assert reported_counts(b)[TierCounter.LOADED] == 4
 
 
 def test_usage_is_the_rows_a_peer_offers(make_peer) -> None:
     a, a_region = make_peer()
-    stats(a)
+    report_now(a)
     assert a.last_usage == TierUsage(0, 0, SLOTS * ROW_BYTES)
     for s in range(2):
         fill_slot(ctx_of(a_region), s)
     store(a, [random_key(), random_key()], [0, 1])
-    stats(a)
+    report_now(a)
     assert a.last_usage == TierUsage(2 * ROW_BYTES, 2, SLOTS * ROW_BYTES)
 
 
@@ -145,8 +81,8 @@ def test_the_keys_of_a_load_share_few_data_requests(make_peer) -> None:
     [result] = wait_jobs(b, 1)
     assert result.success
     assert [bytes(ctx_of(b_region).slot_view(s)) for s in reversed(range(SLOTS))] == rows
-    served = stats(a)
-    assert served["chunks_served"] == SLOTS and 2 <= served["data_requests"] <= SLOTS // 4
+    served = reported_counts(a)
+    assert served[TierCounter.CHUNKS_SERVED] == SLOTS and 2 <= served[TierCounter.DATA_REQUESTS] <= SLOTS // 4
 
 
 def test_slot_reused_after_store_is_a_miss_never_wrong_bytes(make_peer) -> None:
@@ -168,7 +104,7 @@ def test_slot_reused_after_store_is_a_miss_never_wrong_bytes(make_peer) -> None:
     [result] = wait_jobs(b, 1)
     assert not result.success and result.successful_keys == (keys[1],)
     assert bytes(b_ctx.slot_view(4)) == kept
-    assert stats(a)["stale_dropped"] == 1
+    assert reported_counts(a)[TierCounter.STALE_DROPPED] == 1
     assert settle_lookup(b, keys[:1]) == [LookupResult.MISS]
 
 
@@ -229,7 +165,7 @@ def test_holder_closing_mid_row_is_a_failed_key() -> None:
     out = memoryview(bytearray(ROW_BYTES))
     try:
         assert fetcher.fetch(listener.getsockname(), [(key, out)]) == [False]
-        assert book.counters()["peer_errors"] == 1
+        assert book.counts()[TierCounter.PEER_ERRORS] == 1
     finally:
         fetcher.close()
         server.join()
@@ -254,8 +190,8 @@ def test_peer_with_the_wrong_secret_is_refused_and_logged_once(make_peer, capfd)
         assert fetcher.fetch(data, [(keys[0], memoryview(bytearray(ROW_BYTES)))]) == [False]
     finally:
         fetcher.close()
-    a_stats = stats(a)
-    assert a_stats["auth_refused"] >= 3 and a_stats["chunks_served"] == 0
+    a_counts = reported_counts(a)
+    assert a_counts[TierCounter.AUTH_REFUSED] >= 3 and a_counts[TierCounter.CHUNKS_SERVED] == 0
     err = capfd.readouterr().err
     assert err.count("auth:control") == 1 and err.count("auth:data") == 1
     assert SECRET not in err and "not-the-shared-secret" not in err
@@ -289,8 +225,7 @@ def test_malformed_messages_are_rejected_and_the_server_keeps_serving(make_peer)
     with socket.create_connection(data, timeout=5) as conn:
         conn.sendall(os.urandom(200))
         assert conn.recv(4096, socket.MSG_WAITALL)[:8] == b"KVTP2PD2"
-    a_stats = stats(a)
-    assert a_stats["malformed"] >= 4
+    assert reported_counts(a)[TierCounter.MALFORMED] >= 4
     b, b_region = make_peer(peers=[ctl])
     key = random_key()
     data_row = fill_slot(ctx_of(a_region), 0)
@@ -339,7 +274,7 @@ def test_curve_peers_talk_and_a_peer_without_the_key_is_refused(make_peer) -> No
         assert settle_lookup(intruder, [key]) == [LookupResult.MISS]
         intruder.submit_load(Job(3, JobKind.LOAD, (key,), (0,)))
         assert not wait_jobs(intruder, 1)[0].success
-    assert stats(a)["lookups_served"] == 1
+    assert reported_counts(a)[TierCounter.LOOKUPS_SERVED] == 1
     # A client that knows A's public key but holds another key pair is refused by A's ZAP gate.
     zctx = zmq.Context()
     dealer = zctx.socket(zmq.DEALER)
@@ -356,7 +291,8 @@ def test_curve_peers_talk_and_a_peer_without_the_key_is_refused(make_peer) -> No
     finally:
         dealer.close()
         zctx.term()
-    assert stats(a)["auth_refused"] >= 1 and stats(a)["lookups_served"] == 1
+    a_counts = reported_counts(a)
+    assert a_counts[TierCounter.AUTH_REFUSED] >= 1 and a_counts[TierCounter.LOOKUPS_SERVED] == 1
 
 
 @pytest.mark.parametrize(("options", "key"), [
@@ -396,7 +332,7 @@ def test_tier_bench_times_p2p_loads_alone_and_with_their_lookups() -> None:
     report = run_tier_bench("p2p", {}, chunk_bytes=64 << 10, chunks=8, threads=2)
     assert report["load_s"] > 0 and report["load_lookups_s"] > report["lookup_s"] > 0
     assert report["load_gib_s"] > 0 and report["load_lookups_gib_s"] > 0
-    assert report["tier_stats"]["loaded"] == 3 * 8  # the warm-up and both timed passes
+    assert bench_count(report, TierCounter.LOADED) == 3 * 8  # the warm-up and both timed passes
 
 
 def test_tier_bench_loads_in_jobs_of_several_chunks() -> None:
@@ -406,7 +342,8 @@ def test_tier_bench_loads_in_jobs_of_several_chunks() -> None:
 
     report = run_tier_bench("p2p", {}, chunk_bytes=64 << 10, chunks=8, threads=2, keys_per_job=3)
     assert report["keys_per_job"] == 3
-    assert report["tier_stats"]["loaded"] == 3 * 8 and report["tier_stats"].get("load_failures", 0) == 0
+    assert bench_count(report, TierCounter.LOADED) == 3 * 8
+    assert bench_count(report, TierCounter.LOAD_FAILURES) == 0
 
 
 def test_tier_bench_groups_consecutive_chunks_into_each_job() -> None:

@@ -19,6 +19,7 @@ import pytest
 import xxhash
 import zmq
 
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
@@ -116,8 +117,9 @@ def test_one_request_carries_many_keys_hits_and_misses(holder: Holder) -> None:
     for key, out in zip(order, outs, strict=True):
         if key in keys[:4]:
             assert bytes(out) == bytes(holder.row(keys.index(key)))
-    counts = holder.book.counters()
-    assert counts["data_requests"] == 1 and counts["chunks_served"] == 4 and counts["serve_misses"] == 2
+    counts = holder.book.counts()
+    assert counts[TierCounter.DATA_REQUESTS] == 1 and counts[TierCounter.CHUNKS_SERVED] == 4
+    assert counts[TierCounter.SERVE_MISSES] == 2
 
 
 def test_a_reused_slot_is_a_miss_and_a_row_changed_in_place_is_rejected(holder: Holder) -> None:
@@ -132,12 +134,12 @@ def test_a_reused_slot_is_a_miss_and_a_row_changed_in_place_is_rejected(holder: 
         == [False, True, False]
     assert bytes(outs[1]) == bytes(holder.row(1))
     assert not any(outs[0])  # a miss: no byte of the reused slot was sent
-    counts = holder.book.counters()
-    assert counts["serve_misses"] == 1 and counts["chunks_served"] == 2
+    counts = holder.book.counts()
+    assert counts[TierCounter.SERVE_MISSES] == 1 and counts[TierCounter.CHUNKS_SERVED] == 2
     assert holder.index.holds([reused, fresh, changed]) == [False, True, True]
-    assert holder.requester.counters()["load_misses"] == 1
-    assert holder.requester.counters()["bad_chunks"] == 1  # the requester's checksum caught it
-    assert "peer_errors" not in holder.requester.counters() and holder.server.connections() == 1
+    assert holder.requester.counts()[TierCounter.LOAD_MISSES] == 1
+    assert holder.requester.counts().bad_chunks == 1  # the requester's checksum caught it
+    assert holder.requester.counts()[TierCounter.PEER_ERRORS] == 0 and holder.server.connections() == 1
     again = memoryview(bytearray(ROW))
     assert holder.fetcher.fetch(holder.address, [(fresh, again)]) == [True]
     assert holder.server.connections() == 1
@@ -172,7 +174,7 @@ def test_a_slot_reused_while_its_row_is_being_sent_voids_the_row(big_holder: Hol
         conn.sendall(protocol.encode_get([key, other]))
         first = protocol.recv_bytes(conn, block + header + rowhash.PIECE_BYTES)
         time.sleep(0.3)  # the server's thread fills the socket buffers and blocks mid-row
-        assert holder.book.counters().get("chunks_served", 0) == 0
+        assert holder.book.counts()[TierCounter.CHUNKS_SERVED] == 0
         new = holder.reuse(0)
         rest = protocol.recv_bytes(conn, BIG_ROW - rowhash.PIECE_BYTES + block)
         answer = first + rest
@@ -188,8 +190,8 @@ def test_a_slot_reused_while_its_row_is_being_sent_voids_the_row(big_holder: Hol
         second = protocol.recv_bytes(conn, block + header + BIG_ROW + block)
         assert second[:block] == protocol.STATUS_CHUNK and second[-block:] == protocol.TRAILER_OK
         assert second[block + header : -block] == bytes(holder.row(1))
-    counts = holder.book.counters()
-    assert counts["serve_aborted"] == 1 and counts["chunks_served"] == 1
+    counts = holder.book.counts()
+    assert counts[TierCounter.SERVE_ABORTED] == 1 and counts[TierCounter.CHUNKS_SERVED] == 1
     assert holder.index.holds([key, other]) == [False, True]
 
 
@@ -211,10 +213,10 @@ def test_the_requester_never_accepts_a_row_whose_slot_was_reused_during_the_send
         if loaded:
             assert bytes(out) == stored
         verdicts.append(loaded)
-    counts, served = holder.requester.counters(), holder.book.counters()
-    assert counts.get("load_misses", 0) == verdicts.count(False)
-    assert "bad_chunks" not in counts and "peer_errors" not in counts
-    assert served.get("serve_aborted", 0) >= 1  # the race was caused, mid-row, at least once
+    counts, served = holder.requester.counts(), holder.book.counts()
+    assert counts[TierCounter.LOAD_MISSES] == verdicts.count(False)
+    assert counts.bad_chunks == 0 and counts[TierCounter.PEER_ERRORS] == 0
+    assert served[TierCounter.SERVE_ABORTED] >= 1  # the race was caused, mid-row, at least once
 
 
 def test_a_wrong_checksum_from_the_holder_is_a_bad_chunk(holder: Holder) -> None:
@@ -222,7 +224,7 @@ def test_a_wrong_checksum_from_the_holder_is_a_bad_chunk(holder: Holder) -> None
     holder.index.remember(key, Claim(3, bytes(16), holder.generations[3]))  # a wrong digest in the header
     out = memoryview(bytearray(ROW))
     assert holder.fetcher.fetch(holder.address, [(key, out)]) == [False]
-    assert chunkfmt.checksum(holder.row(3)) != bytes(16) and holder.requester.counters()["bad_chunks"] == 1
+    assert chunkfmt.checksum(holder.row(3)) != bytes(16) and holder.requester.counts().bad_chunks == 1
 
 
 def test_requests_sent_ahead_are_answered_in_order_on_one_connection(holder: Holder) -> None:
@@ -234,7 +236,7 @@ def test_requests_sent_ahead_are_answered_in_order_on_one_connection(holder: Hol
     second = holder.fetcher.send(holder.address, [(keys[3], outs[3])])
     assert holder.fetcher.complete(first) == [True] * 3 and holder.fetcher.complete(second) == [True]
     assert [bytes(o) for o in outs] == [bytes(holder.row(s)) for s in range(4)]
-    assert holder.book.counters()["data_requests"] == 2 and holder.server.connections() == 1
+    assert holder.book.counts()[TierCounter.DATA_REQUESTS] == 2 and holder.server.connections() == 1
 
 
 def test_requests_sent_ahead_on_a_connection_the_holder_closed_go_out_again(
@@ -252,7 +254,7 @@ def test_requests_sent_ahead_on_a_connection_the_holder_closed_go_out_again(
     requests = [holder.fetcher.send(holder.address, [(key, out)]) for out in outs]
     assert [holder.fetcher.complete(r) for r in requests] == [[True], [True]]
     assert all(bytes(out) == bytes(holder.row(0)) for out in outs)
-    assert "peer_errors" not in holder.requester.counters()
+    assert holder.requester.counts()[TierCounter.PEER_ERRORS] == 0
 
 
 def test_answers_come_in_whole_blocks_so_rows_arrive_aligned(holder: Holder) -> None:

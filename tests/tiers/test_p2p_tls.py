@@ -18,14 +18,14 @@ from pathlib import Path
 import pytest
 
 from kvtier.errors import ConfigError
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import Job, JobKind, LookupResult
 from kvtier.tiers.p2p import P2PTier, protocol
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.process import TierProcess
-from tests.conftest import fill_slot, random_key, settle_lookup, wait_jobs
-from tests.tiers.test_p2p import FP, ROW_BYTES, SECRET, address, ctx_of, data_address, make_peer, stats
-
-__all__ = ["make_peer"]  # the fixture, imported for this module's tests
+from tests.conftest import ROW_BYTES, fill_slot, random_key, settle_lookup, wait_jobs
+from tests.tiers.p2p_helpers import FP, SECRET, address, ctx_of, data_address
+from tests.tiers.process_helpers import reported_counts
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
 
@@ -54,7 +54,9 @@ def refusals(proc: TierProcess, expected: int, timeout_s: float = 5.0) -> float:
     """`auth_refused` of `proc` once it reached `expected` (the holder counts a refusal just after
     the TLS layer hung up, so the requester may see it first), or when `timeout_s` ran out."""
     deadline = time.monotonic() + timeout_s
-    while (seen := stats(proc)["auth_refused"]) < expected and time.monotonic() < deadline:
+    while (seen := reported_counts(proc)[TierCounter.AUTH_REFUSED]) < expected:
+        if time.monotonic() > deadline:
+            break
         time.sleep(0.05)
     return seen
 
@@ -86,7 +88,7 @@ def test_loads_go_over_tls_and_peers_without_a_fleet_certificate_are_refused(mak
         assert settle_lookup(intruder, [key]) == [LookupResult.HIT]  # lookups are not TLS
         intruder.submit_load(Job(3, JobKind.LOAD, (key,), (0,)))
         assert not wait_jobs(intruder, 1)[0].success
-    assert refusals(a, 2) == 2 and stats(a)["chunks_served"] == 1
+    assert refusals(a, 2) == 2 and reported_counts(a)[TierCounter.CHUNKS_SERVED] == 1
 
 
 def test_the_data_port_speaks_only_tls(make_peer, certs) -> None:

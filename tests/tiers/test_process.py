@@ -11,28 +11,10 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
-from kvtier.tiers.process import TierProcess, TierSpec
-from tests.conftest import (
-    LAYOUT_FP,
-    ROW_BYTES,
-    SLOTS,
-    fill_slot,
-    random_key,
-    settle_lookup,
-    wait_jobs,
-)
+from tests.conftest import fill_slot, random_key, settle_lookup, wait_jobs
+from tests.tiers.process_helpers import make_proc
 
 PLUGIN = "tests.tiers.plugin_tier"
-
-
-def make_proc(region: HostRegion, type_: str, module_path: str | None = None, **kw) -> TierProcess:
-    options = kw.pop("options", {})
-    spec = TierSpec(
-        tier_name="t", type=type_, module_path=module_path, options=options,
-        config_key="secondary_tiers[0]", region_name=region.name, shm_dir="/dev/shm",
-        row_bytes=ROW_BYTES, num_slots=SLOTS, layout_fingerprint=LAYOUT_FP,
-    )
-    return TierProcess(spec, **kw)
 
 
 def test_tier_rejecting_its_options_fails_start_with_its_message(region: HostRegion) -> None:

@@ -18,8 +18,9 @@ import redis
 
 from kvtier.bench.tier_bench import run_tier_bench
 from kvtier.errors import ConfigError
-from kvtier.format.chunks import TierEventKind
+from kvtier.format.chunks import ChunkError, TierEventKind
 from kvtier.host.region import HostRegion
+from kvtier.ops.metrics import TierCounter, TierGauge
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.process import TierProcess, TierSpec
@@ -35,7 +36,7 @@ from tests.conftest import (
     wait_jobs,
 )
 from tests.services.redis_server import RedisServer, free_port, fresh_prefix
-from tests.tiers import test_contract as contract
+from tests.tiers.contract_suite import ContractSuite
 
 MakeTier = Callable[..., RedisTier]
 
@@ -76,7 +77,7 @@ def test_a_value_is_the_chunk_header_then_the_row(make_tier, ctx, redis_tier_opt
     store(tier, ctx, [key])
     value = client(redis_tier_options).get(value_key(redis_tier_options, key))
     assert value == chunkfmt.header_bytes(key, bytes.fromhex(LAYOUT_FP), row) + row
-    assert tier.stats()["stored"] == 1 and tier.stats()["hiredis"] == 1
+    assert tier.counts()[TierCounter.STORED] == 1 and tier.counts()[TierGauge.HIREDIS] == 1
 
 
 def _corrupt(kind: str, value: bytes, other: bytes) -> bytes:
@@ -95,11 +96,11 @@ def _corrupt(kind: str, value: bytes, other: bytes) -> bytes:
 
 
 @pytest.mark.parametrize(("kind", "reason"), [
-    ("checksum", "checksum"), ("wrong_length", "wrong_length"), ("oversized", "wrong_length"),
-    ("short", "short"), ("foreign_format", "foreign_format"), ("wrong_key", "wrong_key"),
-])
+    ("checksum", ChunkError.CHECKSUM), ("wrong_length", ChunkError.LENGTH), ("oversized", ChunkError.LENGTH),
+    ("short", ChunkError.SHORT), ("foreign_format", ChunkError.MAGIC), ("wrong_key", ChunkError.KEY),
+], ids=lambda v: getattr(v, "value", v))
 def test_a_bad_value_is_counted_deleted_and_fails_its_key(make_tier, ctx, redis_tier_options,
-                                                           kind: str, reason: str) -> None:
+                                                           kind: str, reason: ChunkError) -> None:
     tier = make_tier(**redis_tier_options, lookup_ttl_s=0.05)
     key, other, good = random_key(), random_key(), random_key()
     fill_slot(ctx, 0)
@@ -115,8 +116,8 @@ def test_a_bad_value_is_counted_deleted_and_fails_its_key(make_tier, ctx, redis_
     [result] = wait_jobs(tier, 1)
     assert not result.success and result.successful_keys == (good,)
     assert bytes(ctx.slot_view(9)) == data
-    stats = tier.stats()
-    assert stats["bad_chunks"] == 1 and stats[f"bad_{reason}"] == 1
+    counts = tier.counts()
+    assert counts.bad_chunks == 1 and counts[reason] == 1
     assert r.exists(name) == 0
     assert settle_lookup(tier, [key, good]) == [LookupResult.MISS, LookupResult.HIT]
     removed = {k for e in tier.take_events() if e.kind is TierEventKind.REMOVED for k in e.keys}
@@ -133,7 +134,7 @@ def test_a_value_of_another_type_fails_its_key_only(make_tier, ctx, redis_tier_o
     tier.submit_load(Job(2, JobKind.LOAD, (key, good), (5, 6)))
     [result] = wait_jobs(tier, 1)
     assert result.successful_keys == (good,) and bytes(ctx.slot_view(6)) == data
-    assert tier.stats()["bad_chunks"] == 0 and tier.stats()["down"] == 0
+    assert tier.counts().bad_chunks == 0 and tier.counts()[TierGauge.SERVER_DOWN] == 0
 
 
 @pytest.mark.parametrize("protocol", [2, 3])
@@ -145,7 +146,7 @@ def test_resp2_and_resp3_round_trip_and_miss(make_tier, ctx, redis_server, proto
     tier.submit_load(Job(2, JobKind.LOAD, (random_key(), key), (3, 4)))
     [result] = wait_jobs(tier, 1)
     assert result.successful_keys == (key,) and bytes(ctx.slot_view(4)) == data
-    assert tier.stats()["load_misses"] == 1
+    assert tier.counts()[TierCounter.LOAD_MISSES] == 1
 
 
 def test_a_bad_value_replaced_meanwhile_by_a_good_one_is_kept(make_tier, ctx, redis_tier_options) -> None:
@@ -214,7 +215,7 @@ def test_a_restarted_server_fails_jobs_as_values_then_the_tier_recovers(
     assert all(not r.success and r.successful_keys == () for r in results)
     assert settle_lookup(tier, [before], timeout_s=2) == [LookupResult.MISS]
     assert time.monotonic() - start < 5
-    assert tier.stats()["connection_errors"] >= 1
+    assert tier.counts()[TierCounter.CONNECTION_ERRORS] >= 1
     assert len(caplog.records) <= 3, [r.getMessage() for r in caplog.records]
 
     server.start()
@@ -231,7 +232,7 @@ def test_a_restarted_server_fails_jobs_as_values_then_the_tier_recovers(
     [result] = wait_jobs(tier, 1)
     # The restarted server kept nothing: the old chunk is a miss, never garbage.
     assert result.successful_keys == (key,) and bytes(ctx.slot_view(5)) == data
-    assert tier.stats()["bad_chunks"] == 0
+    assert tier.counts().bad_chunks == 0
 
 
 def test_a_hung_server_fails_jobs_within_the_socket_timeout(make_tier, ctx, redis_server_factory) -> None:
@@ -298,9 +299,9 @@ def test_the_servers_own_maxmemory_eviction_gives_misses_never_bad_data(
                 assert hashlib.sha256(ctx.slot_view(batch + i)).hexdigest() == stored[key]
             else:
                 missed += 1
-    stats = tier.stats()
+    counts = tier.counts()
     assert loaded > 0 and missed > 0
-    assert stats["bad_chunks"] == 0 and stats["load_misses"] == missed
+    assert counts.bad_chunks == 0 and counts[TierCounter.LOAD_MISSES] == missed
 
 
 def test_ttl_expires_values_and_loads_refresh_it(make_tier, ctx, redis_tier_options) -> None:
@@ -392,7 +393,7 @@ def test_a_wrong_password_is_a_config_error_that_never_shows_it(
         server.kill()
         tier.submit_store(Job(2, JobKind.STORE, (key,), (0,)))
         assert not wait_jobs(tier, 1)[0].success
-        assert "Pa55word" not in repr(tier) and "Pa55word" not in str(tier.stats())
+        assert "Pa55word" not in repr(tier) and "Pa55word" not in str(tier.counts())
     finally:
         tier.shutdown()
     assert caplog.records and "Pa55word" not in caplog.text
@@ -419,10 +420,10 @@ def test_bad_options_name_themselves(ctx, redis_tier_options, option: str, value
 def test_tier_bench_runs_against_redis(redis_tier_options) -> None:
     report = run_tier_bench("redis", redis_tier_options, chunk_bytes=64 << 10, chunks=8, threads=2)
     assert report["store_gib_s"] > 0 and report["load_gib_s"] > 0
-    assert report["tier_stats"]["loaded"] >= 0
+    assert report["tier_counts"]["tier_counter"][TierCounter.LOADED.value] == 8
 
 
-class TestContractOnValkey:
+class TestContractOnValkey(ContractSuite):
     """Every contract test again, against a valkey-server (skipped when Valkey is not installed)."""
 
     @pytest.fixture(params=["inproc", "process"])
@@ -437,7 +438,3 @@ class TestContractOnValkey:
         yield proc
         proc.shutdown()
 
-
-for _name, _test in vars(contract).items():
-    if _name.startswith("test_") and callable(_test) and _name != "test_every_builtin_tier_is_covered":
-        setattr(TestContractOnValkey, _name, staticmethod(_test))

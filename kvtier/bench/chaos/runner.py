@@ -65,13 +65,9 @@ def _flush_counts(scheduler: Any) -> None:
     scheduler.ops.step([])
 
 
-def _bad_chunks(metrics: Any) -> dict[str, int]:
-    out: dict[str, int] = {}
-    for name, value in metrics.snapshot().items():
-        if name.startswith("kvtier_bad_chunks_total{"):
-            tier = name.split('tier="', 1)[1].split('"', 1)[0]
-            out[tier] = out.get(tier, 0) + int(value)
-    return out
+def _bad_chunks(manager: Any) -> dict[str, int]:
+    """Bad chunks by tier, every reason together, as kvtier's metrics counted them."""
+    return {name: int(manager.metrics.tier_counts(name).bad_chunks) for name in manager.tiers}
 
 
 def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str, Any]:
@@ -177,7 +173,7 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
             "windows": [asdict(w) for w in (injectors.windows if injectors else [])],
             "failed_injections": dict(injectors.failed_injections) if injectors else {},
             "temps_left": injectors.temps_left if injectors else 0, "temps_remaining": len(temps),
-            "ledger": ledger.counts(), "detected_metric": _bad_chunks(manager.metrics),
+            "ledger": ledger.counts(), "detected_metric": _bad_chunks(manager),
             "loads_ok": ledger.loads_ok, "settled": settled,
             "host": {"pinned": host.pinned, "check": host_error or "clean"},
             "fsck": _fsck_json(fsck_report),

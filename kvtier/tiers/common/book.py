@@ -1,6 +1,7 @@
 """Bookkeeping shared by the tiers whose I/O runs on their own threads (fs, obj, redis).
 
-`TierBook` holds a tier's counters, its pending events and its finished jobs; `FailureLog` turns a
+`TierBook` holds a tier's counts (the declared `TierCounter`s and bad chunks by `ChunkError`), its
+pending events and its finished jobs; `FailureLog` turns a
 stream of failures into one log line per cause. Both are thread-safe: the I/O threads record, the
 tier process's dispatch thread drains.
 """
@@ -13,11 +14,11 @@ import math
 import threading
 import time
 from collections import Counter
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 
-from kvtier.format.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.format.chunks import ChunkError, ChunkKey, TierEvent, TierEventKind
+from kvtier.ops.metrics import TierCounter, TierCounts, TierGauge, TierStat
 from kvtier.tiers.base import Job, JobKind, JobResult, TierContext
-from kvtier.tiers.common.chunkfmt import ChunkError
 from kvtier.tiers.common.iopool import IoPool, JobTracker
 
 LOG_INTERVAL_S = 600.0
@@ -57,32 +58,31 @@ class FailureLog:
 
 
 class TierBook:
-    """A tier's counters, pending events and finished jobs."""
+    """A tier's counts, pending events and finished jobs."""
 
     def __init__(self, ctx: TierContext) -> None:
         self.ctx = ctx
         self._lock = threading.Lock()
-        self._counters: Counter[str] = Counter()
+        self._counts: Counter[TierCounter | ChunkError] = Counter()
         self._events: list[tuple[TierEventKind, ChunkKey]] = []
         self._finished: list[JobResult] = []
 
-    def count(self, name: str, n: int = 1) -> None:
+    def count(self, counter: TierCounter, n: int = 1) -> None:
         with self._lock:
-            self._counters[name] += n
+            self._counts[counter] += n
 
     def bad(self, reason: ChunkError, n: int = 1) -> None:
-        """Count `n` bad chunks, in all ("bad_chunks") and by reason ("bad_<reason>")."""
+        """Count `n` stored chunks rejected for `reason`."""
         with self._lock:
-            self._counters["bad_chunks"] += n
-            self._counters[f"bad_{reason.value}"] += n
+            self._counts[reason] += n
 
-    def counters(self, *always: str) -> dict[str, float]:
-        """A snapshot of every counter; the names in `always` appear even while zero, first."""
+    def counts(self, gauges: Mapping[TierGauge, float] | None = None) -> TierCounts:
+        """A snapshot of every count, with the tier's `gauges` of now."""
         with self._lock:
-            counters = dict(self._counters)
-        out = {name: float(counters.pop(name, 0)) for name in always}
-        out.update((k, float(v)) for k, v in counters.items())
-        return out
+            values: dict[TierStat, float] = {k: float(v) for k, v in self._counts.items()}
+        for gauge, value in (gauges or {}).items():
+            values[gauge] = value
+        return TierCounts(values)
 
     def event(self, kind: TierEventKind, key: ChunkKey) -> None:
         with self._lock:
@@ -147,7 +147,7 @@ class TierBook:
         tracker = self.track(job)
         if tracker is None:
             return
-        failures = "store_failures" if job.kind is JobKind.STORE else "load_failures"
+        failures = TierCounter.STORE_FAILURES if job.kind is JobKind.STORE else TierCounter.LOAD_FAILURES
 
         def run(i: int, live: bool) -> None:
             ok = False

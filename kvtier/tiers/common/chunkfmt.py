@@ -12,28 +12,17 @@ with O_DIRECT straight into page-aligned host-region rows.
 
 from __future__ import annotations
 
-import enum
 import struct
 
 import xxhash
+
+from kvtier.format.chunks import ChunkError
 
 MAGIC = b"KVTCHUNK"
 VERSION = 1
 HEADER_BYTES = 4096
 _FIXED = struct.Struct("<8sHHI32s16sQ16s")
 """magic, version, flags, header length, key, layout fingerprint, payload length, checksum."""
-
-
-class ChunkError(enum.Enum):
-    """Why a stored chunk was rejected. The value is the label used in metrics and fsck output."""
-
-    SHORT = "short"
-    MAGIC = "foreign_format"
-    VERSION = "version"
-    KEY = "wrong_key"
-    LAYOUT = "wrong_layout"
-    LENGTH = "wrong_length"
-    CHECKSUM = "checksum"
 
 
 def checksum(payload: memoryview | bytes) -> bytes:

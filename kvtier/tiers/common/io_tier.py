@@ -1,8 +1,8 @@
 """The contract methods every tier with its own I/O threads forwards to its bookkeeper, written once.
 
-`BookedTier` (fs, obj, redis, p2p): the I/O threads record finished jobs, events and counters in a
+`BookedTier` (fs, obj, redis, p2p): the I/O threads record finished jobs, events and counts in a
 `TierBook`; the dispatch thread drains them through the contract (`get_finished_jobs`,
-`take_events`, `stats`). It also holds the layout fingerprint every stored chunk's header carries.
+`take_events`, `counts`). It also holds the layout fingerprint every stored chunk's header carries.
 
 `PerKeyTier` (fs, obj): jobs run one task per key on an `IoPool`; the subclass moves one key
 (`_store_key`, `_load_key`, on I/O threads) and says how a failure is logged (`_key_failed`). What
@@ -14,10 +14,10 @@ from __future__ import annotations
 import threading
 from abc import ABC, abstractmethod
 from collections import Counter
-from typing import ClassVar
 
 from kvtier.errors import ConfigError
-from kvtier.format.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.format.chunks import ChunkError, ChunkKey, TierEvent, TierEventKind
+from kvtier.ops.metrics import TierCounts, TierGauge
 from kvtier.tiers.base import Job, JobKind, JobResult, SecondaryTier, TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import KeyWork, TierBook
@@ -27,10 +27,7 @@ KEY_BYTES = 32
 
 
 class BookedTier(SecondaryTier):
-    """A tier whose completions, events and counters go through `self._book`."""
-
-    COUNTERS: ClassVar[tuple[str, ...]] = ()
-    """The counters `stats` reports even while zero (first, in this order)."""
+    """A tier whose completions, events and counts go through `self._book`."""
 
     def __init__(self, ctx: TierContext) -> None:
         super().__init__(ctx)
@@ -46,9 +43,13 @@ class BookedTier(SecondaryTier):
     def take_events(self) -> list[TierEvent]:
         return self._book.take_events()
 
-    def stats(self) -> dict[str, float]:
-        """The book's counters; a subclass adds its own gauges."""
-        return self._book.counters(*self.COUNTERS)
+    def counts(self) -> TierCounts:
+        """The book's counts, with the subclass's `_gauges`."""
+        return self._book.counts(self._gauges())
+
+    def _gauges(self) -> dict[TierGauge, float]:
+        """The tier's gauges now (none by default). Optional hook, called like `counts`."""
+        return {}
 
 
 class KeyIndex(ABC):
@@ -139,7 +140,7 @@ class PerKeyTier(BookedTier):
         if self._index.remove(key):
             self._book.event(TierEventKind.REMOVED, key)
 
-    def _bad(self, reason: chunkfmt.ChunkError, what: str) -> None:
+    def _bad(self, reason: ChunkError, what: str) -> None:
         """Count a bad chunk and log the cause (at most once per interval); `what` says what was
         done with it."""
         self._book.bad(reason)

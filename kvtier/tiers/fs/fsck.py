@@ -25,6 +25,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs.index import (
     CHUNK_NAME_RE,
@@ -82,9 +83,9 @@ def _verify(path: str, name: str, layout_fp: bytes, buf: bytearray) -> str | Non
         _key, _fp, payload_len = chunkfmt.header_fields(header)
         size = os.fstat(f.fileno()).st_size
         if size < chunkfmt.HEADER_BYTES + payload_len:
-            return chunkfmt.ChunkError.SHORT.value
+            return ChunkError.SHORT.value
         if size > chunkfmt.HEADER_BYTES + payload_len:
-            return chunkfmt.ChunkError.LENGTH.value
+            return ChunkError.LENGTH.value
         if len(buf) < payload_len:
             buf.extend(bytes(payload_len - len(buf)))
         view = memoryview(buf)[:payload_len]
@@ -92,10 +93,10 @@ def _verify(path: str, name: str, layout_fp: bytes, buf: bytearray) -> str | Non
         while got < payload_len:
             n = f.readinto(view[got:])
             if not n:
-                return chunkfmt.ChunkError.SHORT.value
+                return ChunkError.SHORT.value
             got += n
         if chunkfmt.checksum(view) != digest:
-            return chunkfmt.ChunkError.CHECKSUM.value
+            return ChunkError.CHECKSUM.value
     return None
 
 

@@ -18,6 +18,7 @@ import errno
 import mmap
 import os
 
+from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs.index import temp_name
 from kvtier.tiers.fs.native import NativeWriter
@@ -105,7 +106,7 @@ def write_chunk(
 
 def read_chunk(
     fd: int, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview
-) -> chunkfmt.ChunkError | None:
+) -> ChunkError | None:
     """Fill `row` from the open chunk file `fd`; None when the file is a valid chunk of `key`,
     else why not (the row then holds garbage). Raises OSError for I/O errors."""
     hview = memoryview(header)
@@ -118,14 +119,14 @@ def read_chunk(
         got += n
         bufs = _advance(bufs, n)
     if got < chunkfmt.HEADER_BYTES:
-        return chunkfmt.ChunkError.SHORT
+        return ChunkError.SHORT
     err, digest = chunkfmt.check_header(hview, key, layout_fp, len(row))
     if err is not None:
         return err
     if bufs:
-        return chunkfmt.ChunkError.SHORT
+        return ChunkError.SHORT
     if os.fstat(fd).st_size != chunkfmt.HEADER_BYTES + len(row):
-        return chunkfmt.ChunkError.LENGTH
+        return ChunkError.LENGTH
     if chunkfmt.checksum(row) != digest:
-        return chunkfmt.ChunkError.CHECKSUM
+        return ChunkError.CHECKSUM
     return None

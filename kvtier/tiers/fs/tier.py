@@ -32,7 +32,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.format.chunks import ChunkKey, TierEventKind
+from kvtier.format.chunks import ChunkError, ChunkKey, TierEventKind
+from kvtier.ops.metrics import TierCounter, TierGauge
 from kvtier.tiers.base import LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog
@@ -69,8 +70,6 @@ class FsTier(PerKeyTier):
 
     medium = "STORAGE"
     locality = "LOCAL"
-    COUNTERS = ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
-                "evictions", "rescans")
     _index: FsIndex
     OPTIONS = (
         Option("root_dir", Kind.TEXT, required=True, test=bool, allowed="must be a directory path"),
@@ -160,9 +159,9 @@ class FsTier(PerKeyTier):
     def usage(self) -> TierUsage:
         return TierUsage(self._index.bytes_used, len(self._index), self._index.max_bytes or 0)
 
-    def stats(self) -> dict[str, float]:
-        return {"direct_io": float(self.direct_io), "native_io": float(self._native is not None),
-                **super().stats()}
+    def _gauges(self) -> dict[TierGauge, float]:
+        return {TierGauge.DIRECT_IO: float(self.direct_io),
+                TierGauge.NATIVE_IO: float(self._native is not None)}
 
     def _close(self) -> None:
         """Stop the scanner (the I/O threads are gone)."""
@@ -209,7 +208,7 @@ class FsTier(PerKeyTier):
             self._index.release(self.file_bytes)
         if self._index.add(key, self.file_bytes, time.time()):
             self._book.event(TierEventKind.STORED, key)
-        self._book.count("stored")
+        self._book.count(TierCounter.STORED)
         return True
 
     def _write(self, name: str, path: str, key: bytes, row: memoryview) -> None:
@@ -230,7 +229,7 @@ class FsTier(PerKeyTier):
                 with contextlib.suppress(FileNotFoundError):
                     os.unlink(self._path(name))
             self._book.event(TierEventKind.REMOVED, key)
-            self._book.count("evictions")
+            self._book.count(TierCounter.EVICTIONS)
 
     def _load_key(self, key: ChunkKey, slot: int) -> bool:
         path = self._path(key.hex())
@@ -240,7 +239,7 @@ class FsTier(PerKeyTier):
             try:
                 fd = os.open(path, os.O_RDONLY | O_CLOEXEC | (O_DIRECT * self.direct_io))
             except FileNotFoundError:
-                self._book.count("load_misses")
+                self._book.count(TierCounter.LOAD_MISSES)
                 self._forget(key)
                 return False
             try:
@@ -263,10 +262,10 @@ class FsTier(PerKeyTier):
             self._index.touch(key, now)
         elif self._index.add(key, self.file_bytes, now):
             self._book.event(TierEventKind.STORED, key)
-        self._book.count("loaded")
+        self._book.count(TierCounter.LOADED)
         return True
 
-    def _drop_bad(self, path: str, fd: int, key: bytes, reason: chunkfmt.ChunkError) -> None:
+    def _drop_bad(self, path: str, fd: int, key: bytes, reason: ChunkError) -> None:
         """Remove a bad chunk file, unless another instance has replaced it meanwhile."""
         self._bad(reason, f"removed bad chunk file {path}")
         with contextlib.suppress(OSError):
@@ -285,9 +284,9 @@ class FsTier(PerKeyTier):
             with contextlib.suppress(OSError):
                 os.unlink(path)
         if found.wrong_size:
-            self._book.bad(chunkfmt.ChunkError.LENGTH, len(found.wrong_size))
+            self._book.bad(ChunkError.LENGTH, len(found.wrong_size))
         appeared, vanished = self._index.merge_scan(marker, found.files)
-        self._book.count("rescans")
+        self._book.count(TierCounter.RESCANS)
         if not initial:
             self._book.events(TierEventKind.STORED, appeared)
             self._book.events(TierEventKind.REMOVED, vanished)

@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.options import HIDDEN
 
@@ -193,7 +194,7 @@ class ChunkIO:
             raise
         return True
 
-    def get(self, name: str, key: bytes, row: memoryview) -> chunkfmt.ChunkError | None:
+    def get(self, name: str, key: bytes, row: memoryview) -> ChunkError | None:
         """Fill `row` from the object; None when it is a valid chunk of `key`, else why not (the
         row then holds garbage). A missing object raises ClientError with a NOT_FOUND code."""
         response = self.client.get_object(Bucket=self.bucket, Key=name)
@@ -206,11 +207,11 @@ class ChunkIO:
             if err is not None:
                 return err
             if response.get("ContentLength") != self.object_bytes:
-                return chunkfmt.ChunkError.LENGTH
+                return ChunkError.LENGTH
             if _fill(body, row) < len(row) or body.read(1):
-                return chunkfmt.ChunkError.SHORT
+                return ChunkError.SHORT
             complete = True
-            return chunkfmt.ChunkError.CHECKSUM if chunkfmt.checksum(row) != digest else None
+            return ChunkError.CHECKSUM if chunkfmt.checksum(row) != digest else None
         finally:
             if not complete:
                 body.close()  # unread bytes: drop the connection rather than drain it

@@ -42,7 +42,8 @@ from collections.abc import Sequence
 from typing import Any
 
 from kvtier.errors import ConfigError
-from kvtier.format.chunks import ChunkKey, TierEventKind
+from kvtier.format.chunks import ChunkError, ChunkKey, TierEventKind
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.io_tier import PerKeyTier
@@ -67,8 +68,6 @@ class ObjTier(PerKeyTier):
 
     medium = "STORAGE"
     locality = "REMOTE"
-    COUNTERS = ("bad_chunks", "store_failures", "load_failures", "load_misses", "stored", "loaded",
-                "evictions", "heads", "lookup_failures", "listings")
     _index: ObjIndex
     OPTIONS = (
         Option("bucket", Kind.TEXT, required=True, test=bool, allowed="must be a non-empty string"),
@@ -159,7 +158,7 @@ class ObjTier(PerKeyTier):
         self._health.succeeded()
         if self._index.add(key):
             self._book.event(TierEventKind.STORED, key)
-        self._book.count("stored")
+        self._book.count(TierCounter.STORED)
         return True
 
     def _load_key(self, key: ChunkKey, slot: int) -> bool:
@@ -173,7 +172,7 @@ class ObjTier(PerKeyTier):
             if error_code(e) not in NOT_FOUND:
                 raise
             self._health.succeeded()
-            self._book.count("load_misses")
+            self._book.count(TierCounter.LOAD_MISSES)
             self._forget(key)
             return False
         finally:
@@ -184,7 +183,7 @@ class ObjTier(PerKeyTier):
             return False
         if self._index.add(key):
             self._book.event(TierEventKind.STORED, key)
-        self._book.count("loaded")
+        self._book.count(TierCounter.LOADED)
         return True
 
     def _head(self, key: ChunkKey) -> None:
@@ -196,11 +195,11 @@ class ObjTier(PerKeyTier):
                 self._health.succeeded()
         except Exception as e:
             self._health.failed(f"lookup:{error_code(e)}", e)
-            self._book.count("lookup_failures")
-        self._book.count("heads")
+            self._book.count(TierCounter.LOOKUP_FAILURES)
+        self._book.count(TierCounter.HEADS)
         self._index.answer(key, present)
 
-    def _drop_bad(self, name: str, key: bytes, reason: chunkfmt.ChunkError) -> None:
+    def _drop_bad(self, name: str, key: bytes, reason: ChunkError) -> None:
         self._bad(reason, f"deleted bad object {name}")
         try:
             self._io.delete(name)
@@ -215,7 +214,7 @@ class ObjTier(PerKeyTier):
             except Exception as e:
                 self._health.failed(f"evict:{error_code(e)}", e)
             self._book.event(TierEventKind.REMOVED, key)
-            self._book.count("evictions")
+            self._book.count(TierCounter.EVICTIONS)
 
     def _scan(self) -> None:
         """Learn the objects already under the layout prefix (for `max_bytes`); a pool task."""
@@ -235,4 +234,4 @@ class ObjTier(PerKeyTier):
         found.sort(key=lambda item: item[1])
         self._index.merge_listed([k for k, _ in found])
         self._delete(self._index.reserve(0)[1])
-        self._book.count("listings")
+        self._book.count(TierCounter.LISTINGS)

@@ -22,6 +22,7 @@ import zmq.auth.thread
 from zmq.utils import z85
 
 from kvtier.errors import ConfigError
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p.protocol import PeerFailure
 
@@ -73,7 +74,7 @@ class CurveGate:
         """Called by the authenticator's thread for each CURVE handshake (key in Z85)."""
         if domain == ZAP_DOMAIN and client_key == self._public:
             return True
-        self._book.count("auth_refused")
+        self._book.count(TierCounter.AUTH_REFUSED)
         self._failures.failed("auth:curve", PeerFailure("refused a control connection: unknown CURVE key"))
         return False
 

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from kvtier.errors import ConfigError
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p.protocol import PeerFailure
 
@@ -56,7 +57,7 @@ class Discovery:
             why = PeerFailure(f"redis discovery failed: {e}")
             self._failures.failed(f"discovery:{type(e).__name__}", why)
             return
-        self._book.count("discovery_refreshes")
+        self._book.count(TierCounter.DISCOVERY_REFRESHES)
         self._on_peers([*self._static, *(a for a in sorted(found) if a != self._address)])
 
     def _loop(self) -> None:

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import xxhash
 
+from kvtier.format.chunks import ChunkError
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import protocol, rowhash
@@ -139,7 +141,7 @@ class Fetcher:
             more = i + 1 < len(items)
             status = bytes(tail[block:])
             if status == protocol.STATUS_MISS:
-                self._book.count("load_misses")
+                self._book.count(TierCounter.LOAD_MISSES)
                 if more:
                     protocol.recv_exact(conn, tail[block:])
                 continue
@@ -164,12 +166,12 @@ class Fetcher:
             protocol.recv_exact(conn, tail)
         trailer = bytes(tail[: protocol.BLOCK])
         if trailer == protocol.TRAILER_ABORTED:
-            self._book.count("load_misses")
+            self._book.count(TierCounter.LOAD_MISSES)
             return False
         if trailer != protocol.TRAILER_OK:
             raise protocol.ProtocolError(f"unknown trailer block {trailer[:8]!r}...")
         if whole.digest() != digest:
-            self._book.bad(chunkfmt.ChunkError.CHECKSUM)
+            self._book.bad(ChunkError.CHECKSUM)
             self._failures.failed("bad:checksum", PeerFailure("a received chunk failed its checksum"))
             return False
         return True
@@ -209,7 +211,7 @@ class Fetcher:
     def _peer_down(self, address: tuple[str, int], cause: str, exc: BaseException) -> None:
         with self._lock:
             self._down_until[address] = time.monotonic() + self._reconnect_interval_s
-        self._book.count("peer_errors")
+        self._book.count(TierCounter.PEER_ERRORS)
         self._failures.failed(cause, PeerFailure(f"holder {address[0]}:{address[1]}: {exc}"))
 
     def close(self) -> None:

@@ -31,7 +31,6 @@ class ChunkIndex:
         self._entries: OrderedDict[bytes, Claim] = OrderedDict()
         self._slot_key: dict[int, bytes] = {}
         self._lock = threading.Lock()
-        self.stale_dropped = 0
 
     def __len__(self) -> int:
         with self._lock:
@@ -64,11 +63,12 @@ class ChunkIndex:
                 self._entries.move_to_end(key)
             return entry
 
-    def forget(self, key: bytes, slot: int) -> None:
-        """Drop `key` if it still names `slot` (the slot was found reused)."""
+    def forget(self, key: bytes, slot: int) -> bool:
+        """Drop `key` if it still names `slot` (the slot was found reused); True when dropped."""
         with self._lock:
             entry = self._entries.get(key)
-            if entry is not None and entry.slot == slot:
-                del self._entries[key]
-                self._slot_key.pop(slot, None)
-                self.stale_dropped += 1
+            if entry is None or entry.slot != slot:
+                return False
+            del self._entries[key]
+            self._slot_key.pop(slot, None)
+            return True

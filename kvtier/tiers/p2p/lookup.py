@@ -25,6 +25,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.common.answers import AnswerCache
 from kvtier.tiers.common.book import FailureLog, TierBook
@@ -193,7 +194,7 @@ class PeerLookup:
                         holders[i] = addr
         for addr in waiting.values():
             self._failures.failed("peer:timeout", PeerFailure(f"peer {addr} did not answer a lookup in time"))
-        self._book.count("lookups", len(keys))
+        self._book.count(TierCounter.LOOKUPS, len(keys))
         now = time.monotonic()
         with self._lock:
             for key, holder in zip(keys, holders, strict=True):

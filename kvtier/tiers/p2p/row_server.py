@@ -33,6 +33,7 @@ from urllib.parse import urlsplit
 
 import zmq
 
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.p2p import protocol, rowhash
@@ -114,17 +115,17 @@ class P2PServer:
         try:
             msg = protocol.decode_control(self._secret, frames)
         except protocol.AuthError as e:
-            self._book.count("auth_refused")
+            self._book.count(TierCounter.AUTH_REFUSED)
             self._failures.failed("auth:control", PeerFailure(f"refused a control message: {e}"))
             return None
         except protocol.ProtocolError as e:
-            self._book.count("malformed")
+            self._book.count(TierCounter.MALFORMED)
             self._failures.failed("malformed:control", PeerFailure(f"dropped a control message: {e}"))
             return None
         if msg.op != protocol.OP_LOOKUP:
             self._failures.failed("malformed:control", PeerFailure("dropped a control message: not a lookup"))
             return None
-        self._book.count("lookups_served", msg.count)
+        self._book.count(TierCounter.LOOKUPS_SERVED, msg.count)
         if (msg.layout_fp, msg.row_bytes) == (self._fp, self._row_bytes):
             held = bytes(self._index.holds(msg.keys()))
         else:
@@ -167,15 +168,15 @@ class P2PServer:
             while not self._stop.is_set():
                 protocol.set_timeout(conn, self._idle_timeout_s)
                 keys = protocol.read_get(conn)
-                self._book.count("data_requests")
+                self._book.count(TierCounter.DATA_REQUESTS)
                 protocol.set_timeout(conn, self._transfer_timeout_s)
                 for key in keys:
                     self._send_chunk(conn, key, head)
         except protocol.AuthError as e:
-            self._book.count("auth_refused")
+            self._book.count(TierCounter.AUTH_REFUSED)
             self._failures.failed("auth:data", PeerFailure(f"refused a data connection: {e}"))
         except protocol.ProtocolError as e:
-            self._book.count("malformed")
+            self._book.count(TierCounter.MALFORMED)
             self._failures.failed("malformed:data", PeerFailure(f"closed a data connection: {e}"))
         except (OSError, ConnectionError):
             pass  # the requester went away or idled out; it reconnects when it needs us
@@ -216,7 +217,7 @@ class P2PServer:
             self._send_miss(conn)
             return
         if self._generations[claim.slot] != claim.generation:
-            self._index.forget(key, claim.slot)
+            self._stale(key, claim.slot)
             self._send_miss(conn)
             return
         row = self._region[claim.slot * self._row_bytes : (claim.slot + 1) * self._row_bytes]
@@ -228,15 +229,20 @@ class P2PServer:
                 break
             protocol.send_parts(conn, [head, row[start:end]] if i == 0 else [row[start:end]])
         if self._generations[claim.slot] != claim.generation:
-            self._index.forget(key, claim.slot)
-            self._book.count("serve_aborted")
+            self._stale(key, claim.slot)
+            self._book.count(TierCounter.SERVE_ABORTED)
             conn.sendall(protocol.TRAILER_ABORTED)
             return
-        self._book.count("chunks_served")  # before the trailer: once it arrives, it shows
+        self._book.count(TierCounter.CHUNKS_SERVED)  # before the trailer: once it arrives, it shows
         conn.sendall(protocol.TRAILER_OK)
 
+    def _stale(self, key: bytes, slot: int) -> None:
+        """`slot` no longer holds `key`'s row: forget the claim (counted once)."""
+        if self._index.forget(key, slot):
+            self._book.count(TierCounter.STALE_DROPPED)
+
     def _send_miss(self, conn: socket.socket) -> None:
-        self._book.count("serve_misses")
+        self._book.count(TierCounter.SERVE_MISSES)
         conn.sendall(protocol.STATUS_MISS)
 
     def connections(self) -> int:

@@ -13,6 +13,7 @@ from urllib.parse import urlsplit
 import zmq
 
 from kvtier.errors import ConfigError
+from kvtier.ops.metrics import TierCounter, TierGauge
 from kvtier.tiers.base import Job, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog
@@ -62,7 +63,6 @@ class P2PTier(BookedTier):
     medium = "CPU"
     locality = "REMOTE"
     loads_own_stores = False
-    COUNTERS = ("loaded", "load_failures", "chunks_served", "auth_refused", "malformed")
     OPTIONS = (
         Option("secret", Kind.TEXT, show=hidden),
         Option("secret_file", Kind.TEXT),
@@ -207,10 +207,9 @@ class P2PTier(BookedTier):
         chunks, row_bytes = len(self._index), self.ctx.row_bytes
         return TierUsage(chunks * row_bytes, chunks, self.ctx.num_slots * row_bytes)
 
-    def stats(self) -> dict[str, float]:
-        return {**super().stats(), "stale_dropped": float(self._index.stale_dropped),
-                "peers": float(len(self._lookup.peers())),
-                "serving_connections": float(self._server.connections())}
+    def _gauges(self) -> dict[TierGauge, float]:
+        return {TierGauge.PEERS: float(len(self._lookup.peers())),
+                TierGauge.SERVING_CONNECTIONS: float(self._server.connections())}
 
     def endpoints(self) -> dict[str, str]:
         """"control": the ZMQ address peers send lookups to; "data": tcp://HOST:PORT of the data
@@ -279,5 +278,5 @@ class P2PTier(BookedTier):
         oks = [False] * len(sent.entries) if sent.request is None else self._fetcher.complete(sent.request)
         for (tracker, i), ok in zip(sent.entries, oks, strict=True):
             self._lookup.remember(tracker.job.keys[i], sent.holder if ok else None)
-            self._book.count("loaded" if ok else "load_failures")
+            self._book.count(TierCounter.LOADED if ok else TierCounter.LOAD_FAILURES)
             self._book.finish_key(tracker, i, ok)

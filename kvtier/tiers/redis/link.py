@@ -27,6 +27,7 @@ from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common.book import FailureLog, TierBook
 from kvtier.tiers.redis.wire import ReplyReader, redact_url
 
@@ -153,7 +154,7 @@ class RedisLink:
             self._down_until = time.monotonic() + self.reconnect_interval_s
             self._down_cause = cause
         self._on_down()  # what the server held before may be gone (restart)
-        self._book.count("connection_errors")
+        self._book.count(TierCounter.CONNECTION_ERRORS)
         self.faillog.failed(cause, exc)
 
     def _mark_up(self) -> None:

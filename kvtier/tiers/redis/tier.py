@@ -34,6 +34,7 @@ from urllib.parse import urlsplit
 from redis.utils import HIREDIS_AVAILABLE
 
 from kvtier.format.chunks import ChunkKey
+from kvtier.ops.metrics import TierCounter, TierGauge
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common.answers import AnswerCache
 from kvtier.tiers.common.io_tier import BookedTier
@@ -55,8 +56,6 @@ class RedisTier(BookedTier):
 
     medium = "CPU"
     locality = "REMOTE"
-    COUNTERS = ("stored", "loaded", "store_failures", "load_failures", "load_misses", "bad_chunks",
-                "lookups")
     OPTIONS = (
         Option("url", Kind.TEXT, required=True, test=lambda url: urlsplit(url).scheme in SCHEMES,
                allowed="must be a redis://, rediss:// or unix:// URL", show=_shown_url),
@@ -143,9 +142,9 @@ class RedisTier(BookedTier):
         held = self._chunks.held()
         return TierUsage(held * self.value_bytes, held)
 
-    def stats(self) -> dict[str, float]:
-        return {"hiredis": float(HIREDIS_AVAILABLE), "down": float(self._link.is_down()),
-                **super().stats()}
+    def _gauges(self) -> dict[TierGauge, float]:
+        return {TierGauge.HIREDIS: float(HIREDIS_AVAILABLE),
+                TierGauge.SERVER_DOWN: float(self._link.is_down())}
 
     def shutdown(self) -> None:
         """Fail the queued keys, let the batches in flight finish, close connections. Idempotent."""
@@ -215,7 +214,7 @@ class RedisTier(BookedTier):
             conn.disconnect()
 
     def _run_lookups(self, conn: Any, keys: list[bytes]) -> None:
-        self._book.count("lookups", len(keys))
+        self._book.count(TierCounter.LOOKUPS, len(keys))
         replies = self._link.pipeline(conn, "lookup", [("EXISTS", self._chunks.rkey(k)) for k in keys])
         hits = [k for k, r in zip(keys, replies, strict=True) if r == 1]
         # Unanswerable (server down, errors) is MISS: the engine recomputes instead of waiting.

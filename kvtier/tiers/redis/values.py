@@ -26,7 +26,8 @@ from typing import Any
 from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import ResponseError
 
-from kvtier.format.chunks import TierEventKind
+from kvtier.format.chunks import ChunkError, TierEventKind
+from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import TierBook
@@ -50,7 +51,7 @@ Remember = Callable[[Sequence[bytes], LookupResult], None]
 class _Bad:
     """A load reply that is not a valid chunk of its key: why, and the SHA-1 of what was read."""
 
-    reason: chunkfmt.ChunkError
+    reason: ChunkError
     sha1: str
 
 
@@ -112,8 +113,8 @@ class ChunkStore:
         stored = [tracker.job.keys[i] for (tracker, i), ok in zip(batch, outcomes, strict=True) if ok]
         self._remember(stored, LookupResult.HIT)
         self._hold(stored)
-        self._book.count("stored", len(stored))
-        self._book.count("store_failures", len(batch) - len(stored))
+        self._book.count(TierCounter.STORED, len(stored))
+        self._book.count(TierCounter.STORE_FAILURES, len(batch) - len(stored))
         self._book.events(TierEventKind.STORED, stored)
         return outcomes
 
@@ -143,9 +144,9 @@ class ChunkStore:
             elif reply is None:
                 gone.append(key)  # absent: never stored, expired or evicted by the server
         loaded = [k for k, ok in zip(keys, outcomes, strict=True) if ok]
-        self._book.count("loaded", len(loaded))
-        self._book.count("load_failures", len(batch) - len(loaded))
-        self._book.count("load_misses", len(gone))
+        self._book.count(TierCounter.LOADED, len(loaded))
+        self._book.count(TierCounter.LOAD_FAILURES, len(batch) - len(loaded))
+        self._book.count(TierCounter.LOAD_MISSES, len(gone))
         if bad:
             self.delete_bad(conn, bad)
         lost = gone + [k for k, _ in bad]
@@ -174,14 +175,14 @@ class ChunkStore:
             reader.end_bulk()
             err, digest = chunkfmt.check_header(head, key, self._fp, len(row))
             if err is None and chunkfmt.checksum(row) != digest:
-                err = chunkfmt.ChunkError.CHECKSUM
+                err = ChunkError.CHECKSUM
             if err is None:
                 return True
             sha1.update(row)
         else:
             reader.drain(size - len(head), sha1.update)
             reader.end_bulk()
-            err = chunkfmt.check_header(head, key, self._fp, len(row))[0] or chunkfmt.ChunkError.LENGTH
+            err = chunkfmt.check_header(head, key, self._fp, len(row))[0] or ChunkError.LENGTH
         return _Bad(err, sha1.hexdigest())
 
     def delete_bad(self, conn: Any, bad: list[tuple[bytes, str]]) -> None:
