@@ -14,7 +14,7 @@ the engine's cache sizes.
   points cover the three regimes (device, host, fs). `scripts/gpu_bench.sh` runs it; with a
   32 KiB/token model (Llama-3.2-1B, bf16) a conversation is about 1.25 GiB at its last turn.
 - `smoke`: a few seconds of work per configuration (tests).
-- `mini`: issue 3's mini multi-turn (16 conversations x 4 turns, 800 + 200 tokens, 16 output
+- `mini`: the mini multi-turn (16 conversations x 4 turns, 800 + 200 tokens, 16 output
   tokens, 64 device blocks of 128 tokens, at most 4 in flight): prefix caching alone, kvtier's
   host tier (large enough for everything), and a device cache that holds everything.
 
