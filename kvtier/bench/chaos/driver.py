@@ -5,15 +5,17 @@ Each conversation sends its turns in order (the reference's prompts, token for t
 in flight per conversation and at most `max_concurrency` in the engine; after its last turn it
 starts again at turn 1 (the next round) while `keep_going()` says so. A request is `ok` when its
 reply's token ids are the reference's; one not finished `hang_s` after it was added is aborted and
-counted `hung`; one the engine finishes with an error is `failed`. Driven by `engine.step()` of an
-in-process engine, on the calling thread (the engine's scheduler thread).
+counted `hung`; one the engine finishes with an error is `failed`. With `load_tiers`, the n-th
+request may load its prefix only from the secondary tiers `load_tiers[n % len(load_tiers)]` (the
+host tier always may). Driven by `engine.step()` of an in-process engine, on the calling thread
+(the engine's scheduler thread).
 """
 
 from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -45,7 +47,8 @@ class _Live:
 
 def drive(engine: Any, ref: Reference, max_concurrency: int, keep_going: Callable[[int], bool],
           hang_s: float, stop: Callable[[], bool] = lambda: False,
-          on_finish: Callable[[Outcome], None] | None = None) -> list[Outcome]:
+          on_finish: Callable[[Outcome], None] | None = None,
+          load_tiers: Sequence[Sequence[str]] = ()) -> list[Outcome]:
     """Serve the conversations until none may go on; `keep_going(round)` is asked when a
     conversation finished round `round` (0-based); once `stop()` holds no request is added (those
     in flight finish). Every outcome, in finishing order."""
@@ -63,7 +66,10 @@ def drive(engine: Any, ref: Reference, max_concurrency: int, keep_going: Callabl
             expected = ref.turns[conv][turn]
             ids += 1
             req_id = f"chaos-{conv}-{rnd}-{turn}-{ids}"
-            params = SamplingParams(temperature=0.0, max_tokens=len(expected.reply), ignore_eos=True)
+            extra = None if not load_tiers else {"kv_transfer_params": {"kvtier": {
+                "load_tiers": list(load_tiers[(ids - 1) % len(load_tiers)])}}}
+            params = SamplingParams(temperature=0.0, max_tokens=len(expected.reply), ignore_eos=True,
+                                    extra_args=extra)
             outcome = Outcome(conv, turn, rnd, time.monotonic())
             engine.add_request(req_id, {"prompt_token_ids": list(expected.prompt)}, params)
             live[req_id] = _Live(outcome, expected.reply)

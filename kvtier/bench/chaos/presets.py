@@ -5,7 +5,10 @@ the run stops.
   and 60 corruptions, a corruption every 0.5 s and every process fault in turn every 4 s.
 - `full`: 8 conversations of 4 turns, rounds until at least 1,000 corruptions were injected
   (and at least 3 rounds), two corruptions every 0.25 s while under a quarter of a tier's chunks
-  are corrupted, every process fault in turn every 8 s.
+  are corrupted, every process fault in turn every 8 s. Requests take turns at the secondary tier
+  they may load from (`load_tiers`: fs, then obj, then redis, ...): the engine loads a chunk from
+  the first tier that holds it, so without the rotation obj and redis would be read only for what
+  fs lacks, and their corruptions would mostly go unread.
 - `soak`: the `smoke` workload for `--duration` seconds (default 30 minutes) with host eviction
   and cascades and no injector, sampling the engine's process tree (the engine and its tier processes)
   every 10 s (every duration / 40 when shorter); the verdict is growth under 5 % after the warm-up
@@ -41,6 +44,8 @@ class ChaosPreset:
     hang_s: float = 120.0
     sample_every_s: float | None = None
     warm_up_s: float = 120.0
+    rotate_load_tiers: bool = False
+    """Each request may load from one secondary tier only, the tiers taking turns request by request."""
 
 
 PRESETS: dict[str, ChaosPreset] = {
@@ -49,7 +54,7 @@ PRESETS: dict[str, ChaosPreset] = {
         min_corruptions=60, device_blocks=20, host_chunks=8, fs_mib=256, hang_s=60.0),
     "full": ChaosPreset(
         "full", WorkloadSpec(160, 48, 4, 8, 4, 6), Pace(0.25, 2, 8.0, 2.0, FAULTS, max_open=0.25),
-        min_rounds=3, min_corruptions=1000),
+        min_rounds=3, min_corruptions=1000, rotate_load_tiers=True),
     "soak": ChaosPreset(
         "soak", WorkloadSpec(128, 48, 3, 4, 4, 4), None, min_rounds=1, duration_s=1800.0,
         max_rounds=10_000, device_blocks=20, host_chunks=8, sample_every_s=10.0),

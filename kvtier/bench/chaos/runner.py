@@ -144,7 +144,9 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
         if injectors is not None:
             injectors.start()
         try:
-            outcomes = drive(llm.llm_engine, ref, spec.max_concurrency, keep_going, preset.hang_s, stop)
+            rotation = [(name,) for name in manager.tiers] if preset.rotate_load_tiers else []
+            outcomes = drive(llm.llm_engine, ref, spec.max_concurrency, keep_going, preset.hang_s, stop,
+                             load_tiers=rotation)
         finally:
             if injectors is not None:
                 injectors.stop()
