@@ -8,7 +8,8 @@ builds an in-process engine with the KVTierConnector, answers `{"ready": true}`,
 requests until stdin closes: `{"generate": [{"prompt": [ids], "max_tokens": n, "cache_salt": s},
 ...]}` (greedy, one
 at a time, waiting after each until its tier jobs are done) answers a list of
-`{"tokens", "cached", "kvtier"}`, and `{"stats": TIER}` answers that tier's own stats. The caller
+`{"tokens", "cached", "kvtier"}`, and `{"stats": TIER}` answers every `TierCounter` of that tier as
+its metrics hold it (0 for what it never counted). The caller
 sets vLLM's environment first (`conftest.vllm_env`); the child inherits it.
 """
 
@@ -27,6 +28,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from kvtier.integrations.vllm.serving.launch import transfer_config
+from kvtier.ops.metrics import TierCounter
 from tests.integrations.conftest import connector_halves
 
 REPLY = "@kvtier-engine@ "
@@ -82,11 +84,12 @@ class EngineProcess:
         results: list[dict[str, Any]] = self._reply(timeout_s)
         return results
 
-    def tier_stats(self, tier: str, timeout_s: float = 30.0) -> dict[str, float]:
+    def tier_counts(self, tier: str, timeout_s: float = 30.0) -> dict[TierCounter, float]:
+        """Every `TierCounter` of `tier` in the child's metrics, after a fresh report of the tier."""
         self.wait_ready()
         self._send({"stats": tier})
-        stats: dict[str, float] = self._reply(timeout_s)
-        return stats
+        counts: dict[str, float] = self._reply(timeout_s)
+        return {TierCounter(name): value for name, value in counts.items()}
 
     def signal(self, sig: signal.Signals) -> None:
         """Send `sig` to the engine and its tier processes (the child's process group)."""
@@ -150,7 +153,8 @@ def main() -> None:
             while tier.stats_version == seen:
                 time.sleep(0.01)
                 tier.poll()
-            _answer(tier.metrics.tier_counts(tier.name).as_json()["tier_counter"])
+            counts = tier.metrics.tier_counts(tier.name)
+            _answer({counter.value: counts[counter] for counter in TierCounter})
             continue
         results = []
         for item in request["generate"]:

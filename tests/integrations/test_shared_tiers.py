@@ -30,6 +30,7 @@ from typing import Any
 import pytest
 
 from kvtier.host.region import remove_stale_regions
+from kvtier.ops.metrics import TierCounter
 from tests.integrations.conftest import BLOCK_SIZE, _model_path, connector_halves
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.shared_helpers import EngineProcess, result_of, settle
@@ -211,14 +212,14 @@ def test_a_peer_with_a_wrong_secret_is_refused_and_b_recomputes(
     prompts: dict[str, list[int]],
 ) -> None:
     prompt = prompts[RECOMPUTED["auth"]]
-    refused = instance_a.tier_stats("p2p")["auth_refused"]
+    refused = instance_a.tier_counts("p2p")[TierCounter.AUTH_REFUSED]
 
     again = generate(llm, prompt, "intruder")
 
     assert again["cached"] == 0
     assert again["kvtier"]["tokens"] == split(prompt)
     assert again["tokens"] == computed_by_a[RECOMPUTED["auth"]]["tokens"]
-    assert instance_a.tier_stats("p2p")["auth_refused"] > refused
+    assert instance_a.tier_counts("p2p")[TierCounter.AUTH_REFUSED] > refused
 
 
 def test_obj_server_killed_mid_run_requests_complete_then_the_tier_recovers(

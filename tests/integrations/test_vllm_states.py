@@ -1,8 +1,10 @@
 """Real vLLM (CPU backend, in-process, prefix caching on: `mamba_cache_mode` "align") on tiny
 random-weight recurrent hybrids (`kvtier.tools.tiny_models`), 64-token blocks, one block per chunk:
 
-- ``qwen3-next``: gated delta net layers 0, 1, 3 and full attention on layer 2, bfloat16; a state
-  segment (three layers' conv and recurrent states) takes two host rows;
+- ``qwen3-next``: gated delta net layers 0, 1, 3 and full attention on layer 2, bfloat16, with its
+  recurrent states in float32 (`mamba_ssm_cache_dtype`: what vLLM picks itself on CPUs with
+  AVX512-BF16, named here so every CPU runs one layout); a state segment (three layers' conv and
+  recurrent states) takes two host rows;
 - ``granite-hybrid``: a Mamba2 layer then an attention layer, float32; a state takes one row.
   vLLM 0.32's CPU Mamba2 layer asks for a mid-prefill checkpoint that its CPU chunk scan does not
   produce, and crashes on the first prefill with prefix caching on (`IndexError` in
@@ -39,6 +41,7 @@ pytestmark = pytest.mark.slow
 ROW_BYTES = 65536  # one attention layer, K and V, 64 tokens: 4 heads of 64 in bf16, or 2 in float32
 STATE_ROWS = {"qwen3-next": 2, "granite-hybrid": 1}
 DTYPE = {"qwen3-next": "bfloat16", "granite-hybrid": "float32"}
+SSM_DTYPE = {"qwen3-next": "float32", "granite-hybrid": "auto"}
 KIND = {"qwen3-next": "gdn@0,1,3", "granite-hybrid": "mamba2@0"}
 HOST_ROWS = 8  # one prompt and a half: three or four chunks and a two-row state each
 TEXTS = {
@@ -80,7 +83,8 @@ def engine(
             mp.setattr(MambaMixer2, "get_kv_cache_spec", MambaBase.get_kv_cache_spec)
         llm = LLM(
             model=str(build_tiny_model(name)), kv_transfer_config=transfer_config(config),
-            enforce_eager=True, dtype=DTYPE[name], block_size=64, enable_prefix_caching=True,
+            enforce_eager=True, dtype=DTYPE[name], mamba_ssm_cache_dtype=SSM_DTYPE[name],
+            block_size=64, enable_prefix_caching=True,
             kv_cache_memory_bytes=16 << 20, max_model_len=1024, max_num_seqs=2, seed=0,
         )
     reference = {}

@@ -74,6 +74,9 @@ def llm_options(name: str) -> dict[str, Any]:
         "enforce_eager": True,
         "block_size": BLOCK[name],
         "dtype": "bfloat16" if name == "qwen3-next" else "float32",
+        # vLLM keeps gated delta net states in float32 on CPUs with AVX512-BF16 and in the model's
+        # dtype elsewhere: named, so the state rows are the same on every CPU.
+        **({"mamba_ssm_cache_dtype": "float32"} if name == "qwen3-next" else {}),
         "kv_cache_memory_bytes": (16 if name in SECTIONS else 8) << 20,
         "max_model_len": 512 if name in SECTIONS else 256,
         "max_num_seqs": 2,
