@@ -13,6 +13,7 @@ import pytest
 from kvtier.format.chunks import ChunkKey
 from kvtier.host import generations
 from kvtier.host.region import HostRegion
+from kvtier.integrations.vllm.serving.launch import SHARED_CACHE_ROOT
 from kvtier.tiers.base import JobResult, LookupResult, TierContext
 
 pytest_plugins = ["tests.services.redis_server", "tests.services.s3"]
@@ -35,11 +36,24 @@ LAYOUT_FP = "00112233445566778899aabbccddeeff"
 
 @pytest.fixture(scope="session")
 def vllm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One `VLLM_CACHE_ROOT` for every engine and server the suite starts itself (in place of each
-    isolated env's own): a process whose cache root lacks the record of a model class (its
+    """One `VLLM_CACHE_ROOT` for every engine and server the suite starts (`_one_vllm_cache`): a process whose cache root lacks the record of a model class (its
     `modelinfos/` file) inspects the class in a fresh subprocess that imports vLLM, about 12 s on 2
     cores. The root stays private to this test session."""
     return tmp_path_factory.mktemp("vllm-cache")
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _one_vllm_cache(vllm_cache_root: Path) -> Iterator[None]:
+    """Every engine the suite starts, in-process or in a child (servers, benchmarks, the demo, the
+    chaos campaign), uses the session's vLLM cache root (`KVTIER_VLLM_CACHE_ROOT`, read by
+    `launch.isolated_env`; children inherit it)."""
+    saved = os.environ.get(SHARED_CACHE_ROOT)
+    os.environ[SHARED_CACHE_ROOT] = str(vllm_cache_root)
+    yield
+    if saved is None:
+        os.environ.pop(SHARED_CACHE_ROOT, None)
+    else:
+        os.environ[SHARED_CACHE_ROOT] = saved
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """An in-process vLLM engine (CPU backend, real SmolLM2) with the KVTierConnector, for slow tests.
 
 `vllm_env` points vLLM's temp files, sockets and caches at a private temp dir (vLLM's cache root:
-the session's, `vllm_cache_root`) and runs the engine in this process
+the session's, `KVTIER_VLLM_CACHE_ROOT`) and runs the engine in this process
 (`kvtier.integrations.vllm.serving.launch.in_process_env`), so the test sees both connector halves.
 `make_llm(extra_config)` starts one engine (about 10 s on 2 cores) and shuts it down at the end of
 the module; tests of one module share it.
@@ -31,9 +31,8 @@ def _model_path() -> Path:
 
 
 @pytest.fixture(scope="module")
-def vllm_env(tmp_path_factory: pytest.TempPathFactory, vllm_cache_root: Path) -> Iterator[Path]:
+def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
     with in_process_env(tmp_path_factory.mktemp("vllm")) as tmp:
-        os.environ["VLLM_CACHE_ROOT"] = str(vllm_cache_root)  # restored with the rest on exit
         yield tmp
 
 

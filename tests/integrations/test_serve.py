@@ -273,14 +273,14 @@ def test_serve_prints_its_size_choice(monkeypatch: pytest.MonkeyPatch,
 
 
 @pytest.mark.slow
-def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path, vllm_cache_root: Path) -> None:
+def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path) -> None:
     """vLLM's CPU backend with its defaults would reserve 92% of memory and compile for minutes:
     `kvtier serve` given a vLLM tiering config and no size or eager flag starts and serves."""
     from kvtier.tools.models import prepare_smollm2
 
     model = prepare_smollm2(quiet=True)
     port = free_port()
-    env = {**os.environ, **isolated_env(tmp_path, in_process=False), "VLLM_CACHE_ROOT": str(vllm_cache_root)}
+    env = {**os.environ, **isolated_env(tmp_path, in_process=False)}
     env.pop("VLLM_CPU_KVCACHE_SPACE", None)
     config = _write(tmp_path, {**_seed(tmp_path, kv_connector="OffloadingConnector")})
     vllm_args = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smol",

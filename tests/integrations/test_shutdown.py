@@ -108,10 +108,10 @@ def _assert_all_gone(regions: list[str], tiers: list[tuple[int, int]], what: str
 
 
 class _Server:
-    def __init__(self, tmp: Path, cache_root: Path) -> None:
+    def __init__(self, tmp: Path) -> None:
         self.port = free_port()
         self.log_path = tmp / "server.log"
-        env = {**os.environ, **isolated_env(tmp, in_process=False), "VLLM_CACHE_ROOT": str(cache_root)}
+        env = {**os.environ, **isolated_env(tmp, in_process=False)}
         args = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smol",
                 "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "2",
                 "--kv-cache-memory-bytes", str(64 << 20), "--block-size", "32"]
@@ -133,10 +133,9 @@ class _Server:
 
 
 @pytest.fixture(scope="module")
-def servers(tmp_path_factory: pytest.TempPathFactory, vllm_cache_root: Path,
-            ) -> Iterator[dict[str, _Server]]:
+def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Server]]:
     """Two servers started side by side (their start-up, mostly imports, overlaps)."""
-    started = {name: _Server(tmp_path_factory.mktemp(f"serve-{name}"), vllm_cache_root)
+    started = {name: _Server(tmp_path_factory.mktemp(f"serve-{name}"))
                for name in ("term", "int")}
     try:
         deadline = time.monotonic() + 400  # ~40 s idle; minutes when the 2 cores are shared

@@ -1,24 +1,29 @@
-"""One vLLM engine with the KVTierConnector and an fs tier, of any tensor-parallel degree, in a fresh
-process: for tests that compare engines of different TP degrees sharing stored chunks.
+"""vLLM engines with the KVTierConnector and an fs tier, of any tensor-parallel degree, for tests that
+compare engines of different TP degrees sharing stored chunks.
 
 A TP=2 engine on the CPU backend spawns one worker process per rank (each runs a worker half of the
 connector) and needs one core per rank (`VLLM_CPU_OMP_THREADS_BIND="0|1"`); its engine core, with
 the scheduler half, runs in the child itself (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, from the caller's
-`vllm_env`). Engines of one test run one after the other, never two at once.
+`vllm_env`). Engines of one test serve one after the other, never two at once.
 
 `run_engine(model, tp, fs_dir, llm, steps, out_dir)` runs `python -m tests.integrations.tp_engine`
-and returns one `Served` per step. A step is a text prompt served alone, greedy, with each generated
-token's logprob; `scratch` steps neither load nor store through kvtier. Before every step the
+(`EngineChild`) and returns one `Served` per step. A TP=1 engine may run in the test's own process
+instead (`LocalEngine`: no process to start), kept for several phases (`serve` each), its host
+tier emptied between them (`clear_host`) so that what a later phase reloads comes from `fs_dir` as
+it then is. A step is a text prompt served alone, greedy, with each generated token's logprob;
+`scratch` steps neither load nor store through kvtier. Before every step the
 device prefix cache is reset, so whatever is reused comes from kvtier; after it the tier jobs are
 waited for, so its chunks are in `fs_dir` when the engine exits. Every rank records the device
 pages of each chunk it stores (as the store is submitted) and loads (once the load ended), by key
 and layer, and the state of each recurrent layer and part (canonical orientation, channels first)
 it stores and loads, by the state's first row key and `layer * parts + part`; `rank_pages(out_dir,
-tp)` reads them back (as bytes: uint8 arrays whose last axis is the values' bytes).
+tp)` reads them back (as bytes: uint8 arrays whose last axis is the values' bytes): each phase writes
+what the engine recorded so far to its own `out_dir`.
 
 `mamba2_workaround`: vLLM 0.32's CPU Mamba2 layer crashes on the first prefill with prefix caching
-on (`test_vllm_states`); THE CHILD WORKS AROUND IT, in itself only: the engine core (in the child)
-sees the ranks' Mamba KV cache specs without the mid-prefill checkpoint, so the KV cache config
+on (`test_vllm_states`); THE ENGINE'S PROCESS WORKS AROUND IT while the engine is built, and
+restores it then: the engine core sees the ranks' Mamba KV cache specs without the mid-prefill
+checkpoint, so the KV cache config
 every rank gets has none and the scheduler cuts prefills at block boundaries (the rank processes
 are spawned: vLLM's CPU platform forces it, so a patch of their layers would not reach them).
 kvtier itself patches nothing.
@@ -29,9 +34,13 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import queue
 import signal
 import subprocess
 import sys
+import threading
+import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -73,39 +82,87 @@ class Served:
     top2: list[dict[str, float]] | None = None
 
 
+class EngineChild:
+    """One engine child (see the module doc) kept across phases; a context manager that kills the
+    child and its rank processes (process group) on exit. Each phase is one JSON line each way."""
+
+    def __init__(self, model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], log_dir: Path,
+                 mamba2_workaround: bool = False) -> None:
+        env = dict(os.environ)
+        if tp > 1:
+            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(tp))
+        log_dir.mkdir(parents=True, exist_ok=True)
+        self.tp = tp
+        self.log_path = log_dir / "engine.log"
+        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in __exit__)
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integrations.tp_engine"], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
+            start_new_session=True,
+        )
+        self._lines: queue.Queue[str] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        self._send({"model": str(model), "tp": tp, "fs_dir": str(fs_dir), "llm": llm,
+                    "mamba2_workaround": mamba2_workaround})
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._lines.put(line)
+        self._lines.put("")  # the child closed its stdout: it exited
+
+    def __enter__(self) -> EngineChild:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        with contextlib.suppress(BrokenPipeError, OSError):
+            assert self.proc.stdin is not None
+            self.proc.stdin.close()
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=30)
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGKILL)  # rank processes left behind, if any
+        self.proc.wait()
+        self._log.close()
+
+    def serve(self, steps: list[Step], out_dir: Path, timeout_s: float = 420) -> list[Served]:
+        """Serve `steps`; the ranks' pages recorded so far go to `out_dir`."""
+        out_dir.mkdir(parents=True, exist_ok=True)
+        self._send({"steps": [vars(step) for step in steps], "out_dir": str(out_dir)})
+        return [Served(**served) for served in self._reply(timeout_s)]
+
+    def _send(self, message: dict[str, Any]) -> None:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(message) + "\n")
+        self.proc.stdin.flush()
+
+    def _reply(self, timeout_s: float) -> Any:
+        deadline = time.monotonic() + timeout_s
+        with open(self.log_path, "a") as text_log:  # vLLM logs to stdout
+            while True:
+                try:
+                    line = self._lines.get(timeout=max(deadline - time.monotonic(), 0))
+                except queue.Empty:
+                    line, why = "", f"did not answer within {timeout_s} s"
+                else:
+                    why = "gave no answer"
+                if line.startswith(REPLY):
+                    return json.loads(line[len(REPLY):])
+                if line:
+                    text_log.write(line)
+                    continue
+                text_log.flush()
+                tail = self.log_path.read_text(errors="replace")[-4000:]
+                raise AssertionError(f"the TP={self.tp} engine {why} (exit {self.proc.poll()}):\n{tail}")
+
+
 def run_engine(model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], steps: list[Step],
                out_dir: Path, timeout_s: float = 420, mamba2_workaround: bool = False) -> list[Served]:
     """Serve `steps` on a fresh engine of `model` with `tensor_parallel_size=tp` whose one
     secondary tier is fs on `fs_dir`; the ranks' pages and the engine's log (`engine.log`) go to
-    `out_dir`. The child and its rank processes are killed (process group) past `timeout_s`."""
-    env = dict(os.environ)
-    if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(tp))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / "engine.log"
-    request = {"model": str(model), "tp": tp, "fs_dir": str(fs_dir), "llm": llm,
-               "steps": [vars(step) for step in steps], "out_dir": str(out_dir),
-               "mamba2_workaround": mamba2_workaround}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integrations.tp_engine"], cwd=ROOT, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(json.dumps(request), timeout=timeout_s)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # rank processes left behind, if any
-            proc.wait()
-    lines = out.splitlines()
-    with open(log_path, "a") as text_log:  # vLLM logs to stdout
-        text_log.writelines(line + "\n" for line in lines if not line.startswith(REPLY))
-    replies = [line[len(REPLY):] for line in lines if line.startswith(REPLY)]
-    if not replies:
-        tail = log_path.read_text(errors="replace")[-4000:]
-        raise AssertionError(f"the TP={tp} engine gave no answer (exit {proc.returncode}):\n{tail}")
-    return [Served(**served) for served in json.loads(replies[-1])]
+    `out_dir`. The child and its rank processes are killed past `timeout_s`."""
+    with EngineChild(model, tp, fs_dir, llm, out_dir, mamba2_workaround) as child:
+        return child.serve(steps, out_dir, timeout_s)
 
 
 def rank_pages(out_dir: Path, tp: int) -> list[Pages]:
@@ -160,6 +217,7 @@ def install_spy(_vllm_worker: Any) -> None:
 
     half = get_kv_transfer_group().worker
     save, start_load = half.save, half.start_load
+    _RECORDED.clear()  # an engine in the test's own process follows others there
 
     def spy_save(meta: Any) -> None:
         _record(half, "store", meta.stores)
@@ -208,8 +266,9 @@ def _serve(llm: Any, scheduler: Any, step: dict[str, Any]) -> dict[str, Any]:
     }
 
 
-def _declare_no_mamba2_checkpoint() -> None:
-    """Make the engine core see every Mamba state group without a mid-prefill checkpoint."""
+def _declare_no_mamba2_checkpoint() -> Callable[[], None]:
+    """Make the engine core see every Mamba state group without a mid-prefill checkpoint; returns
+    what undoes it (the engine's KV cache config is fixed once it is built)."""
     import dataclasses
 
     from vllm.v1.executor.abstract import Executor
@@ -225,30 +284,75 @@ def _declare_no_mamba2_checkpoint() -> None:
             for specs in specs_of(executor)
         ]
 
+    def restore() -> None:
+        Executor.get_kv_cache_specs = specs_of  # type: ignore[method-assign]
+
     Executor.get_kv_cache_specs = without_checkpoint  # type: ignore[method-assign]
+    return restore
 
 
-def main() -> None:
+def _build(model: str, tp: int, fs_dir: str, llm_options: dict[str, Any], mamba2_workaround: bool,
+           ) -> tuple[Any, Any]:
+    """(LLM, its connector's scheduler half) with the spy installed in every rank."""
     from vllm import LLM
 
     # By this module's importable name, not __main__'s: the ranks unpickle the spy by reference.
     from tests.integrations import tp_engine
 
-    request = json.loads(sys.stdin.read())
-    if request["mamba2_workaround"]:  # the test-only workaround of vLLM's CPU Mamba2 crash (module doc)
-        _declare_no_mamba2_checkpoint()
     # A tier process starved of CPU on a loaded 2-core machine (both cores pinned by the ranks)
     # has gone a minute without answering, and a tier declared hung answers MISS: wait longer.
     config = {"cpu_bytes_to_use": 4 << 20, "tier_job_timeout_s": 240.0,
-              "secondary_tiers": [{"type": "fs", "root_dir": request["fs_dir"]}]}
-    llm = LLM(model=request["model"], tensor_parallel_size=request["tp"],
-              kv_transfer_config=transfer_config(config), **request["llm"])
+              "secondary_tiers": [{"type": "fs", "root_dir": fs_dir}]}
+    # The test-only workaround of vLLM's CPU Mamba2 crash (module doc).
+    restore = _declare_no_mamba2_checkpoint() if mamba2_workaround else (lambda: None)
+    try:
+        llm = LLM(model=model, tensor_parallel_size=tp, kv_transfer_config=transfer_config(config),
+                  **llm_options)
+    finally:
+        restore()
     llm.collective_rpc(tp_engine.install_spy)
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
-    served = [_serve(llm, scheduler, step) for step in request["steps"]]
-    llm.collective_rpc(tp_engine.dump_spy, args=(request["out_dir"],))
+    return llm, llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+
+
+class LocalEngine:
+    """A TP=1 engine in the test's own process (vLLM's environment: `vllm_env`), with the same
+    `serve` and `clear_host` as `EngineChild`, and no process to start; a context manager."""
+
+    def __init__(self, model: Path, fs_dir: Path, llm: dict[str, Any],
+                 mamba2_workaround: bool = False) -> None:
+        self.llm, self.scheduler = _build(str(model), 1, str(fs_dir), llm, mamba2_workaround)
+
+    def __enter__(self) -> LocalEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.llm.llm_engine.engine_core.shutdown()
+
+    def serve(self, steps: list[Step], out_dir: Path) -> list[Served]:
+        from tests.integrations import tp_engine
+
+        out_dir.mkdir(parents=True, exist_ok=True)
+        served = [_serve(self.llm, self.scheduler, vars(step)) for step in steps]
+        self.llm.collective_rpc(tp_engine.dump_spy, args=(str(out_dir),))
+        return [Served(**one) for one in served]
+
+    def clear_host(self) -> None:
+        """Drop every chunk the host tier holds (nothing is in flight between `serve` calls)."""
+        self.scheduler.manager.host.clear()
+
+
+def main() -> None:
+    from tests.integrations import tp_engine
+
+    setup = json.loads(sys.stdin.readline())
+    llm, scheduler = _build(setup["model"], setup["tp"], setup["fs_dir"], setup["llm"],
+                            setup["mamba2_workaround"])
+    for line in sys.stdin:
+        phase = json.loads(line)
+        served = [_serve(llm, scheduler, step) for step in phase["steps"]]
+        llm.collective_rpc(tp_engine.dump_spy, args=(phase["out_dir"],))
+        print(REPLY + json.dumps(served), flush=True)
     llm.llm_engine.engine_core.shutdown()
-    print(REPLY + json.dumps(served), flush=True)
 
 
 if __name__ == "__main__":
