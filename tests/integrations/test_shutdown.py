@@ -30,7 +30,7 @@ from kvtier.host.reaper import owner_alive, start_time
 from kvtier.host.region import SHM_DIR
 from kvtier.integrations.vllm.serving.launch import isolated_env, transfer_config
 from tests.integrations.conftest import BLOCK_SIZE, _model_path, connector_halves
-from tests.integrations.serve_helpers import free_port, http_get
+from tests.integrations.serve_helpers import free_port, http_get, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -122,14 +122,7 @@ class _Server:
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
 
     def wait_up(self, deadline: float) -> None:
-        while True:
-            assert self.proc.poll() is None, self.log_path.read_text()[-3000:]
-            assert time.monotonic() < deadline, "server not up in time"
-            try:
-                http_get(f"http://127.0.0.1:{self.port}/health", timeout=2)
-                return
-            except OSError:
-                time.sleep(1)
+        wait_healthy(self.proc, self.port, self.log_path, deadline)
 
 
 @pytest.fixture(scope="module")
