@@ -36,9 +36,10 @@ LAYOUT_FP = "00112233445566778899aabbccddeeff"
 
 @pytest.fixture(scope="session")
 def vllm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One `VLLM_CACHE_ROOT` for every engine and server the suite starts (`_one_vllm_cache`): a process whose cache root lacks the record of a model class (its
-    `modelinfos/` file) inspects the class in a fresh subprocess that imports vLLM, about 12 s on 2
-    cores. The root stays private to this test session."""
+    """One `VLLM_CACHE_ROOT` for every engine and server the suite starts (`_one_vllm_cache`): a
+    process whose cache root lacks the record of a model class (its `modelinfos/` file) inspects
+    the class in a fresh subprocess that imports vLLM, about 12 s on 2 cores. The root stays
+    private to this test session."""
     return tmp_path_factory.mktemp("vllm-cache")
 
 
