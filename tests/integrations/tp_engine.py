@@ -7,7 +7,7 @@ the scheduler half, runs in the child itself (`VLLM_ENABLE_V1_MULTIPROCESSING=0`
 `vllm_env`). Engines of one test serve one after the other, never two at once.
 
 `run_engine(model, tp, fs_dir, llm, steps, out_dir)` runs `python -m tests.integrations.tp_engine`
-(`EngineChild`) and returns one `Served` per step. A TP=1 engine may run in the test's own process
+and returns one `Served` per step. A TP=1 engine may run in the test's own process
 instead (`LocalEngine`: no process to start), kept for several phases (`serve` each), its host
 tier emptied between them (`clear_host`) so that what a later phase reloads comes from `fs_dir` as
 it then is. A step is a text prompt served alone, greedy, with each generated token's logprob;
@@ -34,12 +34,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import signal
 import subprocess
 import sys
-import threading
-import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -82,87 +79,39 @@ class Served:
     top2: list[dict[str, float]] | None = None
 
 
-class EngineChild:
-    """One engine child (see the module doc) kept across phases; a context manager that kills the
-    child and its rank processes (process group) on exit. Each phase is one JSON line each way."""
-
-    def __init__(self, model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], log_dir: Path,
-                 mamba2_workaround: bool = False) -> None:
-        env = dict(os.environ)
-        if tp > 1:
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(tp))
-        log_dir.mkdir(parents=True, exist_ok=True)
-        self.tp = tp
-        self.log_path = log_dir / "engine.log"
-        self._log = open(self.log_path, "ab")  # noqa: SIM115 (closed in __exit__)
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integrations.tp_engine"], cwd=ROOT, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=self._log, text=True,
-            start_new_session=True,
-        )
-        self._lines: queue.Queue[str] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
-        self._send({"model": str(model), "tp": tp, "fs_dir": str(fs_dir), "llm": llm,
-                    "mamba2_workaround": mamba2_workaround})
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._lines.put(line)
-        self._lines.put("")  # the child closed its stdout: it exited
-
-    def __enter__(self) -> EngineChild:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        with contextlib.suppress(BrokenPipeError, OSError):
-            assert self.proc.stdin is not None
-            self.proc.stdin.close()
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=30)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGKILL)  # rank processes left behind, if any
-        self.proc.wait()
-        self._log.close()
-
-    def serve(self, steps: list[Step], out_dir: Path, timeout_s: float = 420) -> list[Served]:
-        """Serve `steps`; the ranks' pages recorded so far go to `out_dir`."""
-        out_dir.mkdir(parents=True, exist_ok=True)
-        self._send({"steps": [vars(step) for step in steps], "out_dir": str(out_dir)})
-        return [Served(**served) for served in self._reply(timeout_s)]
-
-    def _send(self, message: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(message) + "\n")
-        self.proc.stdin.flush()
-
-    def _reply(self, timeout_s: float) -> Any:
-        deadline = time.monotonic() + timeout_s
-        with open(self.log_path, "a") as text_log:  # vLLM logs to stdout
-            while True:
-                try:
-                    line = self._lines.get(timeout=max(deadline - time.monotonic(), 0))
-                except queue.Empty:
-                    line, why = "", f"did not answer within {timeout_s} s"
-                else:
-                    why = "gave no answer"
-                if line.startswith(REPLY):
-                    return json.loads(line[len(REPLY):])
-                if line:
-                    text_log.write(line)
-                    continue
-                text_log.flush()
-                tail = self.log_path.read_text(errors="replace")[-4000:]
-                raise AssertionError(f"the TP={self.tp} engine {why} (exit {self.proc.poll()}):\n{tail}")
-
-
 def run_engine(model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], steps: list[Step],
                out_dir: Path, timeout_s: float = 420, mamba2_workaround: bool = False) -> list[Served]:
     """Serve `steps` on a fresh engine of `model` with `tensor_parallel_size=tp` whose one
     secondary tier is fs on `fs_dir`; the ranks' pages and the engine's log (`engine.log`) go to
-    `out_dir`. The child and its rank processes are killed past `timeout_s`."""
-    with EngineChild(model, tp, fs_dir, llm, out_dir, mamba2_workaround) as child:
-        return child.serve(steps, out_dir, timeout_s)
+    `out_dir`. The child and its rank processes are killed (process group) past `timeout_s`."""
+    env = dict(os.environ)
+    if tp > 1:
+        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(tp))
+    out_dir.mkdir(parents=True, exist_ok=True)
+    log_path = out_dir / "engine.log"
+    request = {"model": str(model), "tp": tp, "fs_dir": str(fs_dir), "llm": llm,
+               "steps": [vars(step) for step in steps], "out_dir": str(out_dir),
+               "mamba2_workaround": mamba2_workaround}
+    with open(log_path, "ab") as log:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "tests.integrations.tp_engine"], cwd=ROOT, env=env,
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
+            start_new_session=True,
+        )
+        try:
+            out, _ = proc.communicate(json.dumps(request), timeout=timeout_s)
+        finally:
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)  # rank processes left behind, if any
+            proc.wait()
+    lines = out.splitlines()
+    with open(log_path, "a") as text_log:  # vLLM logs to stdout
+        text_log.writelines(line + "\n" for line in lines if not line.startswith(REPLY))
+    replies = [line[len(REPLY):] for line in lines if line.startswith(REPLY)]
+    if not replies:
+        tail = log_path.read_text(errors="replace")[-4000:]
+        raise AssertionError(f"the TP={tp} engine gave no answer (exit {proc.returncode}):\n{tail}")
+    return [Served(**served) for served in json.loads(replies[-1])]
 
 
 def rank_pages(out_dir: Path, tp: int) -> list[Pages]:
@@ -315,8 +264,8 @@ def _build(model: str, tp: int, fs_dir: str, llm_options: dict[str, Any], mamba2
 
 
 class LocalEngine:
-    """A TP=1 engine in the test's own process (vLLM's environment: `vllm_env`), with the same
-    `serve` and `clear_host` as `EngineChild`, and no process to start; a context manager."""
+    """A TP=1 engine in the test's own process (vLLM's environment: `vllm_env`), no process to
+    start, kept for several `serve` phases; a context manager."""
 
     def __init__(self, model: Path, fs_dir: Path, llm: dict[str, Any],
                  mamba2_workaround: bool = False) -> None:
@@ -344,15 +293,13 @@ class LocalEngine:
 def main() -> None:
     from tests.integrations import tp_engine
 
-    setup = json.loads(sys.stdin.readline())
-    llm, scheduler = _build(setup["model"], setup["tp"], setup["fs_dir"], setup["llm"],
-                            setup["mamba2_workaround"])
-    for line in sys.stdin:
-        phase = json.loads(line)
-        served = [_serve(llm, scheduler, step) for step in phase["steps"]]
-        llm.collective_rpc(tp_engine.dump_spy, args=(phase["out_dir"],))
-        print(REPLY + json.dumps(served), flush=True)
+    request = json.loads(sys.stdin.read())
+    llm, scheduler = _build(request["model"], request["tp"], request["fs_dir"], request["llm"],
+                            request["mamba2_workaround"])
+    served = [_serve(llm, scheduler, step) for step in request["steps"]]
+    llm.collective_rpc(tp_engine.dump_spy, args=(request["out_dir"],))
     llm.llm_engine.engine_core.shutdown()
+    print(REPLY + json.dumps(served), flush=True)
 
 
 if __name__ == "__main__":
