@@ -6,7 +6,6 @@ import os
 import secrets
 import time
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
@@ -34,22 +33,15 @@ SLOTS = 32
 LAYOUT_FP = "00112233445566778899aabbccddeeff"
 
 
-@pytest.fixture(scope="session")
-def vllm_cache_root(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """One `VLLM_CACHE_ROOT` for every engine and server the suite starts (`_one_vllm_cache`): a
-    process whose cache root lacks the record of a model class (its `modelinfos/` file) inspects
-    the class in a fresh subprocess that imports vLLM, about 12 s on 2 cores. The root stays
-    private to this test session."""
-    return tmp_path_factory.mktemp("vllm-cache")
-
-
 @pytest.fixture(scope="session", autouse=True)
-def _one_vllm_cache(vllm_cache_root: Path) -> Iterator[None]:
+def _one_vllm_cache(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
     """Every engine the suite starts, in-process or in a child (servers, benchmarks, the demo, the
-    chaos campaign), uses the session's vLLM cache root (`KVTIER_VLLM_CACHE_ROOT`, read by
-    `launch.isolated_env`; children inherit it)."""
+    chaos campaign), uses one vLLM cache root private to this session (`KVTIER_VLLM_CACHE_ROOT`,
+    read by `launch.isolated_env`; children inherit it): a process whose cache root lacks the
+    record of a model class (its `modelinfos/` file) inspects the class in a fresh subprocess that
+    imports vLLM, about 12 s on 2 cores."""
     saved = os.environ.get(SHARED_CACHE_ROOT)
-    os.environ[SHARED_CACHE_ROOT] = str(vllm_cache_root)
+    os.environ[SHARED_CACHE_ROOT] = str(tmp_path_factory.mktemp("vllm-cache"))
     yield
     if saved is None:
         os.environ.pop(SHARED_CACHE_ROOT, None)
