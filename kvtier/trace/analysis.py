@@ -5,6 +5,7 @@ time the engine stored the batch); records are taken in time order. A reference 
 in an earlier reference is a reuse; the key's first reference is its creation. Everything here is
 vectorized numpy over the references (a few sorts), so memory is a few arrays of the stream's length.
 
+- (0) context length: the prompt tokens per request, p50/p95/p99 (the guide's baseline asks for it).
 - (1) shared prefixes: `reusable_token_fraction` is the reused references' tokens over the prompt
   tokens; a record's shared prefix ends at its last reused key; prefixes are ranked by the tokens
   their reuses would save.
@@ -12,8 +13,11 @@ vectorized numpy over the references (a few sorts), so memory is a few arrays of
 - (3) chunk size: a chunk of `f` recorded chunks is named by its last recorded key (keys chain, so
   that key names the whole prefix) and is reused when that key was seen before; only whole chunks
   are stored and loaded.
-- (4) bypass: keys referenced once, and what an admission rule (`frequency` with `min_seen`, or a
-  `min_retention_priority` applied to the creating request's priority) keeps of the reuse.
+- (4) bypass: keys referenced once, and what an admission gate that refuses chunks keeps of the
+  reuse: `priority` (`min_retention_priority` applied to the creating request's priority), and
+  `frequency` at a secondary tier's gate (a chunk is cascaded once seen in `min_seen` requests, so
+  the reuses after its `min_seen`-th sighting are kept). At the host `frequency` refuses nothing
+  but keeps chunks on probation: `probation.py`.
 """
 
 from __future__ import annotations
@@ -80,6 +84,12 @@ def prompt_tokens(trace: Trace) -> np.ndarray:
     chunked = trace.counts * trace.header.chunk_tokens
     out: np.ndarray = np.where(trace.prompt > 0, trace.prompt, chunked)
     return out
+
+
+def context_lengths(trace: Trace) -> dict[str, float | None]:
+    """p50/p95/p99 of the prompt tokens per request (the records with a recorded prompt length;
+    None each for a kv-events trace, whose records are stored batches, not requests)."""
+    return _percentiles(trace.prompt[trace.prompt > 0])
 
 
 def shared_prefixes(stream: Stream) -> dict[str, Any]:

@@ -1,7 +1,8 @@
 """`kvtier plan TRACE... [--json] [--out DIR]`: the plan of one or more trace files.
 
-Without `--json` a short summary is printed; `--json` prints the whole plan as JSON; `--out DIR`
-writes `plan.json` and the PNG plots there.
+Without `--json` a short summary is printed, its first line the verdict (offload, offload with
+admission, or will not help, and why); `--json` prints the whole plan as JSON; `--out DIR` writes
+`plan.json` and the PNG plots there.
 """
 
 from __future__ import annotations
@@ -16,7 +17,9 @@ from kvtier.trace.plan import GIB, plan
 from kvtier.trace.records import read_traces
 
 SUMMARY = """\
-requests {requests}, prompt tokens {prompt_tokens}, {chunk_references} chunk references
+verdict: {verdict}: {verdict_reason}
+requests {requests}, prompt tokens {prompt_tokens} (per request p50/p95/p99 {ctx}), \
+{chunk_references} chunk references
 (1) reusable prompt tokens {reusable_token_fraction:.1%}; requests with a shared prefix \
 {requests_with_shared_prefix_fraction:.1%}
 (2) reuse time p50/p95/p99 {rt}
@@ -39,6 +42,10 @@ def add_parser(sub: Any) -> None:
                    help="host sizes to predict the hit ratio of (plan.json `predict`)")
     p.add_argument("--bytes-per-token", type=int,
                    help="KV bytes per token, for traces that do not say (kv-events traces)")
+    p.add_argument("--host-bytes", type=_size, metavar="BYTES",
+                   help="the most host memory the host tier may take: caps cpu_bytes_to_use")
+    p.add_argument("--prefill-tok-s", type=float, metavar="TOKENS",
+                   help="the engine's prefill rate (default: from the trace's TTFTs)")
     p.set_defaults(func=run)
 
 
@@ -52,6 +59,13 @@ def _sizes(text: str) -> tuple[int, ...]:
     return sizes
 
 
+def _size(text: str) -> int:
+    sizes = _sizes(text)
+    if len(sizes) != 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: one byte count")
+    return sizes[0]
+
+
 def summary(report: dict[str, Any]) -> str:
     """The human-readable lines of a plan."""
     rt = report["reuse_time_s"]
@@ -61,6 +75,7 @@ def summary(report: dict[str, Any]) -> str:
     )
     lines = SUMMARY.format(
         **report, rt="/".join("-" if v is None else f"{v:.2f}s" for v in rt.values()), cs=cs,
+        ctx="/".join("-" if v is None else f"{v:.0f}" for v in report["context_length_tokens"].values()),
         ws=report["working_set_bytes"] / GIB, cpu=rec["cpu_bytes_to_use"], cpu_hit=rec["cpu_hit_ratio"],
         mb=rec["max_bytes"], mb_hit=rec["max_bytes_hit_ratio"], policy=rec["eviction_policy"],
         bpc=rec["blocks_per_chunk"], adm=json.dumps(rec["admission"]),
@@ -86,7 +101,7 @@ def run(args: argparse.Namespace) -> int:
     if args.bytes_per_token:
         chunk_bytes = args.bytes_per_token * trace.header.chunk_tokens
     host = args.host_gib_s * GIB if args.host_gib_s else None
-    result = plan(trace, chunk_bytes, host, args.at)
+    result = plan(trace, chunk_bytes, host, args.at, args.host_bytes, args.prefill_tok_s)
     text = json.dumps(result.report, indent=1)
     if args.out is not None:
         from kvtier.trace.plots import write_plots

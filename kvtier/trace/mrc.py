@@ -105,13 +105,21 @@ def sample_rate(refs: np.ndarray, target: int = SAMPLE_REFS) -> float:
     return 1.0 if len(refs) <= target else target / len(refs)
 
 
+def sampled(refs: np.ndarray, rate: float) -> np.ndarray:
+    """Indices of the references whose key falls in the spatial sample of `rate` (every reference
+    at 1.0): a key is in it with all its references or with none."""
+    if rate >= 1.0:
+        return np.arange(len(refs))
+    out: np.ndarray = np.flatnonzero((refs % _HASH_SPACE) < int(rate * _HASH_SPACE))
+    return out
+
+
 def simulate(
     policy: type[EvictionPolicy[Any]], refs: np.ndarray, sizes: Sequence[int], rate: float = 1.0
 ) -> list[float]:
     """Hit ratio of `policy` at each size (chunks) over the references, simulated on the keys
     sampled at `rate` with each cache scaled by it (exact when `rate` is 1)."""
-    if rate < 1.0:
-        refs = refs[(refs % _HASH_SPACE) < int(rate * _HASH_SPACE)]
+    refs = refs[sampled(refs, rate)]
     keys = refs.astype(">u8").tobytes()
     stream = [keys[i : i + 8] for i in range(0, len(keys), 8)]
     out: list[float] = []

@@ -24,11 +24,19 @@ host decides the hit ratio, and the number is not a forecast; size away from the
 `recommend.cpu_cliff` gives the range of the LRU curve around `cpu_bytes_to_use` the same way
 (`cliff`: it spans more than `CLIFF`).
 
-Recommendations: `cpu_bytes_to_use` captures 90% of the reachable reuse and `max_bytes` (the
-secondary tier) 99%, each with the hit ratio it buys; `blocks_per_chunk` is the largest chunk
-that keeps 95% of the reusable tokens within the host transfer budget; admission keeps at least
-90% of the reuse (`frequency` `min_seen`) or 99% (`min_retention_priority`) while dropping the
-most chunks.
+Recommendations: `cpu_bytes_to_use` captures 90% of the reachable reuse (at most `host_bytes`,
+the host memory an operator can give, when given) and `max_bytes` (the secondary tier) 99%, each
+with the hit ratio it buys; `blocks_per_chunk` is the largest chunk that keeps 95% of the reusable
+tokens within the host transfer budget; `min_retention_priority` keeps at least 99% of the reuse
+while dropping the most chunks. `frequency_min_seen` is the one the verdict names when it says
+"offload with admission" (the host tier's probation at `cpu_bytes_to_use` serves the most with
+it, `probation.py`); otherwise the one that keeps at least 90% of the reuse at a secondary tier's
+gate while dropping the most chunks. Each `admission.frequency` row gives both: the secondary
+gate's `admitted_chunk_fraction` and `reuse_kept_fraction`, and the host tier's `host_hit_ratio`
+and `probation_chunk_fraction` at `cpu_bytes_to_use` (`min_seen` 1 is `all`).
+
+Verdict (`verdict.py`): `verdict`, `verdict_reason` and `verdict_checks` come first in the report:
+offload, offload with admission, or will not help, and why.
 """
 
 from __future__ import annotations
@@ -43,8 +51,10 @@ import numpy as np
 from kvtier.policies.arc import ARCPolicy
 from kvtier.trace import analysis
 from kvtier.trace.mrc import lru_hit_ratios, sample_rate, simulate, stack_distances
+from kvtier.trace.probation import HostRun, host_runs
 from kvtier.trace.records import Trace, TraceError
 from kvtier.trace.replay import host_hits
+from kvtier.trace.verdict import WITH_ADMISSION, Evidence, decide, prefill_tokens_per_s
 
 LRU_POINTS = 64
 ARC_POINTS = 16
@@ -149,11 +159,19 @@ def _predict(trace: Trace, distances: np.ndarray, at: Sequence[int],
     return rows
 
 
+def _with_probation(rows: list[dict[str, Any]], runs: Sequence[HostRun]) -> list[dict[str, Any]]:
+    """The `frequency` rows with the host tier's hit ratio and probation share at each `min_seen`."""
+    return [{**row, "host_hit_ratio": run.hit_ratio, "probation_chunk_fraction": run.probation_fraction}
+            for row, run in zip(rows, runs, strict=True)]
+
+
 def plan(trace: Trace, chunk_bytes: int | None = None,
-         host_bytes_per_s: float | None = None, at: Sequence[int] = ()) -> Plan:
+         host_bytes_per_s: float | None = None, at: Sequence[int] = (),
+         host_bytes: int | None = None, prefill_tok_s: float | None = None) -> Plan:
     """The plan of a trace. `chunk_bytes` overrides the header's (required when it has none);
     `host_bytes_per_s` defaults to a measured host copy; `at`: host sizes (bytes) to predict the
-    hit ratio of."""
+    hit ratio of; `host_bytes`: the most host memory the host tier may take (None: no cap);
+    `prefill_tok_s`: the engine's prefill rate (None: from the trace's TTFTs)."""
     chunk_bytes = chunk_bytes or trace.header.chunk_bytes
     if not chunk_bytes:
         raise TraceError("the trace does not say the bytes of a chunk: pass --bytes-per-token")
@@ -175,28 +193,43 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
     bypass = analysis.bypass(stream)
     admission = bypass["admission"]
     cpu = _capture(distances, refs, CAPTURE[0])
+    if host_bytes is not None:
+        cpu = min(cpu, host_bytes // chunk_bytes)
     secondary = _capture(distances, refs, CAPTURE[-1])
     cpu_hit, secondary_hit = lru_hit_ratios(distances, [cpu, secondary])
     cpu_around = _around(cpu, cliff_chunks(trace))
     arc_at_cpu = simulate(ARCPolicy, trace.refs, [cpu], sample_rate(trace.refs))[0]
+    runs = host_runs(stream, cpu, [r["min_seen"] for r in admission["frequency"]])
+    admission["frequency"] = _with_probation(admission["frequency"], runs)
+    prefixes = analysis.shared_prefixes(stream)
+    decision = decide(Evidence(
+        prefixes["reusable_token_fraction"], chunk_bytes, trace.header.chunk_tokens, budget,
+        prefill_tok_s or prefill_tokens_per_s(trace), cpu * chunk_bytes, reachable,
+        times["reuse_gap_s"]["p50"], runs))
+    frequency = (decision["verdict_checks"]["admission_min_seen"]
+                 if decision["verdict"] == WITH_ADMISSION
+                 else _pick_admission(admission["frequency"], "min_seen", 0.90))
     report: dict[str, Any] = {
+        **decision,
         "requests": int((trace.prompt > 0).sum()) or trace.records,
         "records": trace.records,
         "source": trace.header.source,
         "duration_s": float(trace.t[-1] - trace.t[0]),
         "prompt_tokens": int(analysis.prompt_tokens(trace).sum()),
+        "context_length_tokens": analysis.context_lengths(trace),
         "chunk_references": refs,
         "chunk_tokens": trace.header.chunk_tokens,
         "chunk_bytes": chunk_bytes,
         "cliff_chunks": cliff_chunks(trace),
         "token_sources": trace.sources,
         "observed_hit_ratio": _observed(trace),
-        **analysis.shared_prefixes(stream),
+        **prefixes,
         **times,
         "host_gib_s": budget / GIB,
         "chunk_size": rows,
         "never_reused_chunk_fraction": bypass["never_reused_chunk_fraction"],
         "admission": admission,
+        "host_bytes_limit": host_bytes,
         "working_set_bytes": working_set * chunk_bytes,
         "reachable_hit_ratio": reachable,
         "capture_bytes": capture,
@@ -213,7 +246,7 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
             "max_bytes_hit_ratio": secondary_hit,
             "blocks_per_chunk": _pick_chunk(rows),
             "admission": {
-                "frequency_min_seen": _pick_admission(admission["frequency"], "min_seen", 0.90),
+                "frequency_min_seen": frequency,
                 "min_retention_priority": _pick_admission(
                     admission["priority"], "min_retention_priority", 0.99),
             },
