@@ -64,6 +64,10 @@ class KVTierConfig:
     copied before the forward pass of the step that schedules its request (vLLM's synchronous
     load), instead of a step before it (False: every load is asynchronous)."""
     shm_dir: str = "/dev/shm"
+    os_reserve_bytes: int | None = None
+    """Host memory the memory plan keeps for the OS, its page cache and co-located services: the
+    host tier is refused when MemTotal less the engine's needs and the host tier leaves less
+    (`kvtier.host.budget`). None: a tenth of MemTotal."""
     trace_path: str | None = None
     """Each finished request appends a record here (`kvtier.trace.writer`); None: no trace."""
     trace_max_bytes: int = 256 << 20
@@ -124,6 +128,8 @@ class KVTierConfig:
             stream_promotions=_bool(raw, "stream_promotions", True),
             sync_host_loads=_bool(raw, "sync_host_loads", True),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
+            os_reserve_bytes=(None if raw.get("os_reserve_bytes") is None
+                              else _int(raw, "os_reserve_bytes", None, minimum=0)),
             trace_path=_optional_string(raw, "trace_path"),
             trace_max_bytes=_int(raw, "trace_max_bytes", 256 << 20, minimum=4096),
             control_dir=_optional_string(raw, "control_dir"),

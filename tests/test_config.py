@@ -31,6 +31,13 @@ def test_full_config_is_parsed() -> None:
     assert (mem.type, mem.name, mem.options) == ("memory", "mem2", {})
 
 
+def test_os_reserve_defaults_to_the_plans_own_and_takes_bytes() -> None:
+    """None lets the memory plan keep a tenth of MemTotal; a number is the reserve in bytes."""
+    assert parse().os_reserve_bytes is None
+    assert parse(os_reserve_bytes=0).os_reserve_bytes == 0
+    assert parse(os_reserve_bytes=4e9).os_reserve_bytes == 4_000_000_000
+
+
 def test_missing_cpu_bytes_is_named() -> None:
     with pytest.raises(ConfigError, match="cpu_bytes_to_use") as e:
         KVTierConfig.from_dict({})
@@ -64,6 +71,8 @@ def test_missing_cpu_bytes_is_named() -> None:
         ({"secondary_tiers": [{"type": "NotATier", "module_path": "tests.tiers.plugin_tier"}]},
          "secondary_tiers[0].type", "deriving from SecondaryTier"),
         ({"tier_job_timeout_s": -1}, "tier_job_timeout_s", "positive"),
+        ({"os_reserve_bytes": -1}, "os_reserve_bytes", ">= 0"),
+        ({"os_reserve_bytes": "2G"}, "os_reserve_bytes", "integer"),
     ],
 )
 def test_bad_values_name_the_key(raw, key, hint) -> None:

@@ -64,7 +64,9 @@ class HostPinner(Protocol):
 def check_region_size(size: int, shm_dir: str, key: str, min_bytes: int = 1) -> int:
     """`size` rounded up to a page, or ConfigError naming `key` when it is below `min_bytes` (e.g.
     one chunk row) or the region would not fit in the free space of `shm_dir` now. The one check of
-    a host region's size: the host tier's start and `kvtier serve`'s early check both call it."""
+    a host region's placement: the host tier's start and `kvtier serve`'s early check both call it.
+    /dev/shm is a tmpfs whose size is its own limit; whether the machine's memory holds the host
+    tier beside the engine is the memory plan's question (`budget.py`), asked first."""
     if size < max(min_bytes, 1):
         what = f"at least one chunk row ({min_bytes} bytes)" if min_bytes > 1 else "a positive number"
         raise ConfigError(key, size, f"must hold {what}")

@@ -1,8 +1,14 @@
-"""Host tiers over anonymous memory, and what the host tests store and read back."""
+"""Host tiers over anonymous memory, what the host tests store and read back, and a machine of a
+chosen size for the memory plan."""
 
 from __future__ import annotations
 
+from pathlib import Path
+
+import pytest
+
 from kvtier.format.chunks import TierEventKind
+from kvtier.host import budget
 from kvtier.host.tier import HostTier
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.registry import resolve_eviction
@@ -31,3 +37,11 @@ def put(tier: HostTier, keys: list[int], priority: int) -> None:
 
 def evicted(tier: HostTier) -> list[bytes]:
     return [key for e in tier.take_events() if e.kind is TierEventKind.REMOVED for key in e.keys]
+
+
+def machine_of(monkeypatch: pytest.MonkeyPatch, tmp_path: Path, total: int) -> None:
+    """Make the memory plan (`kvtier.host.budget.mem_total`) see a machine of `total` bytes, with
+    its free memory at a figure no check may read."""
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(f"MemTotal: {total // 1024} kB\nMemFree: 1 kB\nMemAvailable: 1 kB\n")
+    monkeypatch.setattr(budget, "MEMINFO", meminfo)

@@ -1,7 +1,8 @@
 """`kvtier serve`: the kv-transfer-config built from its flags (and from a config written for vLLM's
-OffloadingConnector), the vLLM flags it adds on CPU (device cache size, eager mode) while the user's
-own win, bad flags and keys refused before vLLM starts naming them, and (slow) a real vLLM OpenAI
-server started with no device-memory flag that answers a chat and exposes kvtier_ metrics."""
+OffloadingConnector, the seeds' own among them), the vLLM flags it adds on CPU (device cache size,
+eager mode) while the user's own win, the memory plan on a machine of a chosen size, bad flags and
+keys refused before vLLM starts naming them, and (slow) a real vLLM OpenAI server started with no
+device-memory flag that answers a chat and exposes kvtier_ metrics."""
 
 from __future__ import annotations
 
@@ -21,9 +22,11 @@ from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.serving import serve, startup
 from kvtier.integrations.vllm.serving.launch import CONNECTOR, isolated_env
 from kvtier.integrations.vllm.serving.serve import build_transfer_config
+from tests.host.helpers import machine_of
 from tests.integrations.serve_helpers import free_port, http_get, wait_healthy
 
 ROOT = Path(__file__).resolve().parents[2]
+GIB = startup.GIB
 
 
 def test_flags_make_the_transfer_config(tmp_path: Path) -> None:
@@ -67,9 +70,14 @@ def test_bad_flags_fail_fast_naming_the_flag(
 
 
 def test_an_oversized_host_region_fails_the_region_check_before_vllm_starts(
-    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
-    """`kvtier serve` runs the host region's own size check (`check_region_size`) on the flags."""
+    """`kvtier serve` runs the host region's own size check (`check_region_size`) on the flags,
+    after the memory plan: on a machine whose memory would hold it, /dev/shm still refuses."""
+    assert main(["serve", "some-model", "--cpu-gb", "1e9"]) == 2
+    err = capsys.readouterr().err
+    assert "--cpu-gb = 1000000000.0 is invalid: the host tier over-commits" in err, err
+    machine_of(monkeypatch, tmp_path, 1 << 62)
     assert main(["serve", "some-model", "--cpu-gb", "1e9"]) == 2
     err = capsys.readouterr().err
     assert "--cpu-gb = " in err and "the host region must fit in /dev/shm" in err, err
@@ -99,11 +107,12 @@ def test_dry_run_prints_the_config_and_vllm_command(capsys: pytest.CaptureFixtur
             "--kv-cache-memory-bytes", "1000000000", "--enforce-eager"]
     assert main(argv) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("--kv-transfer-config '")
-    assert json.loads(out[0].split("'", 1)[1].rstrip("'"))["kv_connector_extra_config"] == {
+    assert out[0].startswith("kvtier: memory plan: ")
+    assert out[1].startswith("--kv-transfer-config '")
+    assert json.loads(out[1].split("'", 1)[1].rstrip("'"))["kv_connector_extra_config"] == {
         "cpu_bytes_to_use": 2**27}
-    assert "--model my-model --kv-transfer-config" in out[1]
-    assert out[1].endswith("--port 9 --kv-cache-memory-bytes 1000000000 --enforce-eager")
+    assert "--model my-model --kv-transfer-config" in out[2]
+    assert out[2].endswith("--port 9 --kv-cache-memory-bytes 1000000000 --enforce-eager")
 
 
 def test_arguments_after_dashes_only_for_serve() -> None:
@@ -133,13 +142,17 @@ def test_vllm_offloading_config_is_mapped_key_by_key(tmp_path: Path, connector: 
     assert transfer["kv_connector_extra_config"] == {
         "blocks_per_chunk": 2, "cpu_bytes_to_use": 1 << 26, "eviction_policy": "arc",
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "kv"), "n_read_threads": 8}]}
-    [line] = notes
-    for said in ("spec_name TieringOffloadingSpec -> KVTierConnector",
-                 "block_size 256 -> blocks_per_chunk 2 (engine blocks of 128 tokens)",
-                 "cpu_bytes_to_use kept", "eviction_policy kept",
-                 "secondary_tiers[0] fs -> fs (root_dir, n_read_threads kept)",
-                 "ignored: store_threshold, secondary_tiers[0].backpressure"):
-        assert said in line, line
+    path = tmp_path / "config.json"
+    head = f"kvtier: --config {path} (vLLM OffloadingConnector config -> KVTierConnector): "
+    said = [line.removeprefix(head) for line in notes]
+    assert said == [
+        f"kv_connector {connector or '(none)'} " + ("kept" if connector == "KVTierConnector"
+                                                     else "-> KVTierConnector"),
+        "spec_name TieringOffloadingSpec -> KVTierConnector",
+        "block_size 256 -> blocks_per_chunk 2 (engine blocks of 128 tokens)",
+        "cpu_bytes_to_use kept", "eviction_policy kept",
+        "secondary_tiers[0] fs -> fs (root_dir, n_read_threads kept)",
+        "store_threshold ignored", "secondary_tiers[0].backpressure ignored"], notes
 
 
 @pytest.mark.parametrize("given", [None, "fail"])
@@ -158,18 +171,21 @@ def test_vllm_cpu_spec_ignores_tiers_and_kvtier_flags_still_apply(tmp_path: Path
     raw = {"kv_connector": "OffloadingConnector", "kv_connector_extra_config": {
         "spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1 << 26, "blocks_per_chunk": 4,
         "secondary_tiers": [{"type": "obj"}]}}
-    transfer, [line] = build_transfer_config(0.0625, tmp_path / "fs", _write(tmp_path, raw))
+    transfer, lines = build_transfer_config(0.0625, tmp_path / "fs", _write(tmp_path, raw))
     assert transfer["kv_connector_extra_config"] == {
         "blocks_per_chunk": 4, "cpu_bytes_to_use": 1 << 26,
         "secondary_tiers": [{"type": "fs", "root_dir": str(tmp_path / "fs")}]}
-    assert "ignored: secondary_tiers" in line and "blocks_per_chunk kept" in line
+    assert lines[-1].endswith(": secondary_tiers ignored")
+    assert any(line.endswith(": blocks_per_chunk kept") for line in lines), lines
 
 
 @pytest.mark.parametrize(
     ("extra", "named"),
     [
         ({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1, "block_size": 200},
-         "block_size = 200 is invalid: a positive multiple of the engine's block size, 128"),
+         "block_size = 200 is invalid: 200 tokens is not a multiple of the engine's block size, 128"),
+        ({"spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1, "block_size": 0},
+         "block_size = 0 is invalid: a positive number of tokens"),
         ({"spec_name": "CPUOffloadingSpec", "cpu_bytes_to_use": 1, "block_size": 256,
           "blocks_per_chunk": 2}, "block_size = 256 is invalid: give block_size or blocks_per_chunk"),
         ({"spec_name": "LMCacheSpec", "cpu_bytes_to_use": 1}, "spec_name = 'LMCacheSpec'"),
@@ -205,25 +221,17 @@ def test_kv_offloading_size_is_cpu_gb(capsys: pytest.CaptureFixture[str]) -> Non
     assert "--cpu-gb 1 and --kv-offloading-size 2: the same setting" in capsys.readouterr().err
 
 
-def test_device_cache_size_from_memory_host_tier_and_weights() -> None:
-    gib = startup.GIB
-    small = startup.device_cache_bytes(6 * gib, gib, gib // 4)
-    assert small.size == 6 * gib - gib - startup.PROCESS_MARGIN - gib // 2
-    assert "MemAvailable 6.00 GiB - host tier 1.00 GiB - margin 2.50 GiB" in small.line()
+def test_device_cache_size_from_total_memory_host_tier_weights_and_reserve() -> None:
+    small = startup.device_cache_bytes(8 * GIB, GIB, GIB // 4, reserve=GIB)
+    assert small.size == 8 * GIB - GIB - startup.PROCESS_MARGIN - GIB // 2 - GIB
+    assert ("MemTotal 8.00 GiB - host tier 1.00 GiB - margin 2.50 GiB (server processes + 2 x "
+            "0.25 GiB of weights) - reserve 1.00 GiB (os_reserve_bytes) = 3.50 GiB") in small.line()
     assert "capped" not in small.line()
-    big = startup.device_cache_bytes(64 * gib, gib, 0)
+    big = startup.device_cache_bytes(64 * GIB, GIB, 0)
+    assert big.reserve == 64 * GIB // 10
     assert big.size == startup.DEVICE_CACHE_CAP and "capped at 4 GiB" in big.line()
-    with pytest.raises(KVTierError, match=r"host tier \(--cpu-gb\) 3.00 GiB.*--kv-cache-memory-bytes"):
-        startup.device_cache_bytes(5 * gib, 3 * gib, 0)
-
-
-def test_mem_available_read_from_meminfo(tmp_path: Path) -> None:
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemTotal: 24684096 kB\nMemAvailable:   8388608 kB\n")
-    assert startup.mem_available(meminfo) == 8 << 30
-    meminfo.write_text("MemTotal: 1 kB\n")
-    with pytest.raises(KVTierError, match="no MemAvailable"):
-        startup.mem_available(meminfo)
+    none_left = startup.device_cache_bytes(5 * GIB, 3 * GIB, 0)
+    assert none_left.room < 0 and none_left.size == startup.MIN_DEVICE_CACHE
 
 
 @pytest.mark.parametrize(
@@ -241,13 +249,11 @@ def test_mem_available_read_from_meminfo(tmp_path: Path) -> None:
 def test_startup_flags_added_only_where_the_user_gave_none(
     tmp_path: Path, user: list[str], env: dict[str, str], added: list[str]
 ) -> None:
-    meminfo = tmp_path / "meminfo"
-    meminfo.write_text("MemAvailable: 33554432 kB\n")
     got, lines = startup.startup_args(user, host_bytes=1 << 30, model=str(tmp_path), cpu=True,
-                                      env=env, meminfo=meminfo)
+                                      env=env, total=32 * GIB)
     assert got == added
     assert len(lines) == len([a for a in added if a.startswith("--")]) + ("64" in user)
-    assert startup.startup_args([], host_bytes=1, model="m", cpu=False, env={}) == ([], [])
+    assert startup.startup_args([], host_bytes=1, model="m", cpu=False, env={}, total=1) == ([], [])
 
 
 def test_engine_block_size() -> None:
@@ -258,18 +264,36 @@ def test_engine_block_size() -> None:
         startup.engine_block_size(["--block-size", "x"], cpu=True)
 
 
-def test_serve_prints_its_size_choice(monkeypatch: pytest.MonkeyPatch,
-                                      capsys: pytest.CaptureFixture[str]) -> None:
+def test_serve_sizes_from_total_memory_and_checks_the_plan(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The device cache is picked from MemTotal (free memory is never read: the fake machine has
+    1 kB free), and the plan printed; a host tier that leaves less than the reserve is refused
+    with the arithmetic."""
     monkeypatch.setattr(serve, "is_cpu_backend", lambda env: True)
-    monkeypatch.setattr(startup, "mem_available", lambda meminfo: 5 << 30)
+    machine_of(monkeypatch, tmp_path, 10 * GIB)
     assert main(["serve", "m", "--cpu-gb", "1", "--dry-run"]) == 0
     out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith("kvtier: device KV cache 2.00 GiB (--kv-cache-memory-bytes 2147483648)")
+    assert out[0].startswith("kvtier: device KV cache 4.00 GiB (--kv-cache-memory-bytes 4294967296)")
     assert out[1].startswith("kvtier: --enforce-eager")
-    assert out[-1].endswith("--kv-cache-memory-bytes 2147483648 --enforce-eager")
-    monkeypatch.setattr(startup, "mem_available", lambda meminfo: 3 << 30)
-    assert main(["serve", "m", "--cpu-gb", "1", "--dry-run"]) == 2
-    assert "no room for vLLM's CPU KV cache" in capsys.readouterr().err
+    assert out[2] == ("kvtier: memory plan: MemTotal 10.00 GiB - vLLM's device KV cache 4.00 GiB - "
+                      "weights and processes 2.00 GiB - host tier 1.00 GiB = 3.00 GiB left, the "
+                      "reserve for the OS and page cache (os_reserve_bytes) 1.00 GiB")
+    assert out[-1].endswith("--kv-cache-memory-bytes 4294967296 --enforce-eager")
+    assert main(["serve", "m", "--cpu-gb", "6.5", "--dry-run"]) == 0
+    assert "kvtier: device KV cache 0.50 GiB" in capsys.readouterr().out
+    assert main(["serve", "m", "--cpu-gb", "7", "--dry-run"]) == 2
+    assert ("--cpu-gb = 7.0 is invalid: the host tier over-commits this machine's memory: MemTotal "
+            "10.00 GiB - vLLM's device KV cache 0.25 GiB - weights and processes 2.00 GiB - host "
+            "tier 7.00 GiB = 0.75 GiB left, under the 1.00 GiB kept") in capsys.readouterr().err
+    assert main(["serve", "m", "--cpu-gb", "7", "--os-reserve-gb", "0.5", "--dry-run"]) == 0
+    assert '"os_reserve_bytes": 536870912' in capsys.readouterr().out
+    assert main(["serve", "m", "--cpu-gb", "7", "--os-reserve-gb", "0", "--dry-run"]) == 0
+    assert main(["serve", "m", "--cpu-gb", "7", "--os-reserve-gb", "-1", "--dry-run"]) == 2
+    assert "--os-reserve-gb -1.0: must be a number of GiB >= 0" in capsys.readouterr().err
+    assert main(["serve", "m", "--cpu-gb", "1", "--dry-run", "--", "--kv-cache-memory-bytes", "8G"]) == 2
+    assert ("vLLM's device KV cache 8.00 GiB - weights and processes 2.00 GiB - host tier 1.00 GiB "
+            "= -1.00 GiB left") in capsys.readouterr().err
 
 
 @pytest.mark.slow
@@ -305,7 +329,8 @@ def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path) -> None:
         assert "kvtier_" in http_get(f"{base}/metrics")
         text = log_path.read_text()
         for said in ("kvtier: device KV cache", "kvtier: --enforce-eager",
-                     "mapped to KVTierConnector", '"blocks_per_chunk": 2', "--kv-transfer-config '"):
+                     "(vLLM OffloadingConnector config -> KVTierConnector)", "kvtier: memory plan: ",
+                     '"blocks_per_chunk": 2', "--kv-transfer-config '"):
             assert said in text, said
         print(f"server up in {up_s:.1f} s")
     finally:

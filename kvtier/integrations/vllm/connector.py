@@ -3,8 +3,14 @@
 vLLM builds one instance per role: the SCHEDULER role in the engine core (it owns the host region,
 the host tier and the secondary tier processes, see `scheduler_half.py`), the WORKER role in each
 worker (it copies KV between the engine's tensors and the host region, see `worker_half.py`). This
-class only parses the config and dispatches each vLLM hook to the half its role has; the halves
+class only reads the config and dispatches each vLLM hook to the half its role has; the halves
 talk through `KVTierMetadata` / `KVTierWorkerMetadata` only.
+
+The config is kvtier's `kv_connector_extra_config`, or one written for vLLM's OffloadingConnector
+(`spec_name`, `block_size`, vLLM's fs keys), mapped by the same `native_config.to_kvtier` as
+`kvtier serve --config`: the scheduler role logs one line per key mapped or ignored. Before it
+builds its half, the scheduler role checks the host tier against the machine's memory
+(`host_memory.engine_plan`) and logs the plan.
 
 Observability: metrics reach vLLM's `/metrics` through `get_kv_connector_stats` /
 `build_kv_connector_stats` / `build_prom_metrics` (`connector_stats.py`), and are readable
@@ -32,13 +38,17 @@ from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
 from kvtier.integrations.vllm.connector_stats import KVTierPromMetrics, KVTierStats
+from kvtier.integrations.vllm.host_memory import engine_plan
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.model.geometry import engine_geometry
 from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
+from kvtier.integrations.vllm.serving.native_config import is_native, to_kvtier
 from kvtier.integrations.vllm.state_scheduler import StateScheduler
 from kvtier.integrations.vllm.worker_half import KVTierWorker
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import KVCacheEvent
     from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
@@ -52,6 +62,9 @@ if TYPE_CHECKING:
 
 
 log = logging.getLogger("kvtier.vllm.connector")
+settings_log = logging.getLogger("vllm.kvtier")
+"""The config's mapping and the memory plan, a child of vLLM's logger: shown at INFO among vLLM's
+own start-up lines (vLLM's logger does not propagate, and kvtier's INFO lines would not show)."""
 
 HIT_SOURCE = {
     "host": CacheHitSource.HOST,
@@ -59,6 +72,22 @@ HIT_SOURCE = {
     "obj": CacheHitSource.DISK,
     "p2p": CacheHitSource.P2P,
 }
+EXTRA = "kv_connector_extra_config"
+
+
+def read_config(extra: Mapping[str, Any], engine_block_size: int, *, announce: bool) -> KVTierConfig:
+    """kvtier's config from `extra`: kvtier's own, or vLLM's OffloadingConnector's mapped for an
+    engine of `engine_block_size` tokens per block; with `announce`, one log line per key mapped or
+    ignored and a warning for each size adjusted. Raises ConfigError naming the key."""
+    if is_native(extra):
+        mapping = to_kvtier(extra, engine_block_size)
+        if announce:
+            for line in mapping.lines(EXTRA):
+                settings_log.info("%s", line)
+            for line in mapping.warnings:
+                settings_log.warning("%s", line)
+        extra = mapping.extra
+    return KVTierConfig.from_dict(extra)
 
 
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
@@ -73,13 +102,20 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig
     ) -> None:
         """Called by vLLM once per role, at engine start. Raises ConfigError (kvtier's message)
-        for a bad `kv_connector_extra_config`; nothing is left running when it raises."""
+        for a bad `kv_connector_extra_config`, and (scheduler role) for a host tier the machine's
+        memory cannot hold beside the engine; nothing is left running when it raises."""
         super().__init__(vllm_config, role, kv_cache_config)
-        config = KVTierConfig.from_dict(self._kv_transfer_config.kv_connector_extra_config or {})
+        scheduler = role == KVConnectorRole.SCHEDULER
+        config = read_config(self._kv_transfer_config.kv_connector_extra_config or {},
+                             vllm_config.cache_config.block_size, announce=scheduler)
         geometry = engine_geometry(vllm_config, kv_cache_config, config.blocks_per_chunk)
         self.scheduler: KVTierScheduler | None = None
         self.worker: KVTierWorker | None = None
-        if role == KVConnectorRole.SCHEDULER:
+        if scheduler:
+            memory = engine_plan(vllm_config, kv_cache_config, config.cpu_bytes_to_use,
+                                 config.os_reserve_bytes)
+            memory.check("cpu_bytes_to_use", config.cpu_bytes_to_use)
+            settings_log.info("%s", memory.line())
             if self._kv_transfer_config.kv_load_failure_policy != "recompute":
                 log.warning("kvtier: kv_load_failure_policy is %r: a request whose KV load fails "
                             "(a tier went down, a chunk failed its checksum) fails instead of "

@@ -2,18 +2,23 @@
 
 ``kvtier serve [MODEL] [--cpu-gb N] [--fs DIR] [--config FILE] [-- vllm args]`` builds the
 connector's `--kv-transfer-config`, validates kvtier's part of it (`KVTierConfig.from_dict`, the
-fs directory, the host region against free /dev/shm) before vLLM is even imported, prints it so
-it can be pasted into a `vllm serve` command, and then replaces this process with vLLM's server
-(`vllm_command`) given ``--model MODEL --kv-transfer-config JSON [vllm args] [added flags]``:
-signals, exit status and output are vLLM's own from there on.
+fs directory) before vLLM is even imported, checks the memory plan (MemTotal less vLLM's device
+cache, the weights and the host tier must leave the OS reserve: `memory_plan.serve_plan`) and then
+that the host region fits in /dev/shm, prints the config so it can be pasted into a `vllm serve`
+command, and then replaces this process with vLLM's server (`vllm_command`) given ``--model MODEL
+--kv-transfer-config JSON [vllm args] [added flags]``: signals, exit status and output are vLLM's
+own from there on.
 
 Precedence: `--config` (a whole kv-transfer-config, kvtier's extra config alone, or a config
 written for vLLM's OffloadingConnector, mapped by `native_config`) is read first; `--cpu-gb` (or
 its vLLM spelling `--kv-offloading-size`) then sets `cpu_bytes_to_use`, and `--fs` adds an fs
-tier. Without either source, `cpu_bytes_to_use` is `DEFAULT_CPU_GB` GiB. MODEL defaults to the
-embedded SmolLM2 model. On vLLM's CPU backend, `startup.startup_args` adds a device KV cache size
-and `--enforce-eager` when the user gave neither; every added flag and every mapped key is
-printed, one line each, before the command.
+tier. Without either source, `cpu_bytes_to_use` is `DEFAULT_CPU_GB` GiB. `--kv-offloading-backend
+native` is accepted (kvtier is the native offloading path here) and `lmcache` refused; these two
+vLLM flags are refused after `--`, where they would make vLLM load its own connector instead.
+`--cpu-offload-gb` is passed on to vLLM with a warning: it offloads weights, not KV. MODEL
+defaults to the embedded SmolLM2 model. On vLLM's CPU backend, `startup.startup_args` adds a
+device KV cache size and `--enforce-eager` when the user gave neither; every added flag, every
+mapped key and the memory plan are printed, one line each, before the command.
 """
 
 from __future__ import annotations
@@ -30,18 +35,29 @@ from typing import Any
 
 from kvtier.config import KVTierConfig
 from kvtier.errors import ConfigError, KVTierError
+from kvtier.host.budget import GIB, mem_total
 from kvtier.host.region import check_region_size
+from kvtier.integrations.vllm.host_memory import weight_bytes
 from kvtier.integrations.vllm.serving.launch import CONNECTOR, connector_config
+from kvtier.integrations.vllm.serving.memory_plan import (
+    CPU_OFFLOAD_FLAG,
+    cpu_offload_warning,
+    serve_plan,
+)
 from kvtier.integrations.vllm.serving.native_config import NATIVE_CONNECTOR, is_native, to_kvtier
 from kvtier.integrations.vllm.serving.startup import (
     CPU_BLOCK_SIZE,
     engine_block_size,
+    flag_value,
     has_flag,
     is_cpu_backend,
     startup_args,
 )
 
 DEFAULT_CPU_GB = 1.0
+OWNED_FLAGS = ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend")
+"""vLLM flags kvtier serve reads itself; after --, the last two would make vLLM load its own
+OffloadingConnector (or LMCache's) in place of kvtier's."""
 
 
 def _read_config_file(path: Path) -> dict[str, Any]:
@@ -63,7 +79,7 @@ def _config_from_file(path: Path, engine_block_size: int, notes: list[str]) -> d
     raw = _read_config_file(path)
     if is_native(raw):
         mapping = to_kvtier(raw, engine_block_size)
-        notes.append(mapping.line(f"--config {path}"))
+        notes += [*mapping.lines(f"--config {path}"), *mapping.warnings]
         return mapping.transfer
     if "kv_connector_extra_config" not in raw and "kv_connector" not in raw:
         return connector_config(raw)
@@ -86,12 +102,22 @@ def _check_fs_dir(path: Path) -> None:
         raise KVTierError(f"--fs {path}: the directory is not writable")
 
 
+def _gib_flag(flag: str, value: float, *, zero: bool = False) -> int:
+    """`value` GiB in bytes; KVTierError naming `flag` unless finite and positive (or 0 if `zero`)."""
+    if not math.isfinite(value) or value < 0 or (value == 0 and not zero):
+        allowed = "a number of GiB >= 0" if zero else "a positive number of GiB"
+        raise KVTierError(f"{flag} {value}: must be {allowed}")
+    return int(value * GIB)
+
+
 def build_transfer_config(cpu_gb: float | None, fs: Path | None, config_file: Path | None, *,
                           engine_block_size: int = CPU_BLOCK_SIZE, cpu_flag: str = "--cpu-gb",
+                          os_reserve_gb: float | None = None,
                           ) -> tuple[dict[str, Any], list[str]]:
     """The `--kv-transfer-config` for these flags, kvtier's part validated (see the module doc),
-    and the lines to print about it (how a vLLM config was mapped). `engine_block_size` maps a
-    vLLM config's `block_size`; `cpu_flag` is how the user spelled the host tier size.
+    and the lines to print about it (how a vLLM config was mapped, one line per key, and its
+    warnings). `engine_block_size` maps a vLLM config's `block_size`; `cpu_flag` is how the user
+    spelled the host tier size; `os_reserve_gb` sets `os_reserve_bytes`.
 
     Raises `KVTierError` (a `ConfigError` names the config key) on anything vLLM would refuse.
     """
@@ -100,19 +126,17 @@ def build_transfer_config(cpu_gb: float | None, fs: Path | None, config_file: Pa
                                 if config_file is not None else connector_config({}))
     extra: dict[str, Any] = dict(transfer.get("kv_connector_extra_config", {}))
     if cpu_gb is not None:
-        if not math.isfinite(cpu_gb) or cpu_gb <= 0:
-            raise KVTierError(f"{cpu_flag} {cpu_gb}: must be a positive number of GiB")
-        extra["cpu_bytes_to_use"] = int(cpu_gb * 2**30)
+        extra["cpu_bytes_to_use"] = _gib_flag(cpu_flag, cpu_gb)
     elif "cpu_bytes_to_use" not in extra:
-        extra["cpu_bytes_to_use"] = int(DEFAULT_CPU_GB * 2**30)
+        extra["cpu_bytes_to_use"] = int(DEFAULT_CPU_GB * GIB)
+    if os_reserve_gb is not None:
+        extra["os_reserve_bytes"] = _gib_flag("--os-reserve-gb", os_reserve_gb, zero=True)
     if fs is not None:
         _check_fs_dir(fs)
         tiers = list(extra.get("secondary_tiers", []))
         tiers.append({"type": "fs", "root_dir": str(fs.resolve())})
         extra["secondary_tiers"] = tiers
-    config = KVTierConfig.from_dict(extra)
-    check_region_size(config.cpu_bytes_to_use, config.shm_dir,
-                      cpu_flag if cpu_gb is not None else "cpu_bytes_to_use")
+    KVTierConfig.from_dict(extra)
     transfer["kv_connector_extra_config"] = extra
     return transfer, notes
 
@@ -134,10 +158,15 @@ Start vLLM's OpenAI-compatible server with the KVTierConnector; arguments after 
 On vLLM's CPU backend kvtier adds two vLLM flags unless you gave your own, and prints why:
   --kv-cache-memory-bytes N  the device KV cache, when no --kv-cache-memory-bytes or
                              --gpu-memory-utilization (nor VLLM_CPU_KVCACHE_SPACE) is given:
-                             MemAvailable - the host tier - a margin for the processes and
-                             weights, at most 4 GiB (vLLM's default reserves 92% of memory
-                             and refuses to start on a busy machine)
+                             MemTotal - the host tier - a margin for the processes and
+                             weights - the OS reserve, at most 4 GiB (vLLM's default reserves
+                             92% of memory and refuses to start on a busy machine)
   --enforce-eager            no torch.compile; give --no-enforce-eager (or -O...) to compile
+
+The memory plan: MemTotal less vLLM's device KV cache (on CPU), the weights, the processes and
+the host tier must leave the reserve for the OS and its page cache (--os-reserve-gb, default a
+tenth of MemTotal); a plan that leaves less is refused, its arithmetic printed. Free memory is
+never used to size anything.
 
 Start-up cost: on CPU with eager mode, SmolLM2 serves after about 30-60 s on an idle
 2-core machine, minutes when the cores are busy: mostly Python imports in vLLM's three
@@ -161,6 +190,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
                    help=f"host tier size in GiB (default {DEFAULT_CPU_GB:g}, or the --config value)")
     p.add_argument("--kv-offloading-size", type=float, default=None, metavar="GIB",
                    help="the same as --cpu-gb (vLLM's spelling); give one of the two")
+    p.add_argument("--kv-offloading-backend", default=None, metavar="native",
+                   help="vLLM's choice of KV offloading: native (kvtier is the native path here); "
+                        "lmcache is refused")
+    p.add_argument("--os-reserve-gb", type=float, default=None, metavar="GIB",
+                   help="memory the plan keeps for the OS, page cache and other services "
+                        "(default: a tenth of MemTotal)")
+    p.add_argument(CPU_OFFLOAD_FLAG, type=float, default=None, metavar="GIB",
+                   help="vLLM's WEIGHT offload to CPU memory, not KV: passed on with a warning")
     p.add_argument("--fs", type=Path, default=None, help="add an fs tier in this directory")
     p.add_argument("--config", type=Path, default=None,
                    help="JSON file: a whole --kv-transfer-config, kvtier's extra config alone, or "
@@ -180,21 +217,51 @@ def _host_gib(args: argparse.Namespace) -> tuple[float | None, str]:
     return args.cpu_gb, "--cpu-gb"
 
 
+def _backend_notes(backend: str | None) -> list[str]:
+    """What `--kv-offloading-backend` says: native is kvtier here; lmcache and others refused."""
+    if backend is None:
+        return []
+    if backend == "native":
+        return ["kvtier: --kv-offloading-backend native: kvtier is the native KV offloading path "
+                "of this server (the KVTierConnector, in place of vLLM's OffloadingConnector)"]
+    if backend == "lmcache":
+        raise KVTierError("--kv-offloading-backend lmcache: kvtier serve serves kvtier, the native "
+                          "KV offloading path here, not LMCache; give native (or nothing), or "
+                          "start LMCache with vLLM's own server")
+    raise KVTierError(f"--kv-offloading-backend {backend}: vLLM's backends are native and lmcache; "
+                      "kvtier serve is the native one (give native, or nothing)")
+
+
 def run_command(args: argparse.Namespace) -> int:
     vllm_args: list[str] = list(getattr(args, "passthrough", []))
-    if has_flag(vllm_args, "--kv-transfer-config"):
-        raise KVTierError("--kv-transfer-config after --: kvtier serve builds it; use --config")
+    for flag in OWNED_FLAGS:
+        if has_flag(vllm_args, flag):
+            use = "--config" if flag == "--kv-transfer-config" else f"{flag} before --"
+            raise KVTierError(f"{flag} after --: kvtier serve reads it itself; use {use}")
+    notes = _backend_notes(args.kv_offloading_backend)
     cpu = is_cpu_backend(os.environ)
+    if args.cpu_offload_gb is not None:
+        vllm_args += [CPU_OFFLOAD_FLAG, f"{args.cpu_offload_gb:g}"]
+    offload = flag_value(vllm_args, CPU_OFFLOAD_FLAG)
+    if offload is not None:
+        notes.append(cpu_offload_warning(offload, cpu))
     cpu_gb, cpu_flag = _host_gib(args)
-    transfer, notes = build_transfer_config(
+    transfer, mapped = build_transfer_config(
         cpu_gb, args.fs, args.config, engine_block_size=engine_block_size(vllm_args, cpu),
-        cpu_flag=cpu_flag)
+        cpu_flag=cpu_flag, os_reserve_gb=args.os_reserve_gb)
+    config = KVTierConfig.from_dict(transfer["kv_connector_extra_config"])
     model = args.model if args.model is not None else args.default_model()
-    added, lines = startup_args(
-        vllm_args, host_bytes=int(transfer["kv_connector_extra_config"]["cpu_bytes_to_use"]),
-        model=model, cpu=cpu, env=os.environ)
+    total = mem_total()
+    added, lines = startup_args(vllm_args, host_bytes=config.cpu_bytes_to_use, model=model,
+                                cpu=cpu, env=os.environ, total=total, reserve=config.os_reserve_bytes)
+    memory = serve_plan([*vllm_args, *added], os.environ, cpu=cpu, host_bytes=config.cpu_bytes_to_use,
+                        weights=weight_bytes(model), reserve=config.os_reserve_bytes, total=total)
+    key, value = ((cpu_flag, cpu_gb) if cpu_gb is not None
+                  else ("cpu_bytes_to_use", config.cpu_bytes_to_use))
+    memory.check(key, value)
+    check_region_size(config.cpu_bytes_to_use, config.shm_dir, key)
     argv = vllm_command(model, transfer, [*vllm_args, *added])
-    for line in [*notes, *lines]:
+    for line in [*notes, *mapped, *lines, memory.line()]:
         print(line)
     print(f"--kv-transfer-config '{json.dumps(transfer)}'")
     print(f"kvtier: starting {shlex.join(argv)}", flush=True)
