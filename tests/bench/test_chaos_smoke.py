@@ -38,6 +38,7 @@ def test_chaos_smoke_serves_nothing_wrong(tmp_path: Path) -> None:
             "--work-dir", str(work), "--out", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert not _running_under(work), "a server or tier process outlived the run"
+    assert done.stdout.strip(), (done.returncode, done.stderr[-3000:])
     summary = json.loads(done.stdout)
     assert done.returncode == 0, (summary["checks"], done.stderr[-3000:])
     assert summary["wrong_replies"] == 0 and summary["failed_or_hung"] == 0

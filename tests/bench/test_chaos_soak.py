@@ -25,6 +25,7 @@ def test_a_short_soak_keeps_resources_flat(tmp_path: Path) -> None:
     argv = [sys.executable, "-m", "kvtier.cli", "bench", "chaos", "--preset", "soak", "--duration",
             "90", "--json", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
+    assert done.stdout.strip(), (done.returncode, done.stderr[-3000:])
     summary = json.loads(done.stdout)
     assert done.returncode == 0, (summary["checks"], summary["growth"], done.stderr[-3000:])
     assert set(summary["growth"]) == set(MEASURES)

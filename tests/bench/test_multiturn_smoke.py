@@ -1,8 +1,10 @@
-"""`kvtier bench multiturn --preset smoke --repeats 2` end to end (slow): real vLLM servers (no
-offload and kvtier's host tier, interleaved, each run twice on a fresh server) on a 16-block device
-cache, driven over HTTP with streaming. The host tier promotes tokens, vLLM alone has nothing but
-device hits and recompute, every point's split adds up to its prompt tokens, and no server is left
-running."""
+"""`kvtier bench multiturn --preset smoke` end to end (slow): real vLLM servers (no offload, then
+kvtier's host tier, each on a fresh server) on a 16-block device cache, driven over HTTP with
+streaming. The host tier promotes tokens, vLLM alone has nothing but device hits and recompute,
+every point's split adds up to its prompt tokens, and no server is left running. The rounds of
+`--repeats` (rotated order, a fresh engine per run, median and spread) are tested without servers
+in `test_multiturn_repeats.py`: a second round here would start two more servers to check the same
+schedule."""
 
 from __future__ import annotations
 
@@ -33,7 +35,7 @@ def _running_with(marker: str) -> list[int]:
 def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
     name = f"smoke-{uuid.uuid4().hex[:8]}"
     argv = [sys.executable, "-m", "kvtier.cli", "bench", "multiturn", "--preset", "smoke", "--json",
-            "--served-model-name", name, "--out", str(tmp_path / "out"), "--repeats", "2"]
+            "--served-model-name", name, "--out", str(tmp_path / "out"), "--repeats", "1"]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-4000:]
     assert not _running_with(name), "a benchmark server was left running"
@@ -41,7 +43,7 @@ def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
     points = {p["config"]: p for p in result["points"]}
     assert set(points) == {"no-offload", "host"}
     order = [(p["config"], p["repeat"]) for p in result["points"]]
-    assert order == [("no-offload", 0), ("host", 0), ("host", 1), ("no-offload", 1)]
+    assert order == [("no-offload", 0), ("host", 0)]
     for p in result["points"]:
         assert p["conversations"] == 4 and p["requests"] == 12 and p["failed_requests"] == 0
         assert p["tokens_sum_ok"], p["tokens"]
