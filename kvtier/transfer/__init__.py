@@ -1,10 +1,12 @@
 """Device <-> host copies of KV chunks, at one face: `make_transfer`.
 
 - `base`: the copy contract (`Transfer`, `CopyResult`);
-- `host`: the CPU path (`HostTransfer`, synchronous copies through `kvtier.format.layout.CopyPlan`);
+- `copy_plan`: the block mapping and copies between engine tensors and canonical rows (`CopyPlan`);
+- `cpu`: the CPU path (`HostTransfer`, synchronous copies through `CopyPlan`);
 - `stream`: the asynchronous machinery (copy streams, events, the hazards they order);
 - `cuda`: CUDA streams and events behind `stream`, the host region registered as pinned memory;
-- `staged`: batched copies through a device staging buffer.
+- `staged`: batched copies through a device staging buffer, by `CopyPlan`'s block mapping;
+- `state_copier`: the same for recurrent-state segments.
 
 `make_transfer` picks the implementation by the device of the KV tensors. Nothing CUDA-specific is
 imported unless the KV tensors live on a CUDA device.

@@ -5,8 +5,8 @@ An engine's layout is a small `EngineLayout` subclass (the engine's own, under
 `kvtier.integrations`) that gives zero-copy strided views `[num_blocks, H_local, block_size,
 head_dim]` of K and of V in one layer tensor (or of the latent alone, for MLA); a `CopyPlan` needs
 nothing else, so a new backend is one more subclass. The plan is written once over torch tensors
-and runs on any device: the CPU path (`transfer.host`) and the CUDA path (`transfer.staged`,
-`transfer.stream`) call the same plan.
+and runs on any device: the CPU path (`transfer.cpu`) copies by it, and the CUDA path
+(`transfer.staged`, `transfer.stream`) gathers and scatters by its block mapping (`pairs`) and views.
 
 Copy plans hold no state: concurrent calls are safe when their slots and blocks are disjoint.
 """
@@ -105,22 +105,16 @@ class CopyPlan:
     ) -> None:
         """One pass over the bytes in either direction; the destinations must be distinct (host
         slots on a store, engine blocks on a load), and a non-writing replica stores nothing."""
-        pairs = self._pairs(layer_tensors, block_ids_per_chunk, host_rows, slots)
-        if to_host and len(set(slots)) != len(slots):
-            raise ValueError(f"slots must be distinct, got {list(slots)}")
-        if to_host and any(len(group) != len(slots) * self.blocks_per_chunk for group in pairs):
-            raise ValueError(f"a store needs every block of every chunk, got {list(block_ids_per_chunk)}")
-        if not to_host and any(len({b for _, _, b in group}) != len(group) for group in pairs):
-            raise ValueError("destination block ids must be distinct")
+        pairs = self.pairs(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host)
         if to_host and not self.shard.writes:
             return
         for layer, kv in enumerate(layer_tensors):
             for engine, host in self._views(kv, host_rows, layer):
-                for slot, j, block in pairs[self.layer_groups[layer]]:
+                for chunk, j, block in pairs[self.layer_groups[layer]]:
                     if to_host:
-                        host[slot, j].copy_(engine[block])
+                        host[slots[chunk], j].copy_(engine[block])
                     else:
-                        engine[block].copy_(host[slot, j])
+                        engine[block].copy_(host[slots[chunk], j])
 
     def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
         """K and V (or latent) block views `[num_blocks, H_local, block_size, D]` of one layer
@@ -153,15 +147,18 @@ class CopyPlan:
         host = split.permute(1, 0, 3, 2, 4, 5)
         return tuple(zip(self.engine_views(kv), host, strict=True))
 
-    def _pairs(
+    def pairs(
         self,
         layer_tensors: Sequence[torch.Tensor],
         block_ids_per_chunk: Sequence[Sequence[int]],
         host_rows: torch.Tensor,
         slots: Sequence[int],
+        to_host: bool,
     ) -> list[list[tuple[int, int, int]]]:
-        """Per group, (slot, block index within the chunk, engine block) for every block the group
-        holds (`SKIP_BLOCK`s left out), all validated."""
+        """Per group, (chunk index, block index within the chunk, engine block) for every block the
+        group holds, in chunk then token order (`SKIP_BLOCK`s left out): the one block mapping of
+        every copy path, CPU or device. Raises ValueError, before anything is copied, when a slot or
+        block is out of range, a store's slots repeat or miss a block, or a load's blocks repeat."""
         if len(layer_tensors) != self.layout.num_layers:
             raise ValueError(
                 f"{len(layer_tensors)} layer tensors, layout has {self.layout.num_layers} layers"
@@ -177,8 +174,8 @@ class CopyPlan:
             raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
         pairs = [
             [
-                (slot, j, block)
-                for slot, ids in zip(slots, block_ids_per_chunk, strict=True)
+                (chunk, j, block)
+                for chunk, ids in enumerate(block_ids_per_chunk)
                 for j, block in enumerate(ids[g * bpc : (g + 1) * bpc])
                 if block != SKIP_BLOCK
             ]
@@ -186,4 +183,10 @@ class CopyPlan:
         ]
         if any(not 0 <= block < num_blocks for group in pairs for _, _, block in group):
             raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        if to_host and len(set(slots)) != len(slots):
+            raise ValueError(f"slots must be distinct, got {list(slots)}")
+        if to_host and any(len(group) != len(slots) * bpc for group in pairs):
+            raise ValueError(f"a store needs every block of every chunk, got {list(block_ids_per_chunk)}")
+        if not to_host and any(len({b for _, _, b in group}) != len(group) for group in pairs):
+            raise ValueError("destination block ids must be distinct")
         return pairs

@@ -2,7 +2,11 @@
 
 The canonical format of a state segment is `kvtier.format.state_rows`; which bytes of it a TP rank
 holds and writes is `kvtier.format.state_shards`. The copier is written over torch tensors and runs
-on any device, as `kvtier.transfer.copy_plan` does for attention pages.
+on any device, as `kvtier.transfer.copy_plan` does for attention pages: the segment is staged on the
+state tensors' device (gathered and scattered there), and crosses to or from the host rows as one
+copy per contiguous byte span. On CUDA those copies run on the caller's current stream (the compute
+stream: ordered after the forward pass that wrote the states and before the next one) and return
+once done.
 """
 
 from __future__ import annotations
@@ -72,8 +76,14 @@ class StateCopier:
                 for piece in self.shard.pieces(p):
                     rows = piece.end - piece.start
                     span = (offset + piece.start * part.row_nbytes, offset + piece.end * part.row_nbytes)
-                    out.append((engine[piece.local : piece.local + rows], canon[piece.start : piece.end],
-                                piece.writes, span))
+                    out.append(
+                        (
+                            engine[piece.local : piece.local + rows],
+                            canon[piece.start : piece.end],
+                            piece.writes,
+                            span,
+                        )
+                    )
         return out
 
     def engine_to_host(self, block_ids: Sequence[int], rows: torch.Tensor, slots: Sequence[int]) -> None:
@@ -107,4 +117,5 @@ class StateCopier:
                 f"a state segment is {self.layout.rows} rows of {self.layout.row_bytes} bytes, got "
                 f"{len(slots)} slots of {tuple(rows.shape)}"
             )
-        return torch.zeros(self.layout.rows * self.layout.row_bytes, dtype=torch.uint8)
+        device = self.tensors[0][0].device if self.tensors and self.tensors[0] else None
+        return torch.zeros(self.layout.rows * self.layout.row_bytes, dtype=torch.uint8, device=device)

@@ -3,7 +3,8 @@
 `StreamTransfer` queues each job's copies (`StagedCopy`) on a copy stream and returns at once;
 `poll` reports a job once the event recorded after its copies has completed (`query()`, which
 never blocks). The stream and event operations sit behind `CopyStreams`, implemented for CUDA by
-`kvtier.transfer.cuda.CudaStreams`, and by a scripted stand-in in the tests.
+`kvtier.transfer.cuda.CudaStreams`, and in the tests by an emulated device over CPU tensors that
+runs each stream's work later, in stream order, as a GPU would.
 
 Hazards, and what orders them (the compute stream is the one vLLM runs the forward pass on):
 
@@ -24,7 +25,8 @@ Hazards, and what orders them (the compute stream is the one vLLM runs the forwa
    while a forward pass that touches it is still queued, and reallocate it to the loading request),
    nor one a running store still reads: the load stream waits on the last forward pass's event and
    on the last store still running. (vLLM also zeroes new blocks on the compute stream, but only
-   for Mamba or mixed-precision caches, which `engine_geometry` refuses.)
+   recurrent-state blocks, which kvtier copies on the compute stream itself (`StateCopier`), or
+   mixed-precision caches, which `engine_geometry` refuses.)
 5. A job that failed part way may have queued some copies: it is reported (failed) only after its
    event, so nothing writes into its rows or blocks once kvtier or vLLM reuse them.
 6. The host rows must stay mapped and pinned while copies use them: `close` waits for every job
@@ -81,7 +83,8 @@ class CopyStreams(ABC):
     ) -> tuple[CopyEvent, CopyEvent]:
         """On `direction`'s copy stream: wait for `after`, record a start event, run `enqueue` (which
         queues copies on that stream, the current one while it runs) and record an end event.
-        Returns (start, end); `enqueue` must not raise."""
+        Returns (start, end); `enqueue` must not raise. `enqueue` may run later than this call (an
+        emulated stream runs it when the stream reaches it), never after the end event completed."""
 
     @abstractmethod
     def compute_waits(self, event: CopyEvent) -> None:
@@ -95,9 +98,17 @@ class CopyStreams(ABC):
 @dataclass
 class _Running:
     job_id: int
+    direction: Direction
+    chunks: int
     start: CopyEvent
     end: CopyEvent
-    ok: bool
+    errors: list[Exception]
+    """What the job's copies raised: read only once `end` completed, when none can still run."""
+
+    def result(self, seconds: float) -> CopyResult:
+        for exc in self.errors:
+            log.error("kvtier %s of %d chunk(s) failed: %r", self.direction.value, self.chunks, exc)
+        return CopyResult(self.job_id, not self.errors, seconds)
 
 
 class StreamTransfer(Transfer):
@@ -194,9 +205,7 @@ class StreamTransfer(Transfer):
             log.exception("kvtier could not queue the %s of %d chunk(s)", direction.value, len(slots))
             self._ended.append(CopyResult(job_id, False, 0.0))
             return None
-        for exc in errors:
-            log.error("kvtier %s of %d chunk(s) failed: %r", direction.value, len(slots), exc)
-        self._running.append(_Running(job_id, start, end, not errors))
+        self._running.append(_Running(job_id, direction, len(slots), start, end, errors))
         return end
 
     def poll(self) -> list[CopyResult]:
@@ -204,7 +213,7 @@ class StreamTransfer(Transfer):
         running: list[_Running] = []
         for job in self._running:
             if job.end.query():
-                done.append(CopyResult(job.job_id, job.ok, self.streams.seconds(job.start, job.end)))
+                done.append(job.result(self.streams.seconds(job.start, job.end)))
             else:
                 running.append(job)
         self._running = running
@@ -223,7 +232,7 @@ class StreamTransfer(Transfer):
     def close(self) -> None:
         for job in self._running:
             job.end.synchronize()
-            self._ended.append(CopyResult(job.job_id, job.ok, self.streams.seconds(job.start, job.end)))
+            self._ended.append(job.result(self.streams.seconds(job.start, job.end)))
         self._running = []
         self._forward = self._last_store = None
         self._rows = None

@@ -24,11 +24,13 @@ from tests.format.helpers import make_rows, same
 from tests.integrations import halves
 from tests.transfer.helpers import (
     BLOCK,
+    GROUP_KINDS,
     HEAD_DIM,
     HEADS,
     LAYERS,
     NUM_BLOCKS,
     NUM_SLOTS,
+    case,
     job,
     layer_tensors,
 )
@@ -109,6 +111,39 @@ def test_round_trip_device_host_device_is_byte_identical(
         (gk, gv), (wk, wv) = transfer.plan.engine_views(got), transfer.plan.engine_views(want)
         assert same(gk[picked], wk[picked]) and same(gv[picked], wv[picked])
         assert not gk[rest].any() and not gv[rest].any()
+    loader.close()
+    transfer.close()
+
+
+@pytest.mark.parametrize("kind", GROUP_KINDS)
+@pytest.mark.parametrize("tp_size, rank", [(1, 0), (2, 1), (8, 5)])
+def test_every_kind_copies_as_the_cpu_path_does(
+    region: HostRegion, kind: str, tp_size: int, rank: int
+) -> None:
+    """Several KV cache groups (a load skipping sliding-window blocks), MLA latents, fp8 as uint8:
+    the rows a store writes and the blocks a load writes are the CPU path's, byte for byte."""
+    c = case(kind, tp_size, rank, bpc=2, seed=rank, device="cuda")
+    transfer = cuda_transfer(c.plan, c.tensors, staging_bytes=1)
+    transfer.attach(region.name, "/dev/shm")
+    assert transfer.rows is not None
+    blocks, slots = c.blocks(4, seed=rank)
+    transfer.forward_done()
+    transfer.submit_store(1, blocks, slots)
+    [stored] = wait_for(transfer, 1)
+    _, expected = make_rows(c.layout, NUM_SLOTS)
+    c.plan.engine_to_host([t.cpu() for t in c.tensors], blocks, expected, slots)
+    assert stored.ok and same(transfer.rows[:NUM_SLOTS], expected)
+
+    transfer.rows[:NUM_SLOTS] = torch.randint(0, 256, tuple(expected.shape), dtype=torch.uint8)
+    dst = c.zeros()
+    loader = cuda_transfer(c.plan, dst, staging_bytes=1)
+    loader.attach(region.name, "/dev/shm")
+    blocks, slots = c.blocks(4, seed=rank + 1, skip=True)
+    loader.submit_load(2, blocks, slots)
+    [loaded] = wait_for(loader, 1)
+    want = [torch.zeros_like(t, device="cpu") for t in c.tensors]
+    c.plan.host_to_engine(want, blocks, transfer.rows[:NUM_SLOTS], slots)
+    assert loaded.ok and all(same(got.cpu(), w) for got, w in zip(dst, want, strict=True))
     loader.close()
     transfer.close()
 
