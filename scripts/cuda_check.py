@@ -1,20 +1,26 @@
 #!/usr/bin/env python3
-"""Check kvtier's CUDA copy path on a GPU machine and print what it measured.
+"""Check kvtier's device copy path for every kind of cache it carries, and print a table.
 
-Run from the repository root with the project's venv: `.venv/bin/python scripts/cuda_check.py`
-(a minute or less; `--help` for the model geometry). It checks, in order:
+`python scripts/cuda_check.py` on a GPU machine (a few minutes at most on one GPU);
+`python scripts/cuda_check.py --device cpu` rehearses the same checks here, on CPU tensors. Needs
+Python >= 3.10 and torch, nothing else (no vLLM): kvtier is imported from this checkout. Checks:
 
-1. the host region (a /dev/shm segment) pins with `cudaHostRegister` and torch sees it pinned;
-2. a store queued while the compute stream is busy returns at once, runs after the busy work
-   (it waits for the "forward pass"), and is reported by `poll` only once done;
-3. device -> host -> device round trips through kvtier's transfer are byte-identical, for vLLM's
-   CUDA layouts (FlashAttention-style `[B, H, N, 2D]` in HND and NHD memory order, stacked K/V),
-   each recognised from its shape and copied by `make_transfer`, as the connector's worker does;
-4. bandwidth: kvtier's stores (D2H) and loads (H2D) in GiB/s against a plain `tensor.copy_` of the
-   same bytes between the device and a pinned host buffer (`pin_memory()`), and against a plain
-   copy into the registered region itself.
+1. `pin`: the host region (a /dev/shm segment) pins with `cudaHostRegister`, torch sees it pinned;
+2. `queue`: a store queued while the compute stream is busy returns at once, and is reported by
+   `poll` only after the busy work and its copy ran;
+3. `identity`: for each kind, a store writes the rows the CPU path (`CopyPlan` on CPU copies of the
+   tensors) writes, byte for byte, and a load of random rows writes the blocks the CPU path writes
+   and no other. Kinds: vLLM 0.32's CUDA layout `[B, H, N, 2D]` in HND, NHD and cross-layer memory
+   orders, older vLLM's stacked `[2, B, N, H, D]`, a TP=2 rank's shard, several KV cache groups
+   (a load leaving sliding-window blocks out), MLA latents `[B, N, 576]`, fp8 held as uint8, and
+   gated delta net and Mamba2 states in vLLM's shapes (whole, and a TP=2 rank's shard);
+4. `bandwidth`: kvtier's stores (D2H) and loads (H2D) against a plain non-blocking `copy_` of the
+   same bytes between the device and a `pin_memory()` buffer; on CUDA a ratio under `--min-ratio`
+   (0.8) fails.
 
-Exit status 0 when every check passed, 1 otherwise.
+On the CPU, copies run through the same `StreamTransfer` and `StagedCopy` as on CUDA, with streams
+whose events complete at once; `pin` and `queue` are skipped. Exit status 0 when every check
+passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -22,168 +28,304 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
+from cuda_check_kinds import KINDS, STATE_KINDS, job, kv_case, random_bytes, state_case
 
-from kvtier.format.layout import CanonicalLayout, TPShard, host_rows
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.model.backend_layouts import engine_layout, engine_layout_name
 from kvtier.transfer import make_transfer
 from kvtier.transfer.copy_plan import CopyPlan
-from kvtier.transfer.cuda import cuda_transfer
-from kvtier.transfer.stream import StreamTransfer
+from kvtier.transfer.state_copier import StateCopier
+from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer
 
 GIB = 1 << 30
 
 
-def layer_tensors(kind: str, a: argparse.Namespace, seed: int) -> list[torch.Tensor]:
-    """Random per-layer KV tensors in one of vLLM's CUDA layouts and memory orders."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
-    b, h, n, d = a.blocks, a.heads, a.block_size, a.head_dim
+class _Done:
+    """An event that completed when it was made (the CPU runs copies as they are queued)."""
 
-    def rand(*shape: int) -> torch.Tensor:
-        return torch.randn(shape, generator=gen, device="cuda", dtype=torch.float32).to(torch.bfloat16)
+    def __init__(self) -> None:
+        self.at = time.perf_counter()
 
-    if kind == "flash_hnd":
-        return [rand(b, h, n, 2 * d) for _ in range(a.layers)]
-    if kind == "flash_nhd":
-        return [rand(b, n, h, 2 * d).transpose(1, 2) for _ in range(a.layers)]
-    return [rand(2, b, n, h, d) for _ in range(a.layers)]
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        return None
 
 
-def wait_all(transfer: StreamTransfer, count: int) -> tuple[float, list[float], bool]:
+class CpuStreams(CopyStreams):
+    """`StreamTransfer`'s streams on the CPU: copies run when queued, events complete at once."""
+
+    def mark_compute(self) -> CopyEvent:
+        return _Done()
+
+    def launch(
+        self, direction: Direction, after: Sequence[CopyEvent], enqueue: Callable[[], None]
+    ) -> tuple[CopyEvent, CopyEvent]:
+        start = _Done()
+        enqueue()
+        return start, _Done()
+
+    def compute_waits(self, event: CopyEvent) -> None:
+        return None
+
+    def seconds(self, start: CopyEvent, end: CopyEvent) -> float:
+        assert isinstance(start, _Done) and isinstance(end, _Done)
+        return end.at - start.at
+
+
+class Table:
+    """The checks' rows, printed as they come; `failed` counts the failures."""
+
+    def __init__(self) -> None:
+        self.failed = 0
+        print(f"{'check':<10} {'kind':<18} {'result':<6} detail")
+
+    def row(self, check: str, kind: str, ok: bool | None, detail: str = "") -> None:
+        result = "skip" if ok is None else "ok" if ok else "FAIL"
+        self.failed += ok is False
+        print(f"{check:<10} {kind:<18} {result:<6} {detail}", flush=True)
+
+
+def transfer_for(plan: CopyPlan, tensors: list[torch.Tensor]) -> StreamTransfer:
+    """The connector worker's transfer on CUDA (`make_transfer`); the same class on the CPU."""
+    if tensors[0].is_cuda:
+        transfer = make_transfer(plan, tensors)
+        if not isinstance(transfer, StreamTransfer):
+            raise TypeError(f"make_transfer gave {type(transfer).__name__} for CUDA tensors")
+        return transfer
+    return StreamTransfer(plan, tensors, CpuStreams())
+
+
+def wait_all(transfer: StreamTransfer, count: int, timeout: float = 60.0) -> tuple[float, list[float], bool]:
     """Poll until `count` jobs ended: (wall seconds, each job's device seconds, all ok)."""
     start, ok = time.perf_counter(), True
     seconds: list[float] = []
     while len(seconds) < count:
+        if time.perf_counter() - start > timeout:
+            raise TimeoutError(f"{len(seconds)} of {count} copies ended in {timeout} s")
         for result in transfer.poll():
             seconds.append(result.seconds)
             ok = ok and result.ok
     return time.perf_counter() - start, seconds, ok
 
 
-def plain_copy_gibs(dst: torch.Tensor, src: torch.Tensor, repeat: int = 5) -> float:
-    """GiB/s of `dst.copy_(src, non_blocking=True)` timed with events on the current stream."""
-    dst.copy_(src, non_blocking=True)
-    start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-    start.record()
-    for _ in range(repeat):
-        dst.copy_(src, non_blocking=True)
-    end.record()
-    end.synchronize()
-    millis: float = start.elapsed_time(end)
-    return repeat * src.numel() / GIB / (millis / 1000)
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
+
+
+def verdict(stored: bool, loaded: bool) -> str:
+    return f"store {'ok' if stored else 'DIFFERS'}, load {'ok' if loaded else 'DIFFERS'}"
+
+
+def check_kind(kind: str, a: argparse.Namespace, region: HostRegion, table: Table) -> None:
+    """Store and load one kind through the device path; compare with the CPU path's bytes."""
+    plan, src = kv_case(kind, a, seed=len(kind))
+    rows_n = region.size // plan.layout.row_bytes
+    chunks = min(a.identity_chunks, rows_n, a.blocks // plan.blocks_per_chunk)
+    store = transfer_for(plan, src)
+    store.attach(region.name, a.shm_dir)
+    assert store.rows is not None
+    rows = store.rows
+    rows.zero_()
+    blocks, slots = job(plan, a.blocks, chunks, seed=1, skip=False)
+    store.forward_done()
+    store.submit_store(1, blocks, slots)
+    _, _, ok_store = wait_all(store, 1)
+    expected = torch.zeros_like(rows)
+    plan.engine_to_host([t.cpu() for t in src], blocks, expected, slots)
+    stored = ok_store and same(rows, expected)
+
+    rows.copy_(random_bytes(tuple(rows.shape), torch.uint8, torch.Generator().manual_seed(2), "cpu"))
+    dst = [torch.zeros_like(t) for t in src]
+    load = transfer_for(plan, dst)
+    load.attach(region.name, a.shm_dir)
+    blocks, slots = job(plan, a.blocks, chunks, seed=3, skip=True)
+    load.submit_load(2, blocks, slots)
+    _, _, ok_load = wait_all(load, 1)
+    want = [torch.zeros_like(t, device="cpu") for t in src]
+    plan.host_to_engine(want, blocks, rows, slots)
+    loaded = ok_load and all(same(got, w) for got, w in zip(dst, want, strict=True))
+    load.close()
+    store.close()
+    mib = chunks * plan.layout.page_bytes * plan.layout.num_layers / 2**20
+    table.row(
+        "identity", kind, stored and loaded, f"{chunks} chunks, {mib:.1f} MiB; {verdict(stored, loaded)}"
+    )
+
+
+def check_states(kind: str, a: argparse.Namespace, table: Table) -> None:
+    """Store and load one state segment with the state copier on the device; compare with the CPU's."""
+    layout, shard, src = state_case(kind, a.device, torch.Generator().manual_seed(5), 8)
+    block_ids = (3, 5, 1)
+    slots = list(range(layout.rows))
+    rows = torch.zeros((layout.rows, layout.row_bytes), dtype=torch.uint8)
+    StateCopier(layout, src, shard).engine_to_host(block_ids, rows, slots)
+    expected = torch.zeros_like(rows)
+    cpu_src = [[t.cpu() for t in parts] for parts in src]
+    StateCopier(layout, cpu_src, shard).engine_to_host(block_ids, expected, slots)
+    stored = same(rows, expected) and bool(rows.any())
+    rows.copy_(random_bytes(tuple(rows.shape), torch.uint8, torch.Generator().manual_seed(6), "cpu"))
+    dst = [[torch.zeros_like(t) for t in parts] for parts in src]
+    want = [[torch.zeros_like(t, device="cpu") for t in parts] for parts in src]
+    StateCopier(layout, dst, shard).host_to_engine(block_ids, rows, slots)
+    StateCopier(layout, want, shard).host_to_engine(block_ids, rows, slots)
+    loaded = all(same(g, w) for gs, ws in zip(dst, want, strict=True) for g, w in zip(gs, ws, strict=True))
+    segment = f"{layout.segment_bytes / 2**20:.1f} MiB segment in {layout.rows} rows"
+    table.row("identity", kind, stored and loaded, f"{segment}; {verdict(stored, loaded)}")
+
+
+def check_pin_and_queue(a: argparse.Namespace, region: HostRegion, table: Table) -> None:
+    """The region pins; a store behind ~0.5 s of compute is queued at once and reported after it."""
+    if a.device != "cuda":
+        table.row("pin", "host region", None, "CUDA only")
+        table.row("queue", "flash_nhd", None, "CUDA only")
+        return
+    plan, src = kv_case("flash_nhd", a, seed=0)
+    transfer = transfer_for(plan, src)
+    start = time.perf_counter()
+    transfer.attach(region.name, a.shm_dir)
+    took = time.perf_counter() - start
+    rows = transfer.rows
+    pinned = rows is not None and rows.is_pinned()
+    table.row(
+        "pin", "host region", pinned, f"cudaHostRegister of {region.size / 2**20:.0f} MiB in {took:.3f} s"
+    )
+    transfer.forward_done()
+    transfer.submit_store(0, [list(range(plan.blocks_per_chunk))], [0])  # warm-up: allocators
+    wait_all(transfer, 1)
+    torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]  # about 0.5 s of compute
+    start = time.perf_counter()
+    transfer.forward_done()
+    transfer.submit_store(1, [list(range(plan.blocks_per_chunk))], [1])
+    queued = time.perf_counter() - start
+    not_yet = transfer.poll() == []
+    wall, _, ok = wait_all(transfer, 1)
+    detail = f"queued in {queued * 1e3:.2f} ms behind ~0.5 s of compute, reported after {wall:.2f} s"
+    table.row("queue", "flash_nhd", queued < 0.05 and not_yet and ok and wall > 0.1, detail)
+    transfer.close()
+
+
+def plain_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeat: int = 3) -> float:
+    """Seconds of one `dst.copy_(src, non_blocking=True)`, the best of `repeat` (device time on CUDA)."""
+    best = float("inf")
+    for _ in range(repeat + 1):  # the first one warms up
+        if dst.is_cuda or src.is_cuda:
+            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
+            start.record()
+            dst.copy_(src, non_blocking=True)
+            end.record()
+            end.synchronize()
+            seconds = start.elapsed_time(end) / 1000.0
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            seconds = time.perf_counter() - t0
+        best = min(best, seconds)
+    return best
+
+
+def check_bandwidth(a: argparse.Namespace, table: Table) -> None:
+    """kvtier's store (D2H) and load (H2D) of `--bw-chunks` chunks against a plain pinned copy."""
+    bw = argparse.Namespace(
+        **{**vars(a), "layers": a.bw_layers, "blocks": a.bw_chunks * a.bw_bpc, "bpc": a.bw_bpc}
+    )
+    plan, src = kv_case("flash_nhd", bw, seed=9)
+    nbytes = a.bw_chunks * plan.layout.row_bytes
+    region = HostRegion.create(nbytes, shm_dir=a.shm_dir, key="--bw-chunks", pretouch=False)
+    try:
+        transfer = transfer_for(plan, src)
+        transfer.attach(region.name, a.shm_dir)
+        blocks = [list(range(c * a.bw_bpc, (c + 1) * a.bw_bpc)) for c in range(a.bw_chunks)]
+        slots = list(range(a.bw_chunks))
+        best_store = best_load = float("inf")
+        for i in range(3):  # the first round warms up allocators and pinned index buffers
+            transfer.forward_done()
+            transfer.submit_store(10 + i, blocks, slots)
+            _, [store_s], ok_s = wait_all(transfer, 1)
+            transfer.submit_load(20 + i, blocks, slots)
+            _, [load_s], ok_l = wait_all(transfer, 1)
+            if not (ok_s and ok_l):
+                table.row("bandwidth", "flash_nhd", False, "a copy failed")
+                return
+            if i:
+                best_store, best_load = min(best_store, store_s), min(best_load, load_s)
+        transfer.close()
+        moved = a.bw_chunks * plan.layout.num_layers * plan.layout.page_bytes
+        dev = torch.empty(moved, dtype=torch.uint8, device=a.device)
+        host = torch.empty(moved, dtype=torch.uint8, pin_memory=a.device == "cuda")
+        plain_d2h, plain_h2d = plain_copy_seconds(host, dev), plain_copy_seconds(dev, host)
+    finally:
+        region.close()
+    ratios = (plain_d2h / best_store, plain_h2d / best_load)
+    for what, seconds, ratio in (("store D2H", best_store, ratios[0]), ("load H2D", best_load, ratios[1])):
+        gibs, plain = moved / GIB / seconds, moved / GIB / seconds * (1 / ratio)
+        ok = ratio >= a.min_ratio if a.device == "cuda" else True
+        detail = f"{what}: kvtier {gibs:.1f} GiB/s, plain pinned copy_ {plain:.1f} GiB/s, ratio {ratio:.2f}"
+        table.row(
+            "bandwidth",
+            f"{moved / 2**20:.0f} MiB",
+            ok,
+            detail + ("" if a.device == "cuda" else " (no threshold on CPU)"),
+        )
+
+
+def guarded(table: Table, check: str, kind: str, run: Callable[[], None]) -> None:
+    """Run one check; an exception is a failed row naming it, and the next check runs."""
+    try:
+        run()
+    except Exception as exc:
+        table.row(check, kind, False, f"raised {exc!r}"[:300])
 
 
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--layers", type=int, default=32)
+    p.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    p.add_argument("--layers", type=int, default=4, help="layers of the identity checks")
     p.add_argument("--heads", type=int, default=8, help="KV heads")
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--blocks-per-chunk", type=int, default=16)
-    p.add_argument("--chunks", type=int, default=16, help="chunks per job (16: 512 MiB by default)")
-    p.add_argument("--blocks", type=int, default=512, help="device blocks per layer")
-    p.add_argument("--shm-dir", default="/dev/shm", help="where the host region is created")
+    p.add_argument("--bpc", type=int, default=2, help="blocks per chunk of the identity checks")
+    p.add_argument("--blocks", type=int, default=64, help="device blocks per layer of the identity checks")
+    p.add_argument("--identity-chunks", type=int, default=8)
+    p.add_argument("--bw-layers", type=int, help="layers of the bandwidth check (32 on CUDA, 8 on CPU)")
+    p.add_argument("--bw-bpc", type=int, default=16, help="blocks per chunk of the bandwidth check")
+    p.add_argument(
+        "--bw-chunks", type=int, help="chunks of the bandwidth job (16 on CUDA: 512 MiB; 2 on CPU)"
+    )
+    p.add_argument("--min-ratio", type=float, default=0.8, help="least kvtier/plain bandwidth on CUDA")
+    p.add_argument("--shm-dir", default="/dev/shm", help="where the host regions are created")
     a = p.parse_args()
-    if not torch.cuda.is_available():
-        print("FAIL no CUDA device visible to torch")
+    cuda = a.device == "cuda"
+    a.bw_layers = a.bw_layers or (32 if cuda else 8)
+    a.bw_chunks = a.bw_chunks or (16 if cuda else 2)
+    if cuda and not torch.cuda.is_available():
+        print("FAIL no CUDA device visible to torch (--device cpu rehearses the checks on the CPU)")
         return 1
-    failures: list[str] = []
-
-    def check(ok: bool, what: str) -> None:
-        print(("ok   " if ok else "FAIL ") + what)
-        if not ok:
-            failures.append(what)
-
-    print(f"device {torch.cuda.get_device_name()} torch {torch.__version__}")
-    layout = CanonicalLayout(a.layers, a.heads, a.head_dim, a.block_size * a.blocks_per_chunk, torch.bfloat16)
-    chunk_bytes = a.layers * layout.page_bytes
-    print(f"chunk {layout.chunk_tokens} tokens, {chunk_bytes / 2**20:.1f} MiB; job {a.chunks} chunks")
-    bpc = a.blocks_per_chunk
-    if a.chunks * bpc > a.blocks:
-        p.error(f"--chunks {a.chunks} x --blocks-per-chunk {bpc} exceeds --blocks {a.blocks}")
-    region = HostRegion.create(a.chunks * layout.row_bytes, shm_dir=a.shm_dir, key="--chunks")
-    kinds = ["flash_hnd", "flash_nhd", "stacked"]
-    tensors = {kind: layer_tensors(kind, a, seed) for seed, kind in enumerate(kinds)}
-    transfers: dict[str, StreamTransfer] = {}
-    for kind, kv in tensors.items():
-        name = engine_layout_name(kv[0].device.type, kv[0].shape)  # as the connector's worker does
-        plan = CopyPlan(layout, engine_layout(name), TPShard(a.heads), a.block_size)
-        transfer = make_transfer(plan, kv)
-        if not isinstance(transfer, StreamTransfer):
-            print(f"FAIL make_transfer gave {type(transfer).__name__} for CUDA tensors")
-            return 1
-        transfers[kind] = transfer
-        start = time.perf_counter()
-        transfers[kind].attach(region.name, a.shm_dir)
-        if kind == "flash_hnd":
-            took = time.perf_counter() - start
-            print(f"     cudaHostRegister of {region.size / GIB:.2f} GiB: {took:.3f} s")
-    rows = transfers["flash_hnd"].rows
-    check(rows is not None and rows.is_pinned(), "1 host region pinned (torch sees its rows as pinned)")
-
-    hnd = transfers["flash_hnd"]
-    blocks = [list(range(c * bpc, (c + 1) * bpc)) for c in range(a.chunks)]
-    slots = list(range(a.chunks))
-    hnd.forward_done()
-    hnd.submit_store(0, blocks[:1], slots[:1])  # warm-up: allocators, pinned index buffers
-    wait_all(hnd, 1)
-    torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]
-    start = time.perf_counter()
-    hnd.forward_done()
-    hnd.submit_store(1, blocks[:1], slots[:1])
-    queued = time.perf_counter() - start
-    not_yet = hnd.poll() == []
-    wall, _, ok = wait_all(hnd, 1)
-    what = f"2 store queued in {queued * 1e3:.2f} ms behind ~0.5 s of compute, reported after {wall:.2f} s"
-    check(queued < 0.05 and not_yet and ok and wall > 0.1, what)
-
-    for kind, transfer in transfers.items():
-        src = tensors[kind]
-        transfer.forward_done()
-        transfer.submit_store(2, blocks, slots)
-        wall_s, dev_s, ok_s = wait_all(transfer, 1)
-        dst = layer_tensors(kind, a, seed=99)
-        for t in dst:
-            t.zero_()
-        loader = cuda_transfer(transfer.plan, dst)
-        loader.attach(region.name, a.shm_dir)
-        loader.submit_load(3, blocks, slots)
-        wall_l, dev_l, ok_l = wait_all(loader, 1)
-        ids = [b for chunk in blocks for b in chunk]
-        views = zip(dst, src, strict=True)
-        same = all(
-            torch.equal(g[ids].view(torch.int16), w[ids].view(torch.int16))
-            for got, want in views
-            for g, w in zip(transfer.plan.engine_views(got), transfer.plan.engine_views(want), strict=True)
-        )
-        check(ok_s and ok_l and same, f"3 round trip device->host->device byte-identical ({kind})")
-        nbytes = a.chunks * chunk_bytes
-        print(
-            f"     {kind}: kvtier store (D2H) {nbytes / GIB / dev_s[0]:.1f} GiB/s device time, "
-            f"{nbytes / GIB / wall_s:.1f} wall; load (H2D) {nbytes / GIB / dev_l[0]:.1f} GiB/s, "
-            f"{nbytes / GIB / wall_l:.1f} wall"
-        )
-        loader.close()
-
-    nbytes = a.chunks * chunk_bytes
-    dev = torch.empty(nbytes, dtype=torch.uint8, device="cuda")
-    pinned = torch.empty(nbytes, dtype=torch.uint8).pin_memory()
-    shm = rows.view(-1)[:nbytes] if rows is not None else host_rows(region.buf, nbytes, 1).view(-1)
-    print(f"     plain copy_, pinned_memory(): D2H {plain_copy_gibs(pinned, dev):.1f} GiB/s, "
-          f"H2D {plain_copy_gibs(dev, pinned):.1f} GiB/s")
-    print(f"     plain copy_, registered region: D2H {plain_copy_gibs(shm, dev):.1f} GiB/s, "
-          f"H2D {plain_copy_gibs(dev, shm):.1f} GiB/s")
-    for transfer in transfers.values():
-        transfer.close()
-    region.close()
-    print("all checks passed" if not failures else f"{len(failures)} check(s) failed")
-    return 1 if failures else 0
+    name = torch.cuda.get_device_name() if cuda else "CPU"
+    print(f"device {name}, torch {torch.__version__}, python {sys.version.split()[0]}")
+    table = Table()
+    region = HostRegion.create(
+        a.identity_chunks << 20, shm_dir=a.shm_dir, key="--identity-chunks", pretouch=False
+    )
+    try:
+        guarded(table, "pin/queue", "flash_nhd", lambda: check_pin_and_queue(a, region, table))
+        for kind in KINDS:
+            guarded(table, "identity", kind, partial(check_kind, kind, a, region, table))
+        for kind in STATE_KINDS:
+            guarded(table, "identity", kind, partial(check_states, kind, a, table))
+    finally:
+        region.close()
+    guarded(table, "bandwidth", "flash_nhd", lambda: check_bandwidth(a, table))
+    print("all checks passed" if not table.failed else f"{table.failed} check(s) failed")
+    return 1 if table.failed else 0
 
 
 if __name__ == "__main__":
