@@ -25,7 +25,7 @@ os.environ["KVTIER_NUMBA"] = "0"
 # sampler helper with torch.compile, the rank of each sampled token among its logits
 # (`vllm.v1.sample.ops.logprobs.batched_count_greater_than`), the first time a process samples with
 # logprobs: 8-25 s of tracing and inductor C++ builds per fresh process on 2 cores, paid again by
-# every engine child (`tp_engine`, `engine_child`). Run eagerly it counts the same integers. The
+# every engine child (`engine_child`, servers). Run eagerly it counts the same integers. The
 # variable reaches this process's engines and every child the suite starts (they inherit it).
 os.environ["TORCH_COMPILE_DISABLE"] = "1"
 

@@ -1,4 +1,5 @@
-"""Reaching a real `kvtier serve` over HTTP on loopback."""
+"""Reaching a real `kvtier serve` over HTTP on loopback, and the config written for vLLM's tiering
+that the `kvtier serve` tests give it."""
 
 from __future__ import annotations
 
@@ -35,3 +36,17 @@ def wait_healthy(proc: subprocess.Popen[bytes], port: int, log_path: Path, deadl
             return
         except OSError:
             time.sleep(1)
+
+
+SEED_CONFIG = {"kv_connector_extra_config": {
+    "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 26, "block_size": 256,
+    "eviction_policy": "arc", "store_threshold": 2,
+    "secondary_tiers": [{"type": "fs", "root_dir": "ROOT", "n_read_threads": 8,
+                         "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}]}}
+"""The seed's config for vLLM's tiering (no connector name), with keys kvtier maps and ignores."""
+
+
+def seed_config(root: Path, **top: Any) -> dict[str, Any]:
+    """`SEED_CONFIG` with its fs tier under `root` and the top-level keys `top`."""
+    raw = json.loads(json.dumps(SEED_CONFIG).replace("ROOT", str(root)))
+    return {**top, **raw}

@@ -1,29 +1,25 @@
 """`kvtier serve`: the kv-transfer-config built from its flags (and from a config written for vLLM's
 OffloadingConnector, the seeds' own among them), the vLLM flags it adds on CPU (device cache size,
 eager mode) while the user's own win, the memory plan on a machine of a chosen size, bad flags and
-keys refused before vLLM starts naming them, and (slow) a real vLLM OpenAI server started with no
-device-memory flag that answers a chat and exposes kvtier_ metrics."""
+keys refused before vLLM starts naming them. A real server started this way, with no device-memory
+flag: `test_shutdown.py`, whose servers it shares."""
 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from kvtier.bench.multiturn.vllm_server import stop_process_group
 from kvtier.cli import main
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.serving import serve, startup
-from kvtier.integrations.vllm.serving.launch import CONNECTOR, isolated_env
+from kvtier.integrations.vllm.serving.launch import CONNECTOR
 from kvtier.integrations.vllm.serving.serve import build_transfer_config
 from tests.host.helpers import machine_of
-from tests.integrations.serve_helpers import free_port, http_get, wait_healthy
+from tests.integrations.serve_helpers import seed_config
 
 ROOT = Path(__file__).resolve().parents[2]
 GIB = startup.GIB
@@ -120,17 +116,8 @@ def test_arguments_after_dashes_only_for_serve() -> None:
         main(["fsck", "/tmp", "--", "x"])
 
 
-SEED_CONFIG = {"kv_connector_extra_config": {
-    "spec_name": "TieringOffloadingSpec", "cpu_bytes_to_use": 1 << 26, "block_size": 256,
-    "eviction_policy": "arc", "store_threshold": 2,
-    "secondary_tiers": [{"type": "fs", "root_dir": "ROOT", "n_read_threads": 8,
-                         "backpressure": {"backpressure_cls": "EMABackpressureDetector"}}]}}
-"""The seed's config for vLLM's tiering (no connector name), with keys kvtier maps and ignores."""
-
-
 def _seed(tmp_path: Path, **top: Any) -> dict[str, Any]:
-    raw = json.loads(json.dumps(SEED_CONFIG).replace("ROOT", str(tmp_path / "kv")))
-    return {**top, **raw}
+    return seed_config(tmp_path / "kv", **top)
 
 
 @pytest.mark.parametrize("connector", [None, "OffloadingConnector", "KVTierConnector"])
@@ -294,45 +281,3 @@ def test_serve_sizes_from_total_memory_and_checks_the_plan(
     assert main(["serve", "m", "--cpu-gb", "1", "--dry-run", "--", "--kv-cache-memory-bytes", "8G"]) == 2
     assert ("vLLM's device KV cache 8.00 GiB - weights and processes 2.00 GiB - host tier 1.00 GiB "
             "= -1.00 GiB left") in capsys.readouterr().err
-
-
-@pytest.mark.slow
-def test_real_server_starts_with_no_device_memory_flag(tmp_path: Path) -> None:
-    """vLLM's CPU backend with its defaults would reserve 92% of memory and compile for minutes:
-    `kvtier serve` given a vLLM tiering config and no size or eager flag starts and serves."""
-    from kvtier.tools.models import prepare_smollm2
-
-    model = prepare_smollm2(quiet=True)
-    port = free_port()
-    env = {**os.environ, **isolated_env(tmp_path, in_process=False)}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)
-    config = _write(tmp_path, {**_seed(tmp_path, kv_connector="OffloadingConnector")})
-    vllm_args = ["--host", "127.0.0.1", "--port", str(port), "--served-model-name", "smol",
-                 "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "2"]
-    log_path = tmp_path / "server.log"
-    log = log_path.open("w")
-    started = time.monotonic()
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "kvtier.cli", "serve", str(model), "--kv-offloading-size", "0.0625",
-         "--config", str(config), "--", *vllm_args],
-        stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        # ~30 s on an idle machine; minutes when the 2 cores are shared
-        wait_healthy(proc, port, log_path, started + 300)
-        up_s = time.monotonic() - started
-        reply = json.loads(http_get(f"{base}/v1/chat/completions", {
-            "model": "smol", "max_tokens": 8, "temperature": 0,
-            "messages": [{"role": "user", "content": "What is the capital of France?"}]}))
-        assert "Paris" in reply["choices"][0]["message"]["content"]
-        assert reply["usage"]["prompt_tokens"] > 0
-        assert "kvtier_" in http_get(f"{base}/metrics")
-        text = log_path.read_text()
-        for said in ("kvtier: device KV cache", "kvtier: --enforce-eager",
-                     "(vLLM OffloadingConnector config -> KVTierConnector)", "kvtier: memory plan: ",
-                     '"blocks_per_chunk": 2', "--kv-transfer-config '"):
-            assert said in text, said
-        print(f"server up in {up_s:.1f} s")
-    finally:
-        stop_process_group(proc, 20.0)
-        log.close()

@@ -1,5 +1,7 @@
 """Clean shutdown: on every orderly way an engine stops, kvtier's host region leaves /dev/shm and its
-tier processes exit within seconds.
+tier processes exit within seconds. One of the servers started here is also `kvtier serve` as a
+vLLM user starts it, with vLLM's tiering config and no device-memory flag: it answers a chat and
+exposes kvtier_ metrics before it is stopped.
 
 - a real `kvtier serve` server stopped with SIGTERM (`kill PID`) or SIGINT to its process group
   (Ctrl-C): vLLM's API server SIGKILLs its engine core a moment after its SIGTERM, so only the
@@ -14,6 +16,7 @@ with a 5 s grace) and an owner SIGKILLed are covered by the reaper's own test
 from __future__ import annotations
 
 import gc
+import json
 import os
 import signal
 import subprocess
@@ -30,7 +33,7 @@ from kvtier.host.reaper import owner_alive, start_time
 from kvtier.host.region import SHM_DIR
 from kvtier.integrations.vllm.serving.launch import isolated_env, transfer_config
 from tests.integrations.conftest import BLOCK_SIZE, _model_path, connector_halves
-from tests.integrations.serve_helpers import free_port, http_get, wait_healthy
+from tests.integrations.serve_helpers import free_port, http_get, seed_config, wait_healthy
 
 pytestmark = pytest.mark.slow
 
@@ -108,17 +111,22 @@ def _assert_all_gone(regions: list[str], tiers: list[tuple[int, int]], what: str
 
 
 class _Server:
-    def __init__(self, tmp: Path) -> None:
+    """`kvtier serve` on the test model: `flags` for kvtier, then vLLM's; `plain` drops every
+    device-memory and block-size flag (and `VLLM_CPU_KVCACHE_SPACE`), leaving those to serve."""
+
+    def __init__(self, tmp: Path, flags: list[str], plain: bool) -> None:
         self.port = free_port()
         self.log_path = tmp / "server.log"
         env = {**os.environ, **isolated_env(tmp, in_process=False)}
         args = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smol",
-                "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "2",
-                "--kv-cache-memory-bytes", str(64 << 20), "--block-size", "32"]
+                "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "2"]
+        if plain:
+            env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+        else:
+            args += ["--kv-cache-memory-bytes", str(64 << 20), "--block-size", "32"]
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
-                [sys.executable, "-m", "kvtier.cli", "serve", str(_model_path()),
-                 "--cpu-gb", "0.03125", "--fs", str(tmp / "fs"), "--", *args],
+                [sys.executable, "-m", "kvtier.cli", "serve", str(_model_path()), *flags, "--", *args],
                 stdout=log, stderr=subprocess.STDOUT, env=env, cwd=ROOT, start_new_session=True)
 
     def wait_up(self, deadline: float) -> None:
@@ -127,9 +135,16 @@ class _Server:
 
 @pytest.fixture(scope="module")
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Server]]:
-    """Two servers started side by side (their start-up, mostly imports, overlaps)."""
-    started = {name: _Server(tmp_path_factory.mktemp(f"serve-{name}"))
-               for name in ("term", "int")}
+    """Two servers started side by side (their start-up, mostly imports, overlaps): "term", given
+    a config written for vLLM's tiering and no device-memory flag, and "int", given kvtier's flags
+    and vLLM's sizes."""
+    term, other = tmp_path_factory.mktemp("serve-term"), tmp_path_factory.mktemp("serve-int")
+    config = term / "config.json"
+    config.write_text(json.dumps(seed_config(term / "kv", kv_connector="OffloadingConnector")))
+    started = {
+        "term": _Server(term, ["--kv-offloading-size", "0.0625", "--config", str(config)], plain=True),
+        "int": _Server(other, ["--cpu-gb", "0.03125", "--fs", str(other / "fs")], plain=False),
+    }
     try:
         deadline = time.monotonic() + 400  # ~40 s idle; minutes when the 2 cores are shared
         for server in started.values():
@@ -138,6 +153,24 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Ser
     finally:
         for server in started.values():
             stop_process_group(server.proc, 20.0)
+
+
+def test_a_server_given_no_device_memory_flag_serves(servers: dict[str, _Server]) -> None:
+    """vLLM's CPU backend with its defaults would reserve 92% of memory and compile for minutes:
+    `kvtier serve` given a vLLM tiering config and no size or eager flag starts and serves."""
+    server = servers["term"]
+    base = f"http://127.0.0.1:{server.port}"
+    reply = json.loads(http_get(f"{base}/v1/chat/completions", {
+        "model": "smol", "max_tokens": 8, "temperature": 0,
+        "messages": [{"role": "user", "content": "What is the capital of France?"}]}))
+    assert "Paris" in reply["choices"][0]["message"]["content"]
+    assert reply["usage"]["prompt_tokens"] > 0
+    assert "kvtier_" in http_get(f"{base}/metrics")
+    text = server.log_path.read_text()
+    for said in ("kvtier: device KV cache", "kvtier: --enforce-eager",
+                 "(vLLM OffloadingConnector config -> KVTierConnector)", "kvtier: memory plan: ",
+                 '"blocks_per_chunk": 2', "--kv-transfer-config '"):
+        assert said in text, said
 
 
 @pytest.mark.parametrize(("name", "sig", "group"), [

@@ -1,6 +1,6 @@
 """An fp8 KV cache (`kv_cache_dtype="fp8_e4m3"`) on vLLM's CPU backend (it needs AVX-512 or AMX),
-tiny random-weight Llama (`tiny_models` "llama", float32 weights), engines one after the other,
-each in its own process (`tp_engine`), on one fs directory:
+tiny random-weight Llama (`tiny_models` "llama", float32 weights), engines one after the other in
+the test's process (`tp_engine.LocalEngine`), each fresh, on one fs directory:
 
 1. fp8: a prompt's chunks are stored as the engine holds them (one byte per value: a quarter of the
    float32 row) and reload from the host tier byte for byte into a longer prompt, with the greedy
@@ -21,7 +21,7 @@ import torch
 
 from kvtier.tiers.common import chunkfmt
 from tests.integrations.prompts import PROMPTS
-from tests.integrations.tp_engine import Served, Step, rank_pages, run_engine
+from tests.integrations.tp_engine import LocalEngine, Served, Step, rank_pages
 
 pytestmark = pytest.mark.slow
 
@@ -32,6 +32,12 @@ LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 4, 64, 32
 def options(kv_cache_dtype: str) -> dict[str, Any]:
     return {"enforce_eager": True, "block_size": BLOCK, "dtype": "float32", "kv_cache_dtype": kv_cache_dtype,
             "kv_cache_memory_bytes": 8 << 20, "max_model_len": 256, "max_num_seqs": 2, "seed": 0}
+
+
+def serve(model: Path, fs: Path, llm: dict[str, Any], steps: list[Step], out_dir: Path) -> list[Served]:
+    """`steps` on a fresh engine, shut down before this returns."""
+    with LocalEngine(model, fs, llm) as engine:
+        return engine.serve(steps, out_dir)
 
 
 def full_chunks(served: Served) -> list[str]:
@@ -58,7 +64,7 @@ def test_fp8_chunks_are_stored_as_they_are_and_never_load_into_a_float32_engine(
     model, fs = build_tiny_model("llama"), tmp_path / "fs"
     p, longer = PROMPTS["lighthouse"], PROMPTS["lighthouse"] + TAIL
 
-    ref, stored, reloaded = run_engine(model, 1, fs, options("fp8_e4m3"), [
+    ref, stored, reloaded = serve(model, fs, options("fp8_e4m3"), [
         Step(longer, scratch=True), Step(p, max_tokens=1), Step(longer)], tmp_path / "fp8")
     keys = full_chunks(stored)
     assert len(keys) >= 3
@@ -77,12 +83,12 @@ def test_fp8_chunks_are_stored_as_they_are_and_never_load_into_a_float32_engine(
     row = LAYERS * 2 * HEADS * BLOCK * HEAD_DIM
     assert all(files[key].stat().st_size == chunkfmt.HEADER_BYTES + row for key in keys)
 
-    (as_float32,) = run_engine(model, 1, fs, options("auto"), [Step(longer)], tmp_path / "float32")
+    (as_float32,) = serve(model, fs, options("auto"), [Step(longer)], tmp_path / "float32")
     assert as_float32.cached == 0 and as_float32.split["fs"] == 0, as_float32.split
     assert not set(as_float32.keys) & set(keys)
     assert len([d for d in fs.iterdir() if d.is_dir()]) == 2  # its chunks went to their own layout
 
-    (again,) = run_engine(model, 1, fs, options("fp8_e4m3"), [Step(longer)], tmp_path / "fp8-again")
+    (again,) = serve(model, fs, options("fp8_e4m3"), [Step(longer)], tmp_path / "fp8-again")
     reused(again, full_chunks(reloaded))  # step 1 stored the longer prompt's last chunk too
     assert again.split["fs"] == again.cached
     same_run(again, ref)

@@ -5,15 +5,15 @@ Tiny random-weight models (`kvtier.tools.tiny_models`) whose head counts 2 divid
 ``llama`` (full attention, 4 KV heads), ``gemma3`` (sliding window + full attention, 2 KV heads),
 ``mistral-sliding`` (every layer slides, 2 KV heads), ``deepseek-v2`` (MLA: one latent row per
 token, which every rank holds whole) and ``granite-hybrid`` (a Mamba2 layer, 4 heads and one group,
-then attention; THE ENGINES WORK AROUND vLLM's CPU Mamba2 crash in-process, `tp_engine`), and
+then attention; THE TEST'S PROCESS WORKS AROUND vLLM's CPU Mamba2 crash, `tp_engine`), and
 ``qwen3-next`` (gated delta net, 2 key and 2 value heads, beside attention; bfloat16). The two
 recurrent hybrids reuse 64-token chunks of longer prompts, with the state at the hit point. Per
-model, two engines (`tp_engine`: TP=1 in the test's process, TP=2 in a process of its own with
-one per rank) and three phases:
+model, three engines one after the other (`tp_engine`: engine cores in the test's process; TP=2's
+ranks in processes of their own, one per rank) and three phases:
 
 1. TP=1 serves the longer prompts from scratch (its references), then stores prompts P and Q;
 2. TP=2, on a directory holding only TP=1's chunks of P, reloads P for P + tail, then stores Q;
-3. the TP=1 engine again, its host tier emptied and its fs directory's chunks of Q replaced by
+3. a fresh TP=1 engine (an empty host tier) on TP=1's fs directory, its chunks of Q replaced by
    TP=2's (the same file names), reloads Q for Q + tail: every byte it reloads is TP=2's.
 
 What proves the format TP-independent is exact: each TP=2 rank's reloaded device pages are its
@@ -45,7 +45,7 @@ import pytest
 from kvtier.format.state_rows import state_key
 from kvtier.tiers.common import chunkfmt
 from tests.integrations.prompts import PROMPTS
-from tests.integrations.tp_engine import LocalEngine, Pages, Served, Step, rank_pages, run_engine
+from tests.integrations.tp_engine import LocalEngine, Pages, Served, Step, rank_pages
 
 pytestmark = pytest.mark.slow
 
@@ -152,8 +152,8 @@ def copy_chunks(src: Path, dst: Path, keys: list[str]) -> None:
 
 
 def replace_chunks(src: Path, dst: Path, keys: list[str]) -> None:
-    """Write `src`'s chunk files of `keys` over `dst`'s files of the same names (the engine on
-    `dst` is idle: nothing reads them meanwhile)."""
+    """Write `src`'s chunk files of `keys` over `dst`'s files of the same names (no engine is
+    up: nothing reads them meanwhile)."""
     for rel, path in chunk_files(src, keys).items():
         assert (dst / rel).is_file(), rel
         shutil.copyfile(path, dst / rel)
@@ -270,29 +270,29 @@ def test_tp2_reloads_what_tp1_stored_and_the_reverse(name: str, vllm_env: Path, 
         _, ref_q1, stored_p, stored_q = tp1.serve([
             Step(p + TAIL, scratch=True), Step(q + TAIL, scratch=True), Step(p, max_tokens=1),
             Step(q, max_tokens=1)], out1)
-        p_keys, q_keys = stored_keys(stored_p), stored_keys(stored_q)
-        assert len(p_keys) >= 3 and len(q_keys) >= 3
-        assert stored_p.state_rows == (0 if name not in SECTIONS else 2 if name == "qwen3-next" else 1)
+    p_keys, q_keys = stored_keys(stored_p), stored_keys(stored_q)
+    assert len(p_keys) >= 3 and len(q_keys) >= 3
+    assert stored_p.state_rows == (0 if name not in SECTIONS else 2 if name == "qwen3-next" else 1)
 
-        fs2, out2 = tmp_path / "fs-tp2", tmp_path / "tp2"
-        copy_chunks(fs1, fs2, with_state(stored_p, p_keys))
-        ref_p2, reloaded_p, _ = run_engine(model, 2, fs2, options, [
-            Step(p + TAIL, scratch=True), Step(p + TAIL), Step(q, max_tokens=1)], out2,
-            mamba2_workaround=workaround)
-        assert_reloaded(name, reloaded_p, ref_p2, p_keys)
-        assert_pages_moved(rank_pages(out1, 1), rank_pages(out2, 2), p_keys, latent)
-        first = first_layer_bytes(name, BLOCK[name])
-        assert_same_files(chunk_files(fs1, q_keys), chunk_files(fs2, q_keys), first)
-        if name in SECTIONS:
-            state_p = with_state(stored_p, p_keys)[len(p_keys) :]
-            state_q = with_state(stored_q, q_keys)[len(q_keys) :]
-            assert_states_moved(name, rank_pages(out1, 1), rank_pages(out2, 2), state_p[0])
-            assert_same_files(chunk_files(fs1, state_q[:1]), chunk_files(fs2, state_q[:1]), CONV_BYTES[name])
-            assert_same_files(chunk_files(fs1, state_q), chunk_files(fs2, state_q), 0)
+    fs2, out2 = tmp_path / "fs-tp2", tmp_path / "tp2"
+    copy_chunks(fs1, fs2, with_state(stored_p, p_keys))
+    with LocalEngine(model, fs2, options, tp=2, mamba2_workaround=workaround) as tp2:
+        ref_p2, reloaded_p, _ = tp2.serve([
+            Step(p + TAIL, scratch=True), Step(p + TAIL), Step(q, max_tokens=1)], out2)
+    assert_reloaded(name, reloaded_p, ref_p2, p_keys)
+    assert_pages_moved(rank_pages(out1, 1), rank_pages(out2, 2), p_keys, latent)
+    first = first_layer_bytes(name, BLOCK[name])
+    assert_same_files(chunk_files(fs1, q_keys), chunk_files(fs2, q_keys), first)
+    if name in SECTIONS:
+        state_p = with_state(stored_p, p_keys)[len(p_keys) :]
+        state_q = with_state(stored_q, q_keys)[len(q_keys) :]
+        assert_states_moved(name, rank_pages(out1, 1), rank_pages(out2, 2), state_p[0])
+        assert_same_files(chunk_files(fs1, state_q[:1]), chunk_files(fs2, state_q[:1]), CONV_BYTES[name])
+        assert_same_files(chunk_files(fs1, state_q), chunk_files(fs2, state_q), 0)
 
-        out3 = tmp_path / "tp1-again"
-        replace_chunks(fs2, fs1, with_state(stored_q, q_keys))
-        tp1.clear_host()
+    out3 = tmp_path / "tp1-again"
+    replace_chunks(fs2, fs1, with_state(stored_q, q_keys))
+    with LocalEngine(model, fs1, options, mamba2_workaround=workaround) as tp1:
         (reloaded_q,) = tp1.serve([Step(q + TAIL)], out3)
     assert_reloaded(name, reloaded_q, ref_q1, q_keys)
     assert_pages_moved(rank_pages(out2, 2), rank_pages(out3, 1), q_keys, latent)

@@ -1,42 +1,35 @@
 """vLLM engines with the KVTierConnector and an fs tier, of any tensor-parallel degree, for tests that
-compare engines of different TP degrees sharing stored chunks.
+compare engines of different TP degrees sharing stored chunks, and engines one after the other on
+one fs directory.
 
-A TP=2 engine on the CPU backend spawns one worker process per rank (each runs a worker half of the
-connector) and needs one core per rank (`VLLM_CPU_OMP_THREADS_BIND="0|1"`); its engine core, with
-the scheduler half, runs in the child itself (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, from the caller's
-`vllm_env`). Engines of one test serve one after the other, never two at once.
-
-`run_engine(model, tp, fs_dir, llm, steps, out_dir)` runs `python -m tests.integrations.tp_engine`
-and returns one `Served` per step. A TP=1 engine may run in the test's own process
-instead (`LocalEngine`: no process to start), kept for several phases (`serve` each), its host
-tier emptied between them (`clear_host`) so that what a later phase reloads comes from `fs_dir` as
-it then is. A step is a text prompt served alone, greedy, with each generated token's logprob;
-`scratch` steps neither load nor store through kvtier. Before every step the
-device prefix cache is reset, so whatever is reused comes from kvtier; after it the tier jobs are
-waited for, so its chunks are in `fs_dir` when the engine exits. Every rank records the device
-pages of each chunk it stores (as the store is submitted) and loads (once the load ended), by key
-and layer, and the state of each recurrent layer and part (canonical orientation, channels first)
-it stores and loads, by the state's first row key and `layer * parts + part`; `rank_pages(out_dir,
-tp)` reads them back (as bytes: uint8 arrays whose last axis is the values' bytes): each phase writes
-what the engine recorded so far to its own `out_dir`.
+`LocalEngine(model, fs_dir, llm, tp)` builds an engine whose engine core, with the scheduler half
+of the connector, runs in the test's own process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, from the
+caller's `vllm_env`); a TP=1 engine's one worker does too, while a TP=2 engine spawns one worker
+process per rank (each runs a worker half of the connector), one core per rank
+(`VLLM_CPU_OMP_THREADS_BIND="0|1"`, set while it is built). Engines of one test run one after the
+other, never two at once: a TP=2 engine's shutdown takes down this process's model-parallel
+groups, which a TP=1 engine built before it still uses. A step is a text prompt served alone,
+greedy, with each generated token's logprob; `scratch` steps neither load nor store through
+kvtier. Before every step the device prefix cache is reset, so whatever is reused comes from
+kvtier; after it the tier jobs are waited for, so its chunks are in `fs_dir` when the engine
+exits. Every rank records the device pages of each chunk it stores (as the store is submitted)
+and loads (once the load ended), by key and layer, and the state of each recurrent layer and part
+(canonical orientation, channels first) it stores and loads, by the state's first row key and
+`layer * parts + part`; `rank_pages(out_dir, tp)` reads them back (as bytes: uint8 arrays whose
+last axis is the values' bytes): each `serve` writes what the engine recorded so far to its own
+`out_dir`.
 
 `mamba2_workaround`: vLLM 0.32's CPU Mamba2 layer crashes on the first prefill with prefix caching
-on (`test_vllm_states`); THE ENGINE'S PROCESS WORKS AROUND IT while the engine is built, and
+on (`test_vllm_states`); THE TEST'S PROCESS WORKS AROUND IT while the engine is built, and
 restores it then: the engine core sees the ranks' Mamba KV cache specs without the mid-prefill
-checkpoint, so the KV cache config
-every rank gets has none and the scheduler cuts prefills at block boundaries (the rank processes
-are spawned: vLLM's CPU platform forces it, so a patch of their layers would not reach them).
-kvtier itself patches nothing.
+checkpoint, so the KV cache config every rank gets has none and the scheduler cuts prefills at
+block boundaries (the rank processes are spawned: vLLM's CPU platform forces it, so a patch of
+their layers would not reach them). kvtier itself patches nothing.
 """
 
 from __future__ import annotations
 
-import contextlib
-import json
 import os
-import signal
-import subprocess
-import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -46,8 +39,7 @@ import numpy as np
 
 from kvtier.integrations.vllm.serving.launch import transfer_config
 
-ROOT = Path(__file__).resolve().parents[2]
-REPLY = "@kvtier-tp@ "
+BIND = "VLLM_CPU_OMP_THREADS_BIND"
 SCRATCH = {"kvtier": {"skip_load": True, "skip_store": True}}
 Pages = dict[tuple[str, str, int], np.ndarray]
 """(op, key hex, index) -> bytes on one rank: op "store" or "load", a chunk's device page of
@@ -77,41 +69,6 @@ class Served:
     split: dict[str, int]
     state_rows: int = 0
     top2: list[dict[str, float]] | None = None
-
-
-def run_engine(model: Path, tp: int, fs_dir: Path, llm: dict[str, Any], steps: list[Step],
-               out_dir: Path, timeout_s: float = 420, mamba2_workaround: bool = False) -> list[Served]:
-    """Serve `steps` on a fresh engine of `model` with `tensor_parallel_size=tp` whose one
-    secondary tier is fs on `fs_dir`; the ranks' pages and the engine's log (`engine.log`) go to
-    `out_dir`. The child and its rank processes are killed (process group) past `timeout_s`."""
-    env = dict(os.environ)
-    if tp > 1:
-        env["VLLM_CPU_OMP_THREADS_BIND"] = "|".join(str(rank) for rank in range(tp))
-    out_dir.mkdir(parents=True, exist_ok=True)
-    log_path = out_dir / "engine.log"
-    request = {"model": str(model), "tp": tp, "fs_dir": str(fs_dir), "llm": llm,
-               "steps": [vars(step) for step in steps], "out_dir": str(out_dir),
-               "mamba2_workaround": mamba2_workaround}
-    with open(log_path, "ab") as log:
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "tests.integrations.tp_engine"], cwd=ROOT, env=env,
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=log, text=True,
-            start_new_session=True,
-        )
-        try:
-            out, _ = proc.communicate(json.dumps(request), timeout=timeout_s)
-        finally:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(proc.pid, signal.SIGKILL)  # rank processes left behind, if any
-            proc.wait()
-    lines = out.splitlines()
-    with open(log_path, "a") as text_log:  # vLLM logs to stdout
-        text_log.writelines(line + "\n" for line in lines if not line.startswith(REPLY))
-    replies = [line[len(REPLY):] for line in lines if line.startswith(REPLY)]
-    if not replies:
-        tail = log_path.read_text(errors="replace")[-4000:]
-        raise AssertionError(f"the TP={tp} engine gave no answer (exit {proc.returncode}):\n{tail}")
-    return [Served(**served) for served in json.loads(replies[-1])]
 
 
 def rank_pages(out_dir: Path, tp: int) -> list[Pages]:
@@ -264,12 +221,28 @@ def _build(model: str, tp: int, fs_dir: str, llm_options: dict[str, Any], mamba2
 
 
 class LocalEngine:
-    """A TP=1 engine in the test's own process (vLLM's environment: `vllm_env`), no process to
-    start, kept for several `serve` phases; a context manager."""
+    """An engine of TP degree `tp` whose engine core runs in the test's own process (vLLM's
+    environment: `vllm_env`), no process to start but a TP=2 engine's rank processes, kept for
+    several `serve` phases; a context manager."""
 
-    def __init__(self, model: Path, fs_dir: Path, llm: dict[str, Any],
+    def __init__(self, model: Path, fs_dir: Path, llm: dict[str, Any], tp: int = 1,
                  mamba2_workaround: bool = False) -> None:
-        self.llm, self.scheduler = _build(str(model), 1, str(fs_dir), llm, mamba2_workaround)
+        from vllm import envs
+
+        saved = os.environ.get(BIND)
+        if tp > 1:  # the rank processes, spawned while the engine is built, take one core each
+            os.environ[BIND] = "|".join(str(rank) for rank in range(tp))
+        # vLLM caches its environment once an engine is up: read it afresh for this engine, and
+        # again for the next one, which must not see this engine's binding.
+        envs.disable_envs_cache()
+        try:
+            self.llm, self.scheduler = _build(str(model), tp, str(fs_dir), llm, mamba2_workaround)
+        finally:
+            if saved is None:
+                os.environ.pop(BIND, None)
+            else:
+                os.environ[BIND] = saved
+            envs.disable_envs_cache()
 
     def __enter__(self) -> LocalEngine:
         return self
@@ -284,23 +257,3 @@ class LocalEngine:
         served = [_serve(self.llm, self.scheduler, vars(step)) for step in steps]
         self.llm.collective_rpc(tp_engine.dump_spy, args=(str(out_dir),))
         return [Served(**one) for one in served]
-
-    def clear_host(self) -> None:
-        """Drop every chunk the host tier holds (nothing is in flight between `serve` calls)."""
-        self.scheduler.manager.host.clear()
-
-
-def main() -> None:
-    from tests.integrations import tp_engine
-
-    request = json.loads(sys.stdin.read())
-    llm, scheduler = _build(request["model"], request["tp"], request["fs_dir"], request["llm"],
-                            request["mamba2_workaround"])
-    served = [_serve(llm, scheduler, step) for step in request["steps"]]
-    llm.collective_rpc(tp_engine.dump_spy, args=(request["out_dir"],))
-    llm.llm_engine.engine_core.shutdown()
-    print(REPLY + json.dumps(served), flush=True)
-
-
-if __name__ == "__main__":
-    main()
