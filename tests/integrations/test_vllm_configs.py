@@ -148,32 +148,41 @@ def test_on_a_gpu_only_offloaded_weights_and_the_processes_take_host_memory(
 
 @pytest.mark.slow
 def test_second_seeds_config_runs_an_engine_loaded_by_vllm_directly(
-    make_llm: Callable[..., Any], tmp_path: Path, capfd: pytest.CaptureFixture[str]
+    make_llm: Callable[..., Any], tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The second seed's extra config given to vLLM as KVTierConnector's own, on the CPU backend
     (engine blocks of 32 tokens): its `block_size` 16 becomes one engine block per chunk, with the
     warning; its fs tier, thread counts as written, brings a prompt back once the host copy and the
     device cache are gone, with the answer vLLM's own prefix cache gave. Changed from the seed:
     `cpu_bytes_to_use` (10 GiB, a region pre-touched at start, is 16 MiB on a shared test machine)
-    and `root_dir` (/mnt/kv_cache is a temp dir). The settings lines are read where an operator
-    reads them, in vLLM's own log output."""
+    and `root_dir` (/mnt/kv_cache is a temp dir). The settings lines are read as the logger that puts
+    them in vLLM's own log output handles them: an engine's start may set up vLLM's logging again,
+    which drops the handlers of vLLM's loggers (`logged`'s among them), and vLLM's own handlers write
+    to the stream they found then, in a test session an earlier test's captured output."""
     from vllm import SamplingParams
 
     seed = extra(MULTI_TIER)
     seed["cpu_bytes_to_use"] = 16 << 20
     seed["secondary_tiers"][0]["root_dir"] = str(tmp_path / "kv_cache")
+    records: list[logging.LogRecord] = []
+    handle = settings_log.handle
+
+    def keep(record: logging.LogRecord) -> None:
+        records.append(record)
+        handle(record)
+
+    monkeypatch.setattr(settings_log, "handle", keep)
     llm = make_llm(seed, dtype="float32")
     scheduler, _ = connector_halves(llm)
     assert scheduler.geometry.blocks_per_chunk == 1 and scheduler.geometry.chunk_tokens == BLOCK_SIZE
-    log = capfd.readouterr()
-    lines = (log.out + log.err).splitlines()
+    lines = [(r.levelname, r.getMessage()) for r in records]
     for level, line in [
         ("INFO", f"{HEAD}block_size 16 -> blocks_per_chunk 1 (engine blocks of {BLOCK_SIZE} tokens)"),
         ("INFO", f"{HEAD}secondary_tiers[0] fs -> fs (root_dir, n_read_threads, n_write_threads kept)"),
         ("INFO", "kvtier: memory plan: MemTotal "),
         ("WARNING", f"kvtier: warning: block_size 16 is below the engine's block of {BLOCK_SIZE} "
                     f"tokens: a chunk is one engine block ({BLOCK_SIZE} tokens)")]:
-        assert any(f" {level} " in x and line in x for x in lines), (line, lines[-40:])
+        assert any(lv == level and line in text for lv, text in lines), (line, lines)
 
     ids: list[int] = llm.get_tokenizer().encode(PROMPTS["birds"])
     prompt = ids[: (len(ids) - 1) // BLOCK_SIZE * BLOCK_SIZE + 1]
