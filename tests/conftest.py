@@ -16,7 +16,7 @@ from kvtier.host.region import HostRegion
 from kvtier.integrations.vllm.serving.launch import SHARED_CACHE_ROOT
 from kvtier.tiers.base import JobResult, LookupResult, TierContext
 
-pytest_plugins = ["tests.services.redis_server", "tests.services.s3"]
+pytest_plugins = ["tests.early_start", "tests.services.redis_server", "tests.services.s3"]
 
 # The suite starts vLLM engines in this process after `kvtier plan` ran here: keep numba (and
 # llvmlite) out of it (see kvtier.trace.mrc); the compiled path is tested in a child process.
@@ -35,25 +35,16 @@ LAYOUT_FP = "00112233445566778899aabbccddeeff"
 
 
 VLLM_CACHE = Path.home() / ".cache" / "kvtier" / "vllm"
-"""The suite's vLLM cache root, kept between runs like the test models beside it."""
-
-
-@pytest.fixture(scope="session", autouse=True)
-def _one_vllm_cache() -> Iterator[None]:
-    """Every engine the suite starts, in-process or in a child (servers, benchmarks, the demo, the
-    chaos campaign), uses one vLLM cache root, `~/.cache/kvtier/vllm` unless
-    `KVTIER_VLLM_CACHE_ROOT` names another (read by `launch.isolated_env`; children inherit it): a
-    process whose cache root lacks the record of a model class (its `modelinfos/` file, keyed by a
-    digest of the class's source files) inspects the class in a fresh subprocess that imports vLLM,
-    about 7 s on 2 cores, once per class on this machine rather than once per run. Nothing else
-    lands there: every engine here runs eager, with torch.compile off."""
-    saved = os.environ.get(SHARED_CACHE_ROOT)
-    if not saved:
-        VLLM_CACHE.mkdir(parents=True, exist_ok=True)
-        os.environ[SHARED_CACHE_ROOT] = str(VLLM_CACHE)
-    yield
-    if saved is None:
-        os.environ.pop(SHARED_CACHE_ROOT, None)
+# Every engine the suite starts, in-process or in a child (servers, benchmarks, the demo, the chaos
+# campaign), uses one vLLM cache root, `~/.cache/kvtier/vllm` unless `KVTIER_VLLM_CACHE_ROOT` names
+# another (read by `launch.isolated_env`; children inherit it), kept between runs like the test
+# models beside it: a process whose cache root lacks the record of a model class (its `modelinfos/`
+# file, keyed by a digest of the class's source files) inspects the class in a fresh subprocess
+# that imports vLLM, about 7 s on 2 cores, once per class on this machine rather than once per run.
+# Nothing else lands there: every engine here runs eager, with torch.compile off.
+if not os.environ.get(SHARED_CACHE_ROOT):
+    VLLM_CACHE.mkdir(parents=True, exist_ok=True)
+    os.environ[SHARED_CACHE_ROOT] = str(VLLM_CACHE)
 
 
 @pytest.fixture

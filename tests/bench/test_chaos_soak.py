@@ -3,28 +3,31 @@ concurrency with host eviction and cascades into fs, obj and redis, the engine's
 sampled throughout. After the warm-up its RSS, open files, threads, processes and /dev/shm use
 grow by under 5 % (the warm-up is the first round: every conversation stored once), every reply
 is vLLM alone's, and the host tier ends clean with nothing pinned. The 30-minute run is the same
-command with `--duration 1800` (RELIABILITY.md)."""
+command with `--duration 1800` (RELIABILITY.md). It starts as the test run begins and runs beside
+the fast tests (`tests/early_start.py`): its measures are of its own process tree."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvtier.bench.chaos.sampler import MEASURES
+from tests.early_start import Started
 
-ROOT = Path(__file__).resolve().parents[2]
+
+def _soak(work: Path) -> list[str]:
+    return [sys.executable, "-m", "kvtier.cli", "bench", "chaos", "--preset", "soak", "--duration",
+            "90", "--json", "--work-dir", str(work / "work"), "--out", str(work / "soak.json")]
 
 
 @pytest.mark.slow
-def test_a_short_soak_keeps_resources_flat(tmp_path: Path) -> None:
-    out = tmp_path / "soak.json"
-    argv = [sys.executable, "-m", "kvtier.cli", "bench", "chaos", "--preset", "soak", "--duration",
-            "90", "--json", "--work-dir", str(tmp_path / "work"), "--out", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
+@pytest.mark.early_start(argv_of=_soak)
+def test_a_short_soak_keeps_resources_flat(early_run: Started) -> None:
+    done = early_run.finish(timeout_s=900)
+    out = early_run.work_dir / "soak.json"
     assert done.stdout.strip(), (done.returncode, done.stderr[-3000:])
     summary = json.loads(done.stdout)
     assert done.returncode == 0, (summary["checks"], summary["growth"], done.stderr[-3000:])
