@@ -1,10 +1,10 @@
 """`kvtier demo`: the chat workload, bad flags, the report table, and (slow) a small real run whose
-JSON has per-turn TTFT and token splits that add up, with host/fs hits only in the kvtier run. The
-real runs start as the test run begins and run beside it (`tests/early_start.py`)."""
+JSON has per-turn TTFT and token splits that add up, with host/fs hits only in the kvtier run."""
 
 from __future__ import annotations
 
 import json
+import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -16,8 +16,8 @@ from kvtier.bench.multiturn.chats import CHATS as CONVERSATIONS
 from kvtier.bench.multiturn.chats import check_sizes, max_turns
 from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.cli import main
-from tests.early_start import Started
 
+ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"device", "host", "fs", "recomputed"}
 
 
@@ -74,16 +74,12 @@ def test_report_table_means_per_turn() -> None:
     assert "| 2 | 252 | 100 | 400 | 4.0x | 0 / 96 / 96 / 60 | 0 / 252 |" in table
 
 
-def _small_demo(work: Path) -> list[str]:
-    return [sys.executable, "-m", "kvtier.cli", "demo", "--json", "--conversations", "2",
+@pytest.mark.slow
+def test_small_real_demo_json() -> None:
+    argv = [sys.executable, "-m", "kvtier.cli", "demo", "--json", "--conversations", "2",
             "--turns", "3", "--device-blocks", "16", "--max-model-len", "480",
             "--host-chunks", "12", "--reply-tokens", "8"]
-
-
-@pytest.mark.slow
-@pytest.mark.early_start(argv_of=_small_demo)
-def test_small_real_demo_json(early_run: Started) -> None:
-    done = early_run.finish(timeout_s=400)
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "conversation 1 turn 3" in done.stderr  # progress while it runs
     report = json.loads(done.stdout)
@@ -101,17 +97,8 @@ def test_small_real_demo_json(early_run: Started) -> None:
     assert all(t["tokens"]["host"] == t["tokens"]["fs"] == 0 for t in runs["baseline"])
 
 
-def _hybrid_demo(work: Path) -> list[str]:
-    from kvtier.tools.tiny_models import build_tiny_model
-
-    return [sys.executable, "-m", "kvtier.cli", "demo", "--model", str(build_tiny_model("gemma3")),
-            "--json", "--check-replies", "--conversations", "4", "--turns", "3", "--device-blocks",
-            "64", "--max-model-len", "480", "--host-chunks", "12", "--reply-tokens", "8"]
-
-
 @pytest.mark.slow
-@pytest.mark.early_start(argv_of=_hybrid_demo)
-def test_demo_on_a_hybrid_model_reloads_and_keeps_the_replies(early_run: Started) -> None:
+def test_demo_on_a_hybrid_model_reloads_and_keeps_the_replies() -> None:
     """`kvtier demo --model` on the tiny Gemma3 (sliding-window + full attention layers, vLLM's
     hybrid manager on): later turns reload from host or fs, and `--check-replies` finds every
     reply equal to the engine's alone. vLLM wants room for a max-length request in each of the
@@ -119,10 +106,14 @@ def test_demo_on_a_hybrid_model_reloads_and_keeps_the_replies(early_run: Started
     tokens; four conversations outgrow them."""
     from kvtier.tools.tiny_models import build_tiny_model
 
-    done = early_run.finish(timeout_s=400)
+    model = build_tiny_model("gemma3")
+    argv = [sys.executable, "-m", "kvtier.cli", "demo", "--model", str(model), "--json",
+            "--check-replies", "--conversations", "4", "--turns", "3", "--device-blocks", "64",
+            "--max-model-len", "480", "--host-chunks", "12", "--reply-tokens", "8"]
+    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=ROOT)
     assert done.returncode == 0, done.stderr[-3000:]
     report = json.loads(done.stdout)
-    assert report["model"] == build_tiny_model("gemma3").name and report["replies_match"] is True
+    assert report["model"] == model.name and report["replies_match"] is True
     later = [t for t in report["kvtier"] if t["turn"] > 1]
     assert all(t["tokens"]["host"] + t["tokens"]["fs"] > 0 for t in later), later
     assert all(t["tokens"]["host"] == t["tokens"]["fs"] == 0 for t in report["baseline"])
