@@ -4,10 +4,11 @@ The fast tests run first, then the slow ones (a failure in a unit shows in a min
 test marked `early_start(argv_of=...)` is one command of its own, such as a soak of fixed duration:
 the command (`argv_of(work_dir)`, run from the repository root, its output in `work_dir`) starts
 when collection ends and runs beside the rest of the suite, whose fast tests leave a core mostly
-idle (one such command at a time: more starve the fast tests that time a tier process's restart); the test itself moves to the end of the run, waits for the command (`early_run(...)`) and
-checks what it printed, every assertion as if it had started the command itself. Whatever is
-still running when the session ends is killed with its process group, and `work_dir` removed.
-Nothing starts under `--collect-only`.
+idle (one such command at a time: more starve the fast tests that time a tier process's restart).
+The test itself moves to the end of the run, waits for the command (`early_run(...)`) and checks
+what it printed, every assertion as if it had started the command itself. Whatever is still
+running when the session ends is killed with its process group, and `work_dir` removed. Nothing
+starts under `--collect-only`.
 """
 
 from __future__ import annotations
