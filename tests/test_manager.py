@@ -275,9 +275,20 @@ def test_bad_second_tier_shuts_down_the_first(tmp_path: Path) -> None:
     with pytest.raises(ConfigError, match="max_bytes"):
         start("lru", [{"type": "memory"}, {"type": "memory", "name": "m2", "max_bytes": 1}])
     assert mine() == before
+    # tier processes of this process's session: a command the suite started beside the tests
+    # (`tests/early_start.py`) runs in a session of its own, with tier processes of its own
+    session = os.getsid(0)
     workers = [p for p in psutil.Process().children(recursive=True)
-               if "kvtier.tiers.worker" in " ".join(p.cmdline()) and p.status() != "zombie"]
+               if "kvtier.tiers.worker" in " ".join(p.cmdline()) and p.status() != "zombie"
+               and _session(p.pid) == session]
     assert workers == [], "the first tier's process must be shut down"
+
+
+def _session(pid: int) -> int | None:
+    try:
+        return os.getsid(pid)
+    except ProcessLookupError:
+        return None
 
 
 def test_region_too_large_for_shm_is_a_config_error() -> None:
