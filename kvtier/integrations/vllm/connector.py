@@ -124,12 +124,15 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             world = vllm_config.parallel_config.world_size
             events = vllm_config.kv_events_config
             enabled = events is not None and bool(events.enable_kv_cache_events)
+            hashed = getattr(kv_cache_config, "hash_block_size", None)  # vLLM hashes requests at
             if geometry.states is not None:
-                self.scheduler = StateScheduler(config, geometry, world, events=enabled)
+                self.scheduler = StateScheduler(config, geometry, world, events=enabled,
+                                                hash_block_size=hashed)
             else:
                 sync = (config.sync_host_loads and geometry.one_group
                         and vllm_config.device_config.device_type == "cpu")
-                self.scheduler = KVTierScheduler(config, geometry, world, events=enabled, sync_loads=sync)
+                self.scheduler = KVTierScheduler(config, geometry, world, events=enabled,
+                                                 sync_loads=sync, hash_block_size=hashed)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -47,7 +47,7 @@ from kvtier.engine.streamed_loads import LoadStreams, Part
 from kvtier.engine.tails import Tails
 from kvtier.format.chunks import HOST
 from kvtier.format.keys import ChunkHasher
-from kvtier.integrations.vllm.kv_events import KVEventTranslator
+from kvtier.integrations.vllm.kv_events import make_translator
 from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
 from kvtier.integrations.vllm.model.geometry import EngineGeometry
 from kvtier.integrations.vllm.model.groups import load_blocks, store_blocks
@@ -70,7 +70,7 @@ class KVTierScheduler:
 
     def __init__(
         self, config: KVTierConfig, geometry: EngineGeometry, world_size: int, events: bool = False,
-        sync_loads: bool = False,
+        sync_loads: bool = False, hash_block_size: int | None = None,
     ) -> None:
         """Called once by the connector at engine start; starts the tier processes. `events`: the
         user enabled vLLM's KV events, so `take_events` translates kvtier's. `sync_loads`: the
@@ -80,10 +80,8 @@ class KVTierScheduler:
         self.manager = TieringManager.from_config(config, layout.row_bytes, layout.fingerprint)
         self.accounting = Accounting(self.manager, geometry.chunk_tokens)
         self.tier_types = {t.name: t.type for t in config.secondary_tiers}
-        paths = {t.name: t.module_path for t in config.secondary_tiers}
-        self.events = (
-            KVEventTranslator(self.tier_types, geometry.chunk_tokens, paths) if events else None
-        )
+        self.events = make_translator(config, geometry.block_size, layout.fingerprint,
+                                      hash_block_size) if events else None
         self.hasher = ChunkHasher(config.hash_algorithm, geometry.fingerprint, layout.chunk_tokens)
         self.shm_dir = config.shm_dir
         self.tracer = RequestTracer.make(config, geometry)
@@ -268,7 +266,7 @@ class KVTierScheduler:
         first = len(state.keys)
         state.keys += self.hasher.extend(state.keys, tokens, cache_salt=request.cache_salt, lora=state.lora)
         if self.events is not None:
-            self.events.remember(state.keys, tokens, first)
+            self.events.remember(request, state.keys, first)
 
     def _plan_store(self, state: RequestState, computed: int) -> ChunkCopy | None:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
@@ -369,12 +367,10 @@ class KVTierScheduler:
         return {} if state is None else {k: v for k, v in state.hits.loaded.items() if v > 0}
 
     def take_events(self) -> list[Any]:
-        """vLLM KV events for what the tiers stored and removed since the last call (empty when
-        KV events are off: kvtier's are still drained). Called by vLLM every step."""
+        """vLLM KV events for what the tiers stored and removed (or sidecars named) since the last
+        call; none when KV events are off (kvtier's are still drained). Called every step."""
         events = self.manager.take_events()
-        if self.events is None:
-            return []
-        return [e for tier, event in events for e in self.events.translate(tier, event)]
+        return [] if self.events is None else self.events.translate_all(events)
 
     def reset_cache(self) -> bool:
         """Drop every unpinned chunk of the host tier (vLLM's `reset_prefix_cache(reset_connector=
@@ -384,17 +380,19 @@ class KVTierScheduler:
 
     def shutdown(self) -> None:
         """Close the control socket, stop the secondary tiers and remove the host region, then the
-        trace writer. Idempotent."""
+        trace writer and the event sidecars. Idempotent."""
         self.ops.shutdown()
         self.manager.shutdown()
         self.tracer.close()
+        if self.events is not None:
+            self.events.close()
 
     def _state(self, request: Request) -> RequestState | None:
         """The request's state, keyed on first sight (None: it cannot be cached)."""
         state = self._requests.get(request.request_id)
         if state is None and (state := RequestState.of(request, self.hasher)) is not None:
             self.manager.record_request(state.keys)
-            if self.events is not None and request.prompt_token_ids is not None:
-                self.events.remember(state.keys, request.prompt_token_ids)
+            if self.events is not None:
+                self.events.remember(request, state.keys)
             self._requests[request.request_id] = state
         return state

@@ -54,11 +54,12 @@ class StateScheduler(KVTierScheduler):
     """`KVTierScheduler` plus the state segments of a model's recurrent layers."""
 
     def __init__(
-        self, config: KVTierConfig, geometry: EngineGeometry, world_size: int, events: bool = False
+        self, config: KVTierConfig, geometry: EngineGeometry, world_size: int, events: bool = False,
+        hash_block_size: int | None = None,
     ) -> None:
         if geometry.states is None:
             raise ValueError("StateScheduler needs a geometry with recurrent-state groups")
-        super().__init__(config, geometry, world_size, events)
+        super().__init__(config, geometry, world_size, events, hash_block_size=hash_block_size)
         self.states = geometry.states
         self.stream_promotions = False
         self._state_loads: list[StateCopy] = []

@@ -1,0 +1,161 @@
+"""The fs tier's chunk → vLLM blocks mappings, kept on disk beside the chunks, so the KV events of
+chunks stored before a restart (or by another instance sharing the directory) still name their
+blocks.
+
+One small file per chunk: `<root_dir>/<layout fingerprint>.blocks/<hash space>/<2 hex>/<key hex>`,
+holding a magic, the `ChunkBlocks` record (`chunk_blocks.py`: key, block size, vLLM's raw block
+hashes, parent, token ids) and an xxh3-128 checksum of it. The hash space is the first 8 bytes of
+vLLM's root hash (`NONE_HASH`): engines whose block hashes are not comparable (a non-cryptographic
+hash algorithm seeds it at random per process) never read each other's files. A file is published
+by write-to-temp then `os.replace`; one whose magic, checksum, key or block size do not match is
+removed and names nothing. The chunk file itself is the fs tier's: a sidecar is only ever a hint
+for events, never read on the data path.
+
+Threads: the scheduler thread queues `save`, `drop` and `ask` (never blocking); one daemon thread
+does the file I/O and queues each `ask`'s answer for `take_answers`. I/O errors are logged once per
+cause; a failed `ask` answers None.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import queue
+import secrets
+import threading
+from collections.abc import Callable
+from typing import Literal
+
+import xxhash
+
+from kvtier.format.chunks import ChunkKey, TierEventKind
+from kvtier.integrations.vllm.chunk_blocks import ChunkBlocks
+
+log = logging.getLogger("kvtier.vllm.events")
+
+MAGIC = b"KVTBLKS1"
+DIGEST = 16
+
+Answer = tuple[TierEventKind, ChunkKey, ChunkBlocks | None]
+_Op = tuple[Literal["save", "drop", "ask", "stop"], ChunkKey, ChunkBlocks | TierEventKind | None]
+
+
+def encode(key: ChunkKey, blocks: ChunkBlocks, block_size: int) -> bytes:
+    """A sidecar file's bytes: magic, record, checksum of the record."""
+    record = blocks.pack(key, block_size)
+    return MAGIC + record + xxhash.xxh3_128_digest(record)
+
+
+def decode(data: bytes, key: ChunkKey, block_size: int) -> ChunkBlocks | None:
+    """The blocks a sidecar file names for `key`, or None when it fails any check."""
+    record = data[len(MAGIC) : -DIGEST]
+    if not data.startswith(MAGIC) or xxhash.xxh3_128_digest(record) != data[-DIGEST:]:
+        return None
+    return ChunkBlocks.unpack(record, key, block_size)
+
+
+class BlockSidecar:
+    """Sidecar files of one fs tier under `root_dir` (see the module docstring).
+
+    `space()` gives vLLM's root hash; it is called on the sidecar's thread at its first operation,
+    once the engine has set it.
+    """
+
+    def __init__(self, root_dir: str, layout_fingerprint: str, block_size: int,
+                 space: Callable[[], bytes]) -> None:
+        self.base = os.path.join(os.path.abspath(root_dir), f"{layout_fingerprint}.blocks")
+        self.block_size = block_size
+        self._space = space
+        self._dir: str | None = None
+        self._ops: queue.SimpleQueue[_Op] = queue.SimpleQueue()
+        self._answers: queue.SimpleQueue[Answer] = queue.SimpleQueue()
+        self._logged: set[str] = set()
+        self._thread = threading.Thread(target=self._run, name="kvtier-block-sidecar", daemon=True)
+        self._thread.start()
+
+    def save(self, key: ChunkKey, blocks: ChunkBlocks) -> None:
+        """Write `key`'s file (kept when it is already there)."""
+        self._ops.put(("save", key, blocks))
+
+    def drop(self, key: ChunkKey) -> None:
+        """Remove `key`'s file."""
+        self._ops.put(("drop", key, None))
+
+    def ask(self, kind: TierEventKind, key: ChunkKey) -> None:
+        """Read `key`'s file; the answer (`kind`, `key`, blocks or None) comes from `take_answers`."""
+        self._ops.put(("ask", key, kind))
+
+    def take_answers(self) -> list[Answer]:
+        """The answers of the reads finished since the last call."""
+        out: list[Answer] = []
+        with contextlib.suppress(queue.Empty):
+            while True:
+                out.append(self._answers.get_nowait())
+        return out
+
+    def close(self, timeout: float = 5.0) -> None:
+        """Finish the queued operations and stop the thread. Idempotent."""
+        if self._thread.is_alive():
+            self._ops.put(("stop", b"", None))
+            self._thread.join(timeout)
+
+    def path(self, key: ChunkKey) -> str:
+        if self._dir is None:
+            self._dir = os.path.join(self.base, self._space()[:8].hex())
+        name = key.hex()
+        return os.path.join(self._dir, name[:2], name)
+
+    # ---- the sidecar's thread ----------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            op, key, arg = self._ops.get()
+            if op == "stop":
+                return
+            try:
+                if op == "save" and isinstance(arg, ChunkBlocks):
+                    self._save(key, arg)
+                elif op == "drop":
+                    with contextlib.suppress(FileNotFoundError):
+                        os.unlink(self.path(key))
+                elif op == "ask" and isinstance(arg, TierEventKind):
+                    self._answers.put((arg, key, self._read(key)))
+            except Exception as e:  # a sidecar is a hint: its errors never reach the engine
+                self._failed(op, e)
+                if op == "ask" and isinstance(arg, TierEventKind):
+                    self._answers.put((arg, key, None))
+
+    def _save(self, key: ChunkKey, blocks: ChunkBlocks) -> None:
+        path = self.path(key)
+        if os.path.exists(path):
+            return
+        os.makedirs(os.path.dirname(path), exist_ok=True)
+        temp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+        try:
+            with open(temp, "wb") as f:
+                f.write(encode(key, blocks, self.block_size))
+            os.replace(temp, path)
+        except BaseException:
+            with contextlib.suppress(OSError):
+                os.unlink(temp)
+            raise
+
+    def _read(self, key: ChunkKey) -> ChunkBlocks | None:
+        path = self.path(key)
+        try:
+            with open(path, "rb") as f:
+                data = f.read()
+        except FileNotFoundError:
+            return None
+        blocks = decode(data, key, self.block_size)
+        if blocks is None:
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+        return blocks
+
+    def _failed(self, op: str, e: Exception) -> None:
+        cause = f"{op}:{type(e).__name__}"
+        if cause not in self._logged:
+            self._logged.add(cause)
+            log.warning("kvtier: block sidecar under %s: %s failed: %s", self.base, op, e)

@@ -1,0 +1,90 @@
+"""A chunk in vLLM's hash space: the engine blocks it covers, as vLLM's own KV events name them.
+
+vLLM names each full engine block by its prefix-cache block hash (chained over the tokens of every
+block before it, with its extras: cache salt, LoRA, multimodal hashes); a KV-aware router indexes
+those hashes, and parents link them into prefixes. A kvtier chunk is `blocks_per_chunk` engine
+blocks: `ChunkBlocks` keeps their raw vLLM hashes, the hash of the block before the chunk, and the
+chunk's token ids, which is everything a `BlockStored` or `BlockRemoved` event for the chunk needs.
+Raw hashes are kept (not the 64-bit ints routers read) so the conversion stays vLLM's own
+(`maybe_convert_block_hash`, which follows `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`), applied when an
+event is built.
+
+`request_chunks` reads them from a live vLLM request; `pack`/`unpack` are the fixed binary form the
+fs tier's sidecar files hold (`block_sidecar.py`).
+"""
+
+from __future__ import annotations
+
+import struct
+from array import array
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from kvtier.engine.request import Request
+from kvtier.format.chunks import ChunkKey
+
+_HEAD = struct.Struct("<32sIHHB")
+"""chunk key, block size, hash length, blocks in the chunk, has a parent (0/1)."""
+
+
+@dataclass(frozen=True)
+class ChunkBlocks:
+    """One chunk as vLLM's engine blocks: `hashes[i]` is vLLM's raw block hash of the chunk's block
+    i, `parent` the hash of the block just before the chunk (None: the chunk starts the prompt), and
+    `tokens` the chunk's token ids (`len(hashes)` blocks of equal size)."""
+
+    hashes: tuple[bytes, ...]
+    parent: bytes | None
+    tokens: array[int]
+
+    def pack(self, key: ChunkKey, block_size: int) -> bytes:
+        """The binary form: a header naming `key` and `block_size`, the hashes, the parent, the
+        token ids (uint32)."""
+        width = len(self.hashes[0])
+        parent = self.parent if self.parent is not None else b""
+        head = _HEAD.pack(key, block_size, width, len(self.hashes), int(self.parent is not None))
+        return b"".join((head, *self.hashes, parent, array("I", self.tokens).tobytes()))
+
+    @staticmethod
+    def unpack(data: bytes, key: ChunkKey, block_size: int) -> ChunkBlocks | None:
+        """The record `pack(key, block_size)` wrote; None when `data` is not one (another key,
+        another block size, a short or foreign record)."""
+        if len(data) < _HEAD.size:
+            return None
+        named, size, width, blocks, has_parent = _HEAD.unpack_from(data)
+        expected = _HEAD.size + width * (blocks + has_parent) + 4 * blocks * block_size
+        if (named, size) != (key, block_size) or not width or not blocks or has_parent > 1 \
+                or len(data) != expected:
+            return None
+        at = _HEAD.size
+        hashes = tuple(data[at + i * width : at + (i + 1) * width] for i in range(blocks))
+        at += blocks * width
+        parent = data[at : at + width] if has_parent else None
+        return ChunkBlocks(hashes, parent, array("I", data[at + width * has_parent :]))
+
+
+def request_chunks(
+    request: Request, keys: Sequence[ChunkKey], first: int, block_size: int, blocks_per_chunk: int,
+    hash_block_size: int,
+) -> list[tuple[ChunkKey, ChunkBlocks]]:
+    """`ChunkBlocks` of `keys[first:]`, the chunk keys of `request` (key i covers its blocks
+    `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`), as far as vLLM has hashed its blocks.
+
+    vLLM hashes a request's blocks at `hash_block_size` tokens (the engine block size, or a divisor
+    of it for hybrid models); a block's hash is then the hash of its last sub-block, as vLLM's own
+    events name it. A request without vLLM's `block_hashes` gives nothing.
+    """
+    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+    hashes = resolve_block_hashes(getattr(request, "block_hashes", []), hash_block_size, block_size)
+    tokens = request.all_token_ids
+    bpc = blocks_per_chunk
+    out: list[tuple[ChunkKey, ChunkBlocks]] = []
+    for i in range(first, min(len(keys), len(hashes) // bpc)):
+        span = (i * bpc * block_size, (i + 1) * bpc * block_size)
+        if len(tokens) < span[1]:
+            break
+        parent = hashes[i * bpc - 1] if i else None
+        blocks = tuple(hashes[i * bpc + b] for b in range(bpc))
+        out.append((keys[i], ChunkBlocks(blocks, parent, array("I", tokens[span[0] : span[1]]))))
+    return out
