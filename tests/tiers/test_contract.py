@@ -20,24 +20,26 @@ from tests.tiers.contract_suite import ContractSuite
 
 SERVICE_TIERS = {"obj": "s3_tier_options", "redis": "redis_tier_options"}
 """Tiers backed by a server: the fixture (in tests/services/) giving options for a fresh namespace."""
+VARIANTS = {"redis-cluster": ("redis", "cluster_tier_options")}
+"""More setups of a built-in tier: its type, and the fixture giving its options."""
 PEER_TIERS = {"p2p"}
 """Tiers whose contract needs a second instance: covered by their own tests."""
 CONTRACT_TIERS = [t for t in ("memory", "fs", *SERVICE_TIERS) if t in BUILTIN_TIERS]
 
 
-def tier_options(kind: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, object]:
-    if kind == "fs":
+def tier_options(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> dict[str, object]:
+    if name == "fs":
         return {"root_dir": str(tmp_path / "fs")}
-    if kind in SERVICE_TIERS:
-        return dict(request.getfixturevalue(SERVICE_TIERS[kind]))
-    return {}
+    fixture = SERVICE_TIERS.get(name) or VARIANTS.get(name, ("", ""))[1]
+    return dict(request.getfixturevalue(fixture)) if fixture else {}
 
 
-@pytest.fixture(params=[(k, mode) for k in CONTRACT_TIERS for mode in ("inproc", "process")],
+@pytest.fixture(params=[(k, mode) for k in (*CONTRACT_TIERS, *VARIANTS) for mode in ("inproc", "process")],
                 ids=lambda p: f"{p[0]}-{p[1]}")
 def tier(request, ctx: TierContext, region: HostRegion, tmp_path: Path) -> Iterator[object]:
-    kind, mode = request.param
-    options = tier_options(kind, request, tmp_path)
+    name, mode = request.param
+    kind = VARIANTS.get(name, (name, ""))[0]
+    options = tier_options(name, request, tmp_path)
     if mode == "inproc":
         t = resolve_tier("t", kind, None)(ctx, **options)
         yield t
@@ -59,4 +61,5 @@ def test_every_builtin_tier_is_covered() -> None:
 
 
 class TestContract(ContractSuite):
-    """The contract suite over every built-in tier but p2p, in this process and in a tier process."""
+    """The contract suite over every built-in tier but p2p, and the redis tier on a cluster, in this
+    process and in a tier process."""

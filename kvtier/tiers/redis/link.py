@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable
-from typing import Any, cast
+from collections.abc import Callable, Sequence
+from typing import Any, Protocol, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
 import redis
@@ -29,11 +29,36 @@ from redis.retry import Retry
 from kvtier.errors import ConfigError
 from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common.book import FailureLog, TierBook
-from kvtier.tiers.redis.wire import ReplyReader, redact_url
+from kvtier.tiers.redis.wire import ReplyReader, redact_url, send_buffers
 
 _parse_url = cast(Callable[[str], dict[str, Any]], _redis_parse_url)
 """redis-py's own URL parser (untyped there): scheme, host or path, credentials, query arguments."""
 _DOWN_ERRORS = (RedisConnectionError, RedisTimeoutError, OSError)
+
+
+class Link(Protocol):
+    """What the tier and its chunk store use of their servers: one (`RedisLink`) or a cluster
+    (`cluster.ClusterLink`). Any thread; a connection belongs to the thread that asked for it."""
+
+    url: str
+    """The server's URL, or the cluster's seed URLs, without passwords."""
+    faillog: FailureLog
+
+    def connection(self) -> Any:
+        """A new connection for one thread (`disconnect()` closes it)."""
+
+    def pipeline(self, conn: Any, op: str, keys: Sequence[bytes], commands: Sequence[Any],
+                 read_reply: Callable[[ReplyReader, int], Any] | None = None) -> list[Any]:
+        """One reply per command, NO_REPLY where none came (see `RedisLink.pipeline`)."""
+
+    def is_down(self) -> bool:
+        """Whether every server is taken as down: nothing can answer now."""
+
+    def any_down(self) -> bool:
+        """Whether some server is taken as down."""
+
+    def close(self) -> None:
+        """Close every connection of the pools."""
 
 
 class _NoReply:
@@ -48,7 +73,7 @@ class RedisLink:
 
     def __init__(
         self, url: str, *, connections: int, socket_timeout_s: float, connect_timeout_s: float,
-        reconnect_interval_s: float, book: TierBook, on_down: Callable[[], None],
+        reconnect_interval_s: float, book: TierBook, on_down: Callable[[], None], probe: bool = True,
     ) -> None:
         self.url = redact_url(url)
         given = [urlsplit(url).password, dict(parse_qsl(urlsplit(url).query)).get("password")]
@@ -70,7 +95,8 @@ class RedisLink:
             self._pool = redis.ConnectionPool(**kwargs)
         except (ValueError, TypeError, RedisError) as e:
             raise ConfigError("url", self.url, self.scrub(f"not a usable redis URL: {e}")) from None
-        self._probe()
+        if probe:
+            self._probe()
 
     def scrub(self, text: str) -> str:
         """`text` without the password, should a message from below ever quote it."""
@@ -78,18 +104,25 @@ class RedisLink:
             text = text.replace(secret, "***")
         return text
 
+    def ask(self, *command: Any) -> Any:
+        """One command on a fresh connection, outside the pipelines: its reply, or the error raised
+        (RedisError or OSError). For setup: the startup PING, a cluster's slot map. The connection
+        is the pool's kind but not counted in it: the pool keeps one per thread."""
+        conn: Any = self._pool.connection_class(**self._pool.connection_kwargs)
+        try:
+            conn.send_command(*command)
+            return conn.read_response(disable_decoding=True)
+        finally:
+            conn.disconnect()
+
     def _probe(self) -> None:
         """PING the server once; ConfigError naming `url` when it cannot be reached or refuses us."""
-        conn: Any = self._pool.make_connection()
         try:
-            conn.send_command("PING")
-            reply = conn.read_response()
+            reply = self.ask("PING")
         except (RedisError, OSError) as e:
             self._pool.disconnect()
             why = f"redis server did not answer PING: {type(e).__name__}: {e}"
             raise ConfigError("url", self.url, self.scrub(why)) from None
-        finally:
-            conn.disconnect()
         if reply not in (b"PONG", "PONG"):
             raise ConfigError("url", self.url, f"unexpected PING reply {reply!r}")
 
@@ -101,17 +134,21 @@ class RedisLink:
         with self._lock:
             return time.monotonic() < self._down_until
 
+    def any_down(self) -> bool:
+        return self.is_down()
+
     def close(self) -> None:
         self._pool.disconnect()
 
     def pipeline(
-        self, conn: Any, op: str, commands: list[Any],
+        self, conn: Any, op: str, keys: Sequence[bytes], commands: Sequence[Any],
         read_reply: Callable[[ReplyReader, int], Any] | None = None,
     ) -> list[Any]:
-        """Send `commands` (argument tuples, or lists of pre-framed buffers) in one write, read one
-        reply per command: the value, a ResponseError, or NO_REPLY when there was none (the server
-        is down or was just marked down by a connection error). `read_reply(reader, n)`, when
-        given, reads the reply to command `n` itself, straight from the socket."""
+        """Send `commands` (argument tuples, or lists of pre-framed buffers) in one gathered write,
+        read one reply per command: the value, a ResponseError, or NO_REPLY when there was none (the
+        server is down or was just marked down by a connection error). `keys` are the commands' Redis
+        keys (a cluster routes by them; one server has no use for them). `read_reply(reader, n)`,
+        when given, reads the reply to command `n` itself, straight from the socket."""
         if self.is_down():
             return [NO_REPLY] * len(commands)
         # A connection that broke while idle (the server restarted) gets one fresh try: every
@@ -123,7 +160,9 @@ class RedisLink:
                 buffers: list[Any] = []
                 for cmd in commands:
                     buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
-                conn.send_packed_command(buffers, check_health=False)
+                if conn._sock is None:
+                    conn.connect_check_health(check_health=False)
+                send_buffers(conn._sock, buffers)
                 if read_reply is not None:
                     reader = ReplyReader(conn._sock)  # connected by send_packed_command
                     for n in range(len(commands)):

@@ -27,28 +27,75 @@ from __future__ import annotations
 import threading
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 from urllib.parse import urlsplit
 
+from redis.exceptions import RedisError
 from redis.utils import HIREDIS_AVAILABLE
 
+from kvtier.errors import ConfigError
 from kvtier.format.chunks import ChunkKey
 from kvtier.ops.metrics import TierCounter, TierGauge
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext, TierUsage
 from kvtier.tiers.common.answers import AnswerCache
+from kvtier.tiers.common.book import TierBook
 from kvtier.tiers.common.io_tier import BookedTier
 from kvtier.tiers.common.iopool import DualQueue
 from kvtier.tiers.common.options import Kind, Option, check_options, count, seconds, word
-from kvtier.tiers.redis.link import RedisLink
+from kvtier.tiers.redis.cluster import ClusterLink
+from kvtier.tiers.redis.link import Link, RedisLink
 from kvtier.tiers.redis.values import ChunkStore, Item
 from kvtier.tiers.redis.wire import redact_url
 
 SCHEMES = ("redis", "rediss", "unix")
+CLUSTER_SCHEMES = ("redis", "rediss")
 
 
 def _shown_url(url: object) -> object:
+    if isinstance(url, list | tuple):
+        return [_shown_url(u) for u in url]
     return redact_url(url) if isinstance(url, str) else url
+
+
+def _open_link(o: dict[str, Any], book: TierBook, on_down: Callable[[], None]) -> Link:
+    """The link to the server or cluster the checked options `o` name (see `RedisTier.OPTIONS`);
+    ConfigError naming the option when they do not name one, or name the wrong kind."""
+    url, urls, cluster = o["url"], o["urls"], o["cluster"]
+    if url is None and urls is None:
+        raise ConfigError("url", None, "required (a redis://, rediss:// or unix:// URL), or urls "
+                          "(seed nodes of a cluster)")
+    if url is not None and urls is not None:
+        raise ConfigError("urls", _shown_url(urls), "give either url or urls, not both")
+    if urls is not None and (cluster is False or not urls):
+        why = "must name at least one seed node" if not urls else "name a cluster: cluster must be true"
+        raise ConfigError("urls", _shown_url(urls), why)
+    if cluster and url is not None and urlsplit(url).scheme not in CLUSTER_SCHEMES:
+        raise ConfigError("url", _shown_url(url), "a cluster is reached over TCP: must be a redis:// "
+                          "or rediss:// URL")
+    kwargs: dict[str, Any] = dict(
+        connections=o["io_threads"] + 2, socket_timeout_s=o["socket_timeout_s"],
+        connect_timeout_s=o["connect_timeout_s"], reconnect_interval_s=o["reconnect_interval_s"],
+        book=book, on_down=on_down)
+    if urls is not None or cluster:
+        return ClusterLink(urls or [url], option="url" if urls is None else "urls", **kwargs)
+    link = RedisLink(url, **kwargs)
+    if not _is_cluster_node(link):
+        return link
+    link.close()
+    if cluster is False:
+        raise ConfigError("cluster", False, f"{link.url} is a node of a Redis/Valkey Cluster: set "
+                          "cluster to true (or leave it out)")
+    return ClusterLink([url], option="url", **kwargs)
+
+
+def _is_cluster_node(link: RedisLink) -> bool:
+    """Whether the server says it is a cluster node (a server that will not say is taken as not)."""
+    try:
+        info = link.ask("INFO", "cluster")
+    except (RedisError, OSError):
+        return False
+    return isinstance(info, bytes) and b"cluster_enabled:1" in info
 
 
 class RedisTier(BookedTier):
@@ -57,8 +104,12 @@ class RedisTier(BookedTier):
     medium = "CPU"
     locality = "REMOTE"
     OPTIONS = (
-        Option("url", Kind.TEXT, required=True, test=lambda url: urlsplit(url).scheme in SCHEMES,
+        Option("url", Kind.TEXT, test=lambda url: urlsplit(url).scheme in SCHEMES,
                allowed="must be a redis://, rediss:// or unix:// URL", show=_shown_url),
+        Option("urls", Kind.TEXTS, test=lambda url: urlsplit(url).scheme in CLUSTER_SCHEMES,
+               allowed="must be a list of redis:// or rediss:// URLs (seed nodes of a cluster)",
+               show=_shown_url),
+        Option("cluster", Kind.BOOL, None),
         Option("key_prefix", Kind.TEXT, "kvtier", test=word,
                allowed="must be a non-empty string without spaces"),
         seconds("ttl_s", None),
@@ -72,7 +123,9 @@ class RedisTier(BookedTier):
         seconds("lookup_wait_s", 0.005, low=0),
     )
     """`url` (redis://, rediss:// or unix://; its query arguments such as `ssl_ca_certs` are
-    redis-py's), `key_prefix`, `ttl_s` (null: no expiry), `io_threads`, `pipeline_depth` and
+    redis-py's) or `urls` (seed nodes of a Redis/Valkey Cluster), `cluster` (null: a cluster when
+    `urls` is given or `url` is a cluster node; true: `url` must be one; false: it must not be),
+    `key_prefix`, `ttl_s` (null: no expiry), `io_threads`, `pipeline_depth` and
     `batch_bytes` (a batch's bound in keys and bytes), `socket_timeout_s` and `connect_timeout_s`
     (how long a dead or hung server can hold a batch), `reconnect_interval_s` (how long the server
     stays marked down after a connection error), `lookup_ttl_s` (how long an answer is reused) and
@@ -88,11 +141,7 @@ class RedisTier(BookedTier):
         self._lock = threading.Lock()
         self._answers = AnswerCache(float(o["lookup_ttl_s"]))
         """Lookup answers and the keys being asked. Lock held."""
-        self._link = RedisLink(o["url"], connections=o["io_threads"] + 2,
-                               socket_timeout_s=o["socket_timeout_s"],
-                               connect_timeout_s=o["connect_timeout_s"],
-                               reconnect_interval_s=o["reconnect_interval_s"], book=self._book,
-                               on_down=self._forget_answers)
+        self._link = _open_link(o, self._book, self._forget_answers)
         self.url = self._link.url
         self._chunks = ChunkStore(ctx, self._link, self._book, self._fp, o["key_prefix"], px,
                                   self._remember)
@@ -144,7 +193,7 @@ class RedisTier(BookedTier):
 
     def _gauges(self) -> dict[TierGauge, float]:
         return {TierGauge.HIREDIS: float(HIREDIS_AVAILABLE),
-                TierGauge.SERVER_DOWN: float(self._link.is_down())}
+                TierGauge.SERVER_DOWN: float(self._link.any_down())}
 
     def shutdown(self) -> None:
         """Fail the queued keys, let the batches in flight finish, close connections. Idempotent."""
@@ -215,7 +264,8 @@ class RedisTier(BookedTier):
 
     def _run_lookups(self, conn: Any, keys: list[bytes]) -> None:
         self._book.count(TierCounter.LOOKUPS, len(keys))
-        replies = self._link.pipeline(conn, "lookup", [("EXISTS", self._chunks.rkey(k)) for k in keys])
+        rkeys = [self._chunks.rkey(k) for k in keys]
+        replies = self._link.pipeline(conn, "lookup", rkeys, [("EXISTS", rkey) for rkey in rkeys])
         hits = [k for k, r in zip(keys, replies, strict=True) if r == 1]
         # Unanswerable (server down, errors) is MISS: the engine recomputes instead of waiting.
         self._remember(hits, LookupResult.HIT)

@@ -1,4 +1,4 @@
-"""Chunks as Redis strings: batches of SETs and GETs over a `RedisLink`, each value verified on load.
+"""Chunks as Redis strings: batches of SETs and GETs over a `Link`, each value verified on load.
 
 A chunk is stored as the `chunkfmt` bytes (4 KiB header + host row) under
 `<key_prefix>:<layout fingerprint>:<chunk key hex>`, optionally with a TTL (`px`; a load uses GETEX
@@ -32,7 +32,7 @@ from kvtier.tiers.base import LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import TierBook
 from kvtier.tiers.common.iopool import JobTracker
-from kvtier.tiers.redis.link import RedisLink
+from kvtier.tiers.redis.link import Link
 from kvtier.tiers.redis.wire import ReplyReader, set_command
 
 _DELETE_IF_SAME = (
@@ -58,7 +58,7 @@ class _Bad:
 class ChunkStore:
     """Stores and loads batches of chunks, one pipeline per batch."""
 
-    def __init__(self, ctx: TierContext, link: RedisLink, book: TierBook, layout_fp: bytes,
+    def __init__(self, ctx: TierContext, link: Link, book: TierBook, layout_fp: bytes,
                  key_prefix: str, px: bytes | None, remember: Remember) -> None:
         self.ctx = ctx
         self._link = link
@@ -100,12 +100,14 @@ class ChunkStore:
     def run_stores(self, conn: Any, batch: list[Item]) -> list[bool]:
         """Store a batch of keys in one round trip; whether each key was stored."""
         commands: list[Any] = []
+        rkeys: list[bytes] = []
         for tracker, i in batch:
             row = self.ctx.slot_view(tracker.job.slots[i])
             key = tracker.job.keys[i]
             header = chunkfmt.header_bytes(key, self._fp, row)
-            commands.append(set_command(self.rkey(key), header, row, self._px))
-        replies = self._link.pipeline(conn, "store", commands)
+            rkeys.append(self.rkey(key))
+            commands.append(set_command(rkeys[-1], header, row, self._px))
+        replies = self._link.pipeline(conn, "store", rkeys, commands)
         outcomes = [reply == b"OK" for reply in replies]
         for reply in replies:
             if isinstance(reply, ResponseError):  # e.g. OOM: maxmemory with the noeviction policy
@@ -128,8 +130,9 @@ class ChunkStore:
         def read(reader: ReplyReader, n: int) -> Any:
             return self._read_value(reader, keys[n], rows[n])
 
-        commands = [(verb, self.rkey(k), *extra) for k in keys]
-        replies = self._link.pipeline(conn, "load", commands, read)
+        rkeys = [self.rkey(k) for k in keys]
+        commands = [(verb, rkey, *extra) for rkey in rkeys]
+        replies = self._link.pipeline(conn, "load", rkeys, commands, read)
         outcomes = [reply is True for reply in replies]
         bad: list[tuple[bytes, str]] = []
         gone: list[bytes] = []
@@ -187,9 +190,10 @@ class ChunkStore:
 
     def delete_bad(self, conn: Any, bad: list[tuple[bytes, str]]) -> None:
         """Delete each bad value (key, SHA-1 hex of the value read) unless it changed since."""
+        rkeys = [self.rkey(k) for k, _ in bad]
         script = [("EVAL", _DELETE_IF_SAME, 1, self.rkey(k), sha1) for k, sha1 in bad]
-        replies = self._link.pipeline(conn, "delete", script)
-        fallback = [("DEL", self.rkey(k)) for (k, _), r in zip(bad, replies, strict=True)
+        replies = self._link.pipeline(conn, "delete", rkeys, script)
+        fallback = [rkey for rkey, r in zip(rkeys, replies, strict=True)
                     if isinstance(r, ResponseError)]  # scripting disabled on this server
         if fallback:
-            self._link.pipeline(conn, "delete", fallback)
+            self._link.pipeline(conn, "delete", fallback, [("DEL", rkey) for rkey in fallback])
