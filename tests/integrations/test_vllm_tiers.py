@@ -19,7 +19,15 @@ from typing import Any
 import pytest
 
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves, run_child
+from tests.integrations.dynamo_indexer import NOTHING, Indexer, require_indexer
+from tests.integrations.kv_event_helpers import (
+    assert_names_device_blocks,
+    decoded,
+    promote,
+    stored_by_medium,
+)
 from tests.integrations.prompts import PROMPTS
+from tests.integrations.serve_helpers import free_port
 from tests.integrations.shared_helpers import settle
 
 pytestmark = pytest.mark.slow
@@ -46,14 +54,23 @@ def fs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def llm(make_llm: Callable[..., Any], fs_dir: Path) -> Any:
+    """The engine; it publishes its KV events on ZMQ at `llm.test_endpoint` and keeps each batch
+    in `llm.test_events` too."""
     from vllm.config import KVEventsConfig
 
-    llm = make_llm(extra_config(fs_dir), dtype="float32",
-                   kv_events_config=KVEventsConfig(enable_kv_cache_events=True, publisher="null"))
+    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    llm = make_llm(extra_config(fs_dir), dtype="float32", kv_events_config=KVEventsConfig(
+        enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint))
     published: list[Any] = []
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler
-    scheduler.kv_event_publisher.publish = published.append
-    llm.test_events = published
+    publisher = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
+    send = publisher.publish
+
+    def publish(batch: Any) -> None:
+        published.append(batch)
+        send(batch)
+
+    publisher.publish = publish
+    llm.test_events, llm.test_endpoint = published, endpoint
     return llm
 
 
@@ -74,9 +91,10 @@ def tokens(llm: Any, name: str) -> list[int]:
 
 
 def kv_events(llm: Any) -> list[Any]:
-    """kvtier's events published since the last call (vLLM's own GPU-medium events left out)."""
+    """Every event published since the last call, read with vLLM's own decoder (kvtier's share the
+    batches of vLLM's device events)."""
     batches, llm.test_events[:] = list(llm.test_events), []
-    return [e for b in batches for e in b.events if getattr(e, "ownership", None) in ("host", "fs")]
+    return decoded(batches)
 
 
 def test_chunks_of_two_blocks_reload_from_host_with_split_metrics_and_events(llm: Any) -> None:
@@ -110,16 +128,19 @@ def test_chunks_of_two_blocks_reload_from_host_with_split_metrics_and_events(llm
     assert m("kvtier_prompt_tokens_total", source="host") >= hit
     assert m("kvtier_used_bytes", tier="host") == m("kvtier_used_chunks", tier="host") * ROW_BYTES
     settle(scheduler)
-    events = kv_events(llm)
-    host_stored = [k for e in events if type(e).__name__ == "BlockStored" and e.ownership == "host"
-                   for k in e.block_hashes]
-    fs_stored = [k for e in events if type(e).__name__ == "BlockStored" and e.ownership == "fs"
-                 for k in e.block_hashes]
-    assert host_stored[: len(keys)] == keys
-    assert set(keys) <= set(fs_stored)
-    stored = next(e for e in events if e.ownership == "host" and e.block_hashes[0] == keys[0])
-    assert (stored.medium, stored.block_size, stored.parent_block_hash) == ("CPU", CHUNK, None)
-    assert stored.token_ids == prompt[: len(stored.block_hashes) * CHUNK]
+    tick(llm)
+    stored = stored_by_medium(kv_events(llm))
+    device = [h for e in stored["GPU"] for h in e.block_hashes]  # vLLM's own, in the same stream
+    assert len(device) >= hit // BLOCK_SIZE
+    for medium in ("CPU", "STORAGE"):  # host, then fs: vLLM's hash of each engine block
+        assert [h for e in stored[medium] for h in e.block_hashes] == device[: hit // BLOCK_SIZE]
+        for event in stored[medium]:
+            assert_names_device_blocks(event, device, prompt)
+
+
+def tick(llm: Any) -> None:
+    """One engine step without a full block: vLLM publishes events (kvtier's too) at each step."""
+    generate(llm, [1, 2, 3, 4, 5], max_tokens=1)
 
 
 def test_partial_prefix_hit_matches_the_device_prefix_cache(llm: Any) -> None:
@@ -316,3 +337,68 @@ def test_a_prefix_longer_than_the_host_tier_streams_back_from_fs(llm: Any) -> No
     settle(scheduler)
     assert all(scheduler.manager.host.pin_count(k) == 0 for k in keys)
     scheduler.manager.host.check()
+
+
+def test_a_host_run_continues_the_device_prefix_vllm_announced(llm: Any) -> None:
+    """Two prompts share their first chunk: the second's device hit covers it, kvtier stores only
+    its second chunk, and that event's parent is the device block vLLM named before it."""
+    ids: list[int] = llm.get_tokenizer().encode("Two prompts, one beginning. " + PROMPTS["railway"])
+    first = ids[: 2 * CHUNK + 1]
+    second = first[:CHUNK] + tokens(llm, "chess")[: CHUNK + 1]
+    kv_events(llm)
+    generate(llm, first, max_tokens=1)
+    generate(llm, second, max_tokens=1)
+    settle(connector_halves(llm)[0])
+    tick(llm)
+    stored = stored_by_medium(kv_events(llm))
+    head = next(e for e in stored["GPU"] if e.token_ids[:BLOCK_SIZE] == first[:BLOCK_SIZE])
+    branch = next(e for e in stored["GPU"] if e.parent_block_hash == head.block_hashes[BPC - 1]
+                  and e.token_ids[:BLOCK_SIZE] == second[CHUNK : CHUNK + BLOCK_SIZE])
+    device = [*head.block_hashes[:BPC], *branch.block_hashes]
+    (run,) = [e for e in stored["CPU"] if e.parent_block_hash == device[BPC - 1]]
+    assert run.block_hashes == device[BPC : 2 * BPC]
+    assert_names_device_blocks(run, device, second)
+
+
+def test_dynamos_indexer_sees_a_prefix_leave_device_host_then_disk(llm: Any, fs_dir: Path,
+                                                                   tmp_path: Path) -> None:
+    """NVIDIA Dynamo's KV indexer, subscribed to the engine's ZMQ events, reports the prompt on the
+    device, then in host memory once the device evicted it, then on disk once only fs holds it,
+    then nowhere once kvtier dropped it (a corrupt file found on promotion)."""
+    require_indexer()
+    scheduler, _ = connector_halves(llm)
+    ids: list[int] = llm.get_tokenizer().encode("Which instance holds this? " + PROMPTS["library"])
+    prompt, hit = ids[: 2 * CHUNK + 1], 2 * CHUNK
+    held, keys = prompt[:hit], scheduler.hasher.keys(prompt)[:2]
+    indexer = Indexer(llm.test_endpoint, BLOCK_SIZE, free_port(), tmp_path / "indexer.log")
+    try:
+        assert llm.reset_prefix_cache()  # vLLM's AllBlocksCleared: the indexer forgets the worker
+        tick(llm)
+        tick(llm)  # the indexer misses the first batch after it connects
+        kv_events(llm)
+        generate(llm, prompt, max_tokens=1)
+        settle(scheduler)
+        tick(llm)
+        indexer.wait_for(held, {"gpu": hit, "cpu": hit, "disk": hit})  # vLLM's own events arrive
+        first = next(e for e in kv_events(llm) if getattr(e, "medium", "") == "GPU"
+                     and e.token_ids[:BLOCK_SIZE] == held[:BLOCK_SIZE]).block_hashes[0]
+        for i in range(4):  # other prompts, kept out of kvtier, push it out of the device
+            generate(llm, list(range(1000 * (i + 1), 1000 * (i + 1) + 990)), max_tokens=1,
+                     skip_store=True)
+            if any(first in getattr(e, "block_hashes", ()) for e in kv_events(llm)
+                   if type(e).__name__ == "BlockRemoved"):
+                break
+        tick(llm)
+        indexer.wait_for(held, {"gpu": 0, "cpu": hit, "disk": hit})
+        assert scheduler.reset_cache()
+        tick(llm)
+        indexer.wait_for(held, {"gpu": 0, "cpu": 0, "disk": hit})
+        for path in fs_dir.rglob("*"):
+            if path.is_file() and any(k.hex() == path.name for k in keys):
+                path.write_bytes(b"\0" * path.stat().st_size)
+        promote(scheduler, keys)
+        tick(llm)
+        indexer.wait_for(held, NOTHING)
+    finally:
+        indexer.close()
+
