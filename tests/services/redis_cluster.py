@@ -95,14 +95,15 @@ class Cluster:
         with self.client(n) as c:
             return str(c.execute_command("CLUSTER", "MYID").decode())
 
-    def node_of(self, key: bytes) -> int:
-        """The index of the node serving `key`'s slot."""
+    def slot_owners(self) -> list[int]:
+        """The index of the node serving each slot, as node 0 sees the map now."""
+        owners = [-1] * SLOTS
+        ports = [node.port for node in self.nodes]
         with self.client(0) as c:
-            slot = int(c.execute_command("CLUSTER", "KEYSLOT", key))
             for start, end, master, *_ in c.execute_command("CLUSTER", "SLOTS"):
-                if int(start) <= slot <= int(end):
-                    return [node.port for node in self.nodes].index(int(master[1]))
-        raise LookupError(f"no node serves slot {slot}")
+                first, last = int(start), int(end)
+                owners[first : last + 1] = [ports.index(int(master[1]))] * (last + 1 - first)
+        return owners
 
     def move_slot(self, slot: int, src: int, dst: int, finish: bool = True) -> None:
         """Migrate `slot` from node `src` to node `dst`, its keys with it. `finish=False` leaves the
