@@ -30,7 +30,7 @@ from typing import Any, Literal
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from kvtier.format.chunks import ChunkError
+from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED, ChunkError
 
 PREFIX = "kvtier_"
 Kind = Literal["counter", "gauge", "histogram"]
@@ -210,6 +210,33 @@ METRICS: tuple[MetricSpec, ...] = (
                CONFIG_LABELS),
 )
 SPECS = {spec.name: spec for spec in METRICS}
+OPS = ("store", "load")
+"""The `op` label's values."""
+
+
+def declared_series(
+    secondary: Sequence[str], reasons: Sequence[str]
+) -> list[tuple[str, tuple[str, ...]]]:
+    """(metric name, label values) of every counter and histogram series an engine with these
+    secondary tiers and these rejecting admission policies (`reasons`) can count, its labels
+    known at start: the unlabelled ones, and those by tier ("host" and `secondary`), op, source
+    and admission reason. Not here: series whose labels come with what happens (a tier's own
+    counts, bad chunks by reason)."""
+    tiers, pairs = (HOST, *secondary), [(t, op) for t in (HOST, *secondary) for op in OPS]
+    series: list[tuple[str, tuple[str, ...]]] = [
+        (name, ()) for name in ("lookups", "lookup_chunks", "promotion_refused_chunks",
+                                "slo_rollbacks", "slo_alerts")]
+    for name in ("transfer_chunks", "transfer_bytes", "transfer_seconds", "transfer_latency_seconds",
+                 "failures"):
+        series += [(name, pair) for pair in pairs]
+    series += [("prompt_tokens", (s,)) for s in (DEVICE, *tiers, RECOMPUTED)]
+    series += [(name, (t,)) for name in ("hit_chunks", "admitted_chunks") for t in tiers]
+    series += [("rejected_chunks", (t, r)) for t in tiers for r in reasons]
+    series += [("probation_chunks", (HOST, r)) for r in reasons]
+    series += [("probation_reused_chunks", (HOST,))]
+    series += [(name, (t,)) for name in ("cascade_skipped_chunks", "promotion_wait_seconds")
+               for t in secondary]
+    return series
 
 
 def new_metric(spec: MetricSpec, labelnames: Sequence[str], factory: Callable[..., Any]) -> Any:
@@ -287,6 +314,18 @@ class KVTierMetrics:
             delta[-1][2].append(value)
         else:
             delta.append([name, list(labels), [value]])
+
+    def declare(self, secondary: Sequence[str], reasons: Sequence[str]) -> None:
+        """Create every `declared_series` at zero (histograms empty), queued for vLLM like any
+        update, and the SLO guard's `slo_over_budget` at 0: a dashboard then reads 0 where
+        nothing happened yet, not "no data". Called once, when the engine's tiers are known."""
+        for name, labels in declared_series(secondary, reasons):
+            self._child(name, labels)
+            if SPECS[name].kind == "histogram":
+                self._delta["histogram"].append([name, list(labels), []])
+            else:
+                self._delta["counter"].append([name, list(labels), 0])
+        self.set("slo_over_budget", 0.0)
 
     def take_delta(self) -> dict[str, list[Any]] | None:
         """The updates since the last call (None when there are none), for `apply_delta`."""

@@ -46,5 +46,6 @@ def test_the_guides_signals_are_on_the_dashboard() -> None:
     for name in ("kvtier_prompt_tokens_total", "kvtier_used_fraction", "kvtier_transfer_bytes_total",
                  "kvtier_transfer_latency_seconds_bucket", "kvtier_promotion_wait_seconds_bucket",
                  "kvtier_tier_enabled", "kvtier_slo_rollbacks_total", "kvtier_tier_up",
-                 "kvtier_config_info", "kvtier_rejected_chunks_total", "kvtier_tier_last_failure"):
+                 "kvtier_config_info", "kvtier_rejected_chunks_total", "kvtier_tier_last_failure",
+                 "kvtier_probation_chunks_total", "kvtier_probation_reused_chunks_total"):
         assert name in text

@@ -114,6 +114,32 @@ def test_delta_replays_into_metrics_of_another_registry() -> None:
     assert get("kvtier_transfer_latency_seconds_count", {"engine": "0", "tier": "host", "op": "store"}) == 1
 
 
+def test_declared_series_read_zero_before_anything_happens_and_replay() -> None:
+    """A dashboard reads 0, not "no data", for what has not happened yet: the declared series exist
+    at zero in the engine's metrics and, through the delta, in vLLM's."""
+    m = KVTierMetrics()
+    m.declare(["fs"], ["frequency"])
+    delta = m.take_delta()
+    assert delta is not None
+    registry = CollectorRegistry()
+    kinds = {"counter": Counter, "gauge": Gauge, "histogram": Histogram}
+    mirror = {s.name: new_metric(s, ["engine"], lambda k=kinds[s.kind], **kw: k(registry=registry, **kw))
+              for s in METRICS}
+    apply_delta(delta, mirror.get, ["0"])
+    snap = m.snapshot()
+    for name, labels in (("kvtier_failures_total", {"tier": "fs", "op": "load"}),
+                         ("kvtier_prompt_tokens_total", {"source": "recomputed"}),
+                         ("kvtier_rejected_chunks_total", {"tier": "fs", "reason": "frequency"}),
+                         ("kvtier_probation_chunks_total", {"tier": "host", "reason": "frequency"}),
+                         ("kvtier_promotion_wait_seconds_count", {"tier": "fs"}),
+                         ("kvtier_slo_rollbacks_total", {}), ("kvtier_slo_over_budget", {})):
+        text = ",".join(f'{k}="{v}"' for k, v in sorted(labels.items()))
+        assert snap[f"{name}{{{text}}}" if text else name] == 0, name
+        assert registry.get_sample_value(name, {"engine": "0", **labels}) == 0, name
+    assert 'kvtier_promotion_wait_seconds_count{tier="host"}' not in snap  # host waits for nothing
+    assert not any(k.startswith("kvtier_tier_last_failure") for k in snap)  # none happened
+
+
 def test_vllm_prom_metrics_replay_stats_into_the_default_registry_twice() -> None:
     from types import SimpleNamespace
 
