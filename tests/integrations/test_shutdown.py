@@ -1,7 +1,8 @@
 """Clean shutdown: on every orderly way an engine stops, kvtier's host region leaves /dev/shm and its
 tier processes exit within seconds. One of the servers started here is also `kvtier serve` as a
 vLLM user starts it, with vLLM's tiering config and no device-memory flag: it answers a chat and
-exposes kvtier_ metrics before it is stopped.
+exposes kvtier_ metrics before it is stopped. The other is scraped by a real Prometheus before it
+is stopped: every query of the Grafana dashboard returns data after a short workload.
 
 - a real `kvtier serve` server stopped with SIGTERM (`kill PID`) or SIGINT to its process group
   (Ctrl-C): vLLM's API server SIGKILLs its engine core a moment after its SIGTERM, so only the
@@ -27,12 +28,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from prometheus_client.parser import text_string_to_metric_families
 
 from kvtier.bench.multiturn.vllm_server import stop_process_group
 from kvtier.host.reaper import owner_alive, start_time
 from kvtier.host.region import SHM_DIR
 from kvtier.integrations.vllm.serving.launch import isolated_env, transfer_config
 from tests.integrations.conftest import BLOCK_SIZE, _model_path, connector_halves
+from tests.integrations.prometheus_helpers import PROMETHEUS, Prometheus, dashboard_exprs
 from tests.integrations.serve_helpers import free_port, http_get, seed_config, wait_healthy
 
 pytestmark = pytest.mark.slow
@@ -40,6 +43,13 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 5.0
 ROW_BYTES = 30 * 2 * 3 * 32 * 64 * 4  # SmolLM2 float32, one 32-token block per chunk
+DASHBOARD = ROOT / "docs" / "grafana" / "kvtier.json"
+DEVICE_BLOCKS = 17
+"""The "int" server's device cache: 16 blocks of 32 tokens besides vLLM's null block, its
+`--max-model-len` 512."""
+PROMPT_A = list(range(1000, 1256))
+"""8 chunks of token ids; `PROMPT_B` (12) after it leaves the device only A's first 4 blocks."""
+PROMPT_B = list(range(2000, 2384))
 
 
 def _children() -> dict[int, list[int]]:
@@ -112,18 +122,22 @@ def _assert_all_gone(regions: list[str], tiers: list[tuple[int, int]], what: str
 
 class _Server:
     """`kvtier serve` on the test model: `flags` for kvtier, then vLLM's; `plain` drops every
-    device-memory and block-size flag (and `VLLM_CPU_KVCACHE_SPACE`), leaving those to serve."""
+    device-memory and block-size flag (and `VLLM_CPU_KVCACHE_SPACE`), leaving those to serve.
+    `prometheus`: the Prometheus scraping it, if one does."""
 
     def __init__(self, tmp: Path, flags: list[str], plain: bool) -> None:
         self.port = free_port()
+        self.prometheus: Prometheus | None = None
         self.log_path = tmp / "server.log"
         env = {**os.environ, **isolated_env(tmp, in_process=False)}
         args = ["--host", "127.0.0.1", "--port", str(self.port), "--served-model-name", "smol",
-                "--dtype", "float32", "--max-model-len", "1024", "--max-num-seqs", "2"]
+                "--dtype", "float32", "--max-num-seqs", "2"]
         if plain:
             env.pop("VLLM_CPU_KVCACHE_SPACE", None)
+            args += ["--max-model-len", "1024"]
         else:
-            args += ["--kv-cache-memory-bytes", str(64 << 20), "--block-size", "32"]
+            args += ["--kv-cache-memory-bytes", str(DEVICE_BLOCKS * ROW_BYTES), "--block-size", "32",
+                     "--max-model-len", "512"]
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvtier.cli", "serve", str(_model_path()), *flags, "--", *args],
@@ -137,15 +151,21 @@ class _Server:
 def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Server]]:
     """Two servers started side by side (their start-up, mostly imports, overlaps): "term", given
     a config written for vLLM's tiering and no device-memory flag, and "int", given kvtier's flags
-    and vLLM's sizes."""
+    (a host tier of 22 chunks, an fs tier, `frequency` admission) and vLLM's sizes, and scraped
+    from its start by Prometheus where the binary is installed."""
     term, other = tmp_path_factory.mktemp("serve-term"), tmp_path_factory.mktemp("serve-int")
     config = term / "config.json"
     config.write_text(json.dumps(seed_config(term / "kv", kv_connector="OffloadingConnector")))
+    extra = other / "extra.json"
+    extra.write_text(json.dumps({"admission_policy": "frequency", "tier_restart_backoff_s": 0.2}))
     started = {
         "term": _Server(term, ["--kv-offloading-size", "0.0625", "--config", str(config)], plain=True),
-        "int": _Server(other, ["--cpu-gb", "0.03125", "--fs", str(other / "fs")], plain=False),
+        "int": _Server(other, ["--cpu-gb", "0.03125", "--fs", str(other / "fs"), "--config", str(extra)],
+                       plain=False),
     }
     try:
+        if PROMETHEUS is not None:
+            started["int"].prometheus = Prometheus(other, f"127.0.0.1:{started['int'].port}")
         deadline = time.monotonic() + 400  # ~40 s idle; minutes when the 2 cores are shared
         for server in started.values():
             server.wait_up(deadline)
@@ -153,6 +173,8 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, _Ser
     finally:
         for server in started.values():
             stop_process_group(server.proc, 20.0)
+            if server.prometheus is not None:
+                server.prometheus.close()
 
 
 def test_a_server_given_no_device_memory_flag_serves(servers: dict[str, _Server]) -> None:
@@ -171,6 +193,53 @@ def test_a_server_given_no_device_memory_flag_serves(servers: dict[str, _Server]
                  "(vLLM OffloadingConnector config -> KVTierConnector)", "kvtier: memory plan: ",
                  '"blocks_per_chunk": 2', "--kv-transfer-config '"):
         assert said in text, said
+
+
+def _complete(base: str, prompt: list[int]) -> None:
+    body = {"model": "smol", "prompt": prompt, "max_tokens": 1}
+    reply = json.loads(http_get(f"{base}/v1/completions", body))
+    assert reply["usage"]["prompt_tokens"] == len(prompt)
+
+
+def _restart_a_killed_tier(server: _Server, deadline: float) -> None:
+    """SIGKILL the server's tier process, then send tiny requests (engine steps notice the death and
+    restart it) until its metrics show the tier up again after one restart."""
+    [(pid, _)] = _tier_processes(_tree(server.proc.pid))
+    os.kill(pid, signal.SIGKILL)
+    base = f"http://127.0.0.1:{server.port}"
+    while True:
+        _complete(base, [1, 2, 3])
+        samples = {s.name: s.value for f in text_string_to_metric_families(http_get(f"{base}/metrics"))
+                   for s in f.samples if s.name in ("kvtier_tier_up", "kvtier_tier_restarts")}
+        if samples == {"kvtier_tier_up": 1.0, "kvtier_tier_restarts": 1.0}:
+            return
+        assert time.monotonic() < deadline, f"tier not restarted: {samples}"
+        time.sleep(0.2)
+
+
+@pytest.mark.skipif(PROMETHEUS is None, reason="no prometheus binary (`make setup` installs Debian's)")
+def test_a_real_prometheus_gets_data_for_every_dashboard_query(servers: dict[str, _Server]) -> None:
+    """Prometheus scrapes the "int" server every second through a short workload: a prompt, another
+    that pushes its tail off the device, the first again (host hits; its chunks leave probation and
+    cascade to fs), then a killed fs tier process (a failure, a restart). Every PromQL expression of
+    docs/grafana/kvtier.json, Grafana's variables replaced, returns data; the workload's own
+    signals are not zero."""
+    server = servers["int"]
+    prom = server.prometheus
+    assert prom is not None
+    base = f"http://127.0.0.1:{server.port}"
+    began, deadline = time.time(), time.monotonic() + 120
+    for prompt in (PROMPT_A, PROMPT_B, PROMPT_A):
+        _complete(base, prompt)
+    _restart_a_killed_tier(server, deadline)
+    prom.wait_scraped(max(time.time(), began + 2), deadline)  # every series scraped twice
+    empty = [(title, expr) for title, expr in dashboard_exprs(DASHBOARD)
+             if not prom.query(prom.evaluable(expr))]
+    assert not empty, empty
+    for expr in ('kvtier_prompt_tokens_total{source="host"}', "kvtier_probation_chunks_total",
+                 "kvtier_probation_reused_chunks_total", 'kvtier_transfer_bytes_total{op="store"}'):
+        [sample] = prom.query(f"sum({expr})")
+        assert float(sample["value"][1]) > 0, expr
 
 
 @pytest.mark.parametrize(("name", "sig", "group"), [
