@@ -2,22 +2,26 @@
 
 A chunk is stored as the `chunkfmt` bytes (4 KiB header + host row) under the key
 `<key_prefix>:<layout fingerprint>:<chunk key hex>`, optionally with a TTL (a load refreshes it, so
-expiry follows last use). Instances pointing at one server and prefix share chunks without
-configuration. A value that vanished (TTL, or the server's own maxmemory eviction) is a miss; a value
-that fails verification is counted, removed and reported as a failed key.
+expiry follows last use). Instances pointing at one server (or one cluster) and prefix share chunks
+without configuration. A Redis/Valkey Cluster (`urls`, or `url` of one of its nodes) spreads the
+chunks over its nodes by key slot (`cluster`). A value that vanished (TTL, or the server's own
+maxmemory eviction) is a miss; a value that fails verification is counted, removed and reported as
+a failed key.
 
 Threads: the dispatch thread calls the contract methods, which only queue work. `io_threads` I/O
 threads move chunks in pipelined batches (up to `pipeline_depth` keys and about `batch_bytes`
 bytes per round trip); even-numbered threads take loads first and odd ones stores first, and either
 takes the other kind when its own is empty. One lookup thread answers lookups with pipelined EXISTS
-so they never wait behind bulk transfers. Each thread owns one connection.
+so they never wait behind bulk transfers. Each thread owns one connection (to each node of a cluster).
 
-The parts: `link` (connection pool, pipelined round trips, the server's up/down state), `chunks`
-(the stored form, batches of SET/GET, verification), `wire` (RESP framing without copies); this
+The parts: `link` (connection pool, pipelined round trips, the server's up/down state), `cluster`
+(the slot map, routing and redirects over one `link` per node), `values` (the stored form, batches
+of SET/GET, verification), `wire` (RESP framing and gathered sends without copies); this
 file holds the tier contract, the job queue (a `DualQueue`), the lookup queue, and the threads.
 
 Failures are values: a key that could not be moved fails its job. A connection error or timeout marks
-the server down for `reconnect_interval_s`: meanwhile batches fail at once and lookups answer MISS;
+the server (a cluster: that node, whose keys only fail) down for `reconnect_interval_s`: meanwhile
+its batches fail at once and lookups answer MISS;
 then the next batch reconnects, so the tier recovers without a restart. Each failure cause is logged
 once per `book.LOG_INTERVAL_S`. The password in `url` never appears in logs, errors or reprs.
 """
