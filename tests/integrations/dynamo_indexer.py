@@ -4,7 +4,8 @@
 installs) subscribes to vLLM's ZMQ KV events and answers `POST /query {"token_ids", "model_name"}`
 with, per worker, how many leading tokens of the query it holds: `gpu` (device), `cpu` (device or
 host), `disk` (any tier), cumulative. It hashes each block's `token_ids` itself and drops a batch it
-cannot decode whole. It misses the first batch after it connects.
+cannot decode whole. It misses the first batch after it connects (vLLM publishes a batch only for a
+step with events), so a test sends batches until one is seen.
 """
 
 from __future__ import annotations
@@ -66,13 +67,21 @@ class Indexer:
         held = answer.get("instances", {}).get(WORKER, {})
         return {k: int(held.get(k, 0)) for k in NOTHING}
 
-    def wait_for(self, token_ids: list[int], expected: dict[str, int], timeout_s: float = 10) -> None:
-        """Poll until the indexer reports `expected` for `token_ids` (events arrive asynchronously)."""
+    def reaches(self, token_ids: list[int], expected: dict[str, int], timeout_s: float) -> bool:
+        """Whether the indexer reports `expected` for `token_ids` within `timeout_s` (events
+        arrive asynchronously)."""
         deadline = time.monotonic() + timeout_s
-        while (seen := self.query(token_ids)) != expected:
+        while self.query(token_ids) != expected:
             if time.monotonic() > deadline:
-                raise AssertionError(f"indexer reports {seen}, expected {expected}; {self.log()}")
+                return False
             time.sleep(0.05)
+        return True
+
+    def wait_for(self, token_ids: list[int], expected: dict[str, int], timeout_s: float = 10) -> None:
+        """Wait until the indexer reports `expected` for `token_ids`; fail saying what it reports."""
+        if not self.reaches(token_ids, expected, timeout_s):
+            seen = self.query(token_ids)
+            raise AssertionError(f"indexer reports {seen}, expected {expected}; {self.log()}")
 
     def log(self) -> str:
         """The tail of the indexer's own log."""

@@ -58,9 +58,9 @@ def llm(make_llm: Callable[..., Any], fs_dir: Path) -> Any:
     in `llm.test_events` too."""
     from vllm.config import KVEventsConfig
 
-    endpoint = f"tcp://127.0.0.1:{free_port()}"
+    port = free_port()  # vLLM binds a wildcard endpoint (else it connects), a router connects
     llm = make_llm(extra_config(fs_dir), dtype="float32", kv_events_config=KVEventsConfig(
-        enable_kv_cache_events=True, publisher="zmq", endpoint=endpoint))
+        enable_kv_cache_events=True, publisher="zmq", endpoint=f"tcp://*:{port}"))
     published: list[Any] = []
     publisher = llm.llm_engine.engine_core.engine_core.scheduler.kv_event_publisher
     send = publisher.publish
@@ -70,7 +70,7 @@ def llm(make_llm: Callable[..., Any], fs_dir: Path) -> Any:
         send(batch)
 
     publisher.publish = publish
-    llm.test_events, llm.test_endpoint = published, endpoint
+    llm.test_events, llm.test_endpoint = published, f"tcp://127.0.0.1:{port}"
     return llm
 
 
@@ -373,8 +373,12 @@ def test_dynamos_indexer_sees_a_prefix_leave_device_host_then_disk(llm: Any, fs_
     indexer = Indexer(llm.test_endpoint, BLOCK_SIZE, free_port(), tmp_path / "indexer.log")
     try:
         assert llm.reset_prefix_cache()  # vLLM's AllBlocksCleared: the indexer forgets the worker
-        tick(llm)
-        tick(llm)  # the indexer misses the first batch after it connects
+        for i in range(10):  # the indexer misses the first batch after it connects
+            warm = list(range(500 + 40 * i, 540 + 40 * i))  # one full block
+            generate(llm, warm, max_tokens=1, skip_store=True)
+            if indexer.reaches(warm[:BLOCK_SIZE], {"gpu": BLOCK_SIZE, "cpu": BLOCK_SIZE,
+                                                   "disk": BLOCK_SIZE}, timeout_s=1):
+                break
         kv_events(llm)
         generate(llm, prompt, max_tokens=1)
         settle(scheduler)
