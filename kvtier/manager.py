@@ -110,8 +110,6 @@ class TieringManager:
         self._disabled: set[str] = set()
         for name in self.tiers:
             self.metrics.set("tier_enabled", 1.0, name)
-        reasons = [p.name for p in self.admission.policies if p.name != AdmitAll.name]
-        self.metrics.declare(list(self.tiers), reasons)
 
     @classmethod
     def from_config(

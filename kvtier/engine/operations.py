@@ -1,6 +1,7 @@
 """What an operator gets from a running engine's scheduler half: the SLO guard fed with each
 request's latencies, the control socket `kvtier ctl` talks to, and the signals the guard and a
-dashboard need (promotion waits by source tier, tier health, the configuration as a metric).
+dashboard need (promotion waits by source tier, tier health, the configuration as a metric, every
+series known at start at zero).
 
 Built once by the scheduler half after its tiering manager, on the scheduler thread; `step` runs
 every engine step (latency looks, the guard's rule, queued tier switches), `finished` when vLLM
@@ -21,6 +22,7 @@ from kvtier.format.chunks import HOST
 from kvtier.manager import TieringManager
 from kvtier.ops.control_server import ControlServer, default_control_dir
 from kvtier.ops.guard import SLOGuard
+from kvtier.policies.base import AdmitAll
 
 
 class Operations:
@@ -35,6 +37,8 @@ class Operations:
         directory = Path(config.control_dir) if config.control_dir else default_control_dir()
         self._waiting: dict[str, float] = {}
         """Requests whose lookup answered "ask again", since when (monotonic)."""
+        reasons = [p.name for p in manager.admission.policies if p.name != AdmitAll.name]
+        manager.metrics.declare(list(manager.tiers), reasons)
         tiers = ",".join(f"{t.name}:{t.type}" for t in config.secondary_tiers)
         manager.metrics.set(
             "config_info", 1.0, config.eviction_policy, ",".join(config.admission_policy), tiers,
