@@ -203,7 +203,7 @@ def _complete(base: str, prompt: list[int]) -> None:
 
 def _restart_a_killed_tier(server: _Server, deadline: float) -> None:
     """SIGKILL the server's tier process, then send tiny requests (engine steps notice the death and
-    restart it) until its metrics show the tier up again after one restart."""
+    restart it) until its metrics show the tier up again after a restart."""
     [(pid, _)] = _tier_processes(_tree(server.proc.pid))
     os.kill(pid, signal.SIGKILL)
     base = f"http://127.0.0.1:{server.port}"
@@ -211,7 +211,7 @@ def _restart_a_killed_tier(server: _Server, deadline: float) -> None:
         _complete(base, [1, 2, 3])
         samples = {s.name: s.value for f in text_string_to_metric_families(http_get(f"{base}/metrics"))
                    for s in f.samples if s.name in ("kvtier_tier_up", "kvtier_tier_restarts")}
-        if samples == {"kvtier_tier_up": 1.0, "kvtier_tier_restarts": 1.0}:
+        if samples.get("kvtier_tier_up") == 1 and samples.get("kvtier_tier_restarts", 0) >= 1:
             return
         assert time.monotonic() < deadline, f"tier not restarted: {samples}"
         time.sleep(0.2)
