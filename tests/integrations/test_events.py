@@ -14,6 +14,7 @@ from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from kvtier.config import KVTierConfig
 from kvtier.format.chunks import TierEvent, TierEventKind
+from kvtier.integrations.vllm import kv_events
 from kvtier.integrations.vllm.block_sidecar import BlockSidecar
 from kvtier.integrations.vllm.kv_events import REMEMBERED_CHUNKS, KVEventTranslator, make_translator
 
@@ -125,6 +126,35 @@ def test_the_fs_sidecar_names_chunks_stored_before_a_restart(tmp_path: Path) -> 
         time.sleep(0.01)
     other.close()
     assert other.unnamed == 1 and not path.exists()
+
+
+def test_a_removal_read_back_after_the_chunk_was_stored_again_is_dropped(tmp_path: Path) -> None:
+    sidecar = BlockSidecar(str(tmp_path), "0" * 32, 2, lambda: SPACE)
+    t = KVEventTranslator({"fs": "fs"}, 2, 1, sidecars={"fs": sidecar})
+    t.remember(request(1, 2), [k(1)])
+    t.translate("fs", TierEvent(STORED, (k(1),)))
+    fresh = KVEventTranslator({"fs": "fs"}, 2, 1, sidecars={"fs": sidecar})
+    fresh.translate("fs", TierEvent(REMOVED, (k(1),)))  # unknown here: asked of the sidecar
+    fresh.remember(request(1, 2), [k(1)])
+    (again,) = fresh.translate("fs", TierEvent(STORED, (k(1),)))
+    sidecar.close()  # its queue done: the answer is in
+    assert again.block_hashes == [0] and fresh.take_resolved() == []
+    assert Path(sidecar.path(k(1))).exists()
+
+
+def test_the_longest_held_chunks_are_forgotten_past_the_bound(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(kv_events, "HELD_CHUNKS", 2)
+    t = KVEventTranslator({}, 1, 1)
+    t.remember(request(3, 1), [k(0), k(1), k(2)])
+    t.translate("host", TierEvent(STORED, (k(0), k(1), k(2))))
+    assert t.translate("host", TierEvent(REMOVED, (k(0),))) == [] and t.unnamed == 1
+    assert t.translate("host", TierEvent(REMOVED, (k(1),)))[0].block_hashes == [1]
+
+
+def test_a_block_size_vllm_cannot_view_names_nothing() -> None:
+    t = KVEventTranslator({}, block_size=2, blocks_per_chunk=1, hash_block_size=3)
+    t.remember(request(2, 2), [k(1)])
+    assert t.blocks(k(1)) is None
 
 
 def test_placement_is_what_the_tier_class_declares() -> None:

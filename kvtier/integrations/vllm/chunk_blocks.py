@@ -76,6 +76,8 @@ def request_chunks(
     """
     from vllm.v1.core.kv_cache_utils import resolve_block_hashes
 
+    if block_size % hash_block_size:
+        return []  # vLLM never hashes so; a view it would refuse names nothing
     hashes = resolve_block_hashes(getattr(request, "block_hashes", []), hash_block_size, block_size)
     tokens = request.all_token_ids
     bpc = blocks_per_chunk

@@ -47,6 +47,10 @@ Placement = tuple[Medium, Locality | None]
 HOST_PLACEMENT: Placement = ("CPU", "LOCAL")
 REMEMBERED_CHUNKS = 16384
 """Chunks no tier holds (computed, not stored yet) whose blocks are kept, most recent first."""
+HELD_CHUNKS = 1 << 17
+"""Chunks some tier holds whose blocks are kept (about 0.1 GB at 128-token chunks); past it the
+longest held are forgotten (a tier that never reports its removals, as a shared store whose other
+users evict, cannot grow it without bound). An fs tier's are read back from its sidecar."""
 
 
 def tier_placement(name: str, type_name: str, module_path: str | None = None) -> Placement:
@@ -98,7 +102,7 @@ class KVEventTranslator:
         self.blocks_per_chunk = blocks_per_chunk
         self.hash_block_size = hash_block_size or block_size
         self.sidecars = dict(sidecars or {})
-        self._held: dict[ChunkKey, tuple[ChunkBlocks, set[str]]] = {}
+        self._held: OrderedDict[ChunkKey, tuple[ChunkBlocks, set[str]]] = OrderedDict()
         self._recent: OrderedDict[ChunkKey, ChunkBlocks] = OrderedDict()
         self.unnamed = 0
         """Keys dropped from events because no one could name their blocks."""
@@ -150,8 +154,9 @@ class KVEventTranslator:
                 if blocks is None:
                     self.unnamed += 1
                     continue
-                if kind is TierEventKind.STORED and key not in self._held:
-                    self._recent[key] = blocks
+                held = self._held.get(key)
+                if kind is TierEventKind.REMOVED and held is not None and tier in held[1]:
+                    continue  # stored again since (named by a request): it is still there
                 out += self._events(tier, kind, [(key, blocks)])
         return out
 
@@ -183,6 +188,8 @@ class KVEventTranslator:
         if held is None:
             self._recent.pop(key, None)
             self._held[key] = (blocks, {tier})
+            while len(self._held) > HELD_CHUNKS:
+                self._held.popitem(last=False)
         else:
             held[1].add(tier)
 
