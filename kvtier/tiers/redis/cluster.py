@@ -6,10 +6,11 @@ ConfigError naming the option and the URL, and so is a cluster that serves no sl
 answers. Every node is reached with the first seed's scheme, credentials and query arguments.
 
 A pipeline groups its commands by the node that serves each key's slot (CRC16 of the key mod 16384,
-hash tags as Redis defines them; a chunk is one key, so each chunk lives whole on one node) and
-makes one round trip per node. A `MOVED` reply moves that slot in the map at once and asks for a
-full refresh; an `ASK` reply (a slot being migrated) sends `ASKING` and the command to the named
-node, that time only. After `MAX_REDIRECTS` hops the last error is the command's reply, a failure.
+hash tags as Redis defines them; a chunk is one key, so each chunk lives whole on one node), sends
+each node its part, then reads each node's replies: the nodes work in parallel. A `MOVED` reply
+moves that slot in the map at once and asks for a full refresh; an `ASK` reply (a slot being
+migrated) sends `ASKING` and the command to the named node, that time only. After `MAX_REDIRECTS`
+hops the last error is the command's reply, a failure.
 
 Each node has its own `RedisLink`, so its own up/down state: a node that dies fails the commands of
 its slots only (NO_REPLY: a store fails, a load fails, a lookup answers MISS) and the other nodes
@@ -36,7 +37,7 @@ from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.common.book import FailureLog, TierBook
-from kvtier.tiers.redis.link import NO_REPLY, RedisLink
+from kvtier.tiers.redis.link import NO_REPLY, RedisLink, Round
 from kvtier.tiers.redis.wire import ReplyReader, redact_url
 
 SLOTS = 16384
@@ -94,7 +95,8 @@ class ClusterLink:
         self._refresh_due = float("inf")
         self._last_refresh = time.monotonic()
         self._refreshing = False
-        self.faillog = FailureLog(book.ctx.log, f"redis tier {book.ctx.tier_name} (cluster {self.url})")
+        self.faillog = FailureLog(book.ctx.log, f"redis tier {book.ctx.tier_name} (cluster {self.url})",
+                                  self.scrub)
         try:
             self._discover(seeds)
         except BaseException:
@@ -102,9 +104,10 @@ class ClusterLink:
             raise
 
     def scrub(self, text: str) -> str:
-        for link in list(self._links.values())[:1]:
-            text = link.scrub(text)
-        return text
+        """`text` without the password (every node is reached with the first seed's)."""
+        with self._lock:
+            links = list(self._links.values())[:1]
+        return links[0].scrub(text) if links else text
 
     # ---- the map -------------------------------------------------------------------------------
 
@@ -169,14 +172,15 @@ class ClusterLink:
         """Ask a live node for the whole map when one is due (after MOVED, or a node down)."""
         now = time.monotonic()
         with self._lock:
+            mapped = self._mapped()
             due = self._refresh_due <= now or (
                 now - self._last_refresh >= self.reconnect_interval_s
-                and any(link.is_down() for link in self._links.values()))
+                and any(link.is_down() for link in mapped.values()))
             if self._refreshing or not due or now - self._last_refresh < REFRESH_MIN_INTERVAL_S:
                 return
             self._refreshing = True
             self._refresh_due, self._last_refresh = float("inf"), now
-            links = [(a, link) for a, link in self._links.items() if not link.is_down()]
+        links = [(a, link) for a, link in mapped.items() if not link.is_down()]
         try:
             for addr, link in links:
                 reply = link.pipeline(self._conn(conn, addr), "slots", [b""], [("CLUSTER", "SLOTS")])[0]
@@ -186,6 +190,13 @@ class ClusterLink:
         finally:
             with self._lock:
                 self._refreshing = False
+
+    def _mapped(self) -> dict[Addr, RedisLink]:
+        """The links of the nodes the map names now: only these are asked for the map and counted
+        as down (a seed that did not answer at startup keeps its link, unused unless the map names
+        it later). Lock held."""
+        nodes = set(self._slots)
+        return {a: link for a, link in self._links.items() if a in nodes}
 
     def _moved(self, slot: int, addr: Addr) -> None:
         self._link(addr)
@@ -210,8 +221,9 @@ class ClusterLink:
         self, conn: ClusterConnection, op: str, keys: Sequence[bytes], commands: Sequence[Any],
         read_reply: Callable[[ReplyReader, int], Any] | None = None,
     ) -> list[Any]:
-        """Route each command to the node serving its key's slot, one round trip per node, and
-        follow redirects (see the module docstring); one reply per command, as `RedisLink`'s."""
+        """Route each command to the node serving its key's slot, one round trip per node (sent to
+        every node before any reply is read), and follow redirects (see the module docstring); one
+        reply per command, as `RedisLink`'s."""
         self._refresh(conn)
         replies: list[Any] = [NO_REPLY] * len(commands)
         slots = self._slots
@@ -224,8 +236,9 @@ class ClusterLink:
                     replies[i] = ResponseError("CLUSTERDOWN no node serves this key's slot")
                 else:
                     groups.setdefault(addr, []).append(i)
-            for addr, idx in groups.items():
-                got = self._send(conn, addr, op, idx, keys, commands, read_reply, asking)
+            sent = [self._start(conn, addr, op, idx, commands, asking) for addr, idx in groups.items()]
+            for (addr, idx), (round_, order) in zip(groups.items(), sent, strict=True):
+                got = self._finish(addr, round_, order, read_reply)
                 for i, reply in zip(idx, got, strict=True):
                     replies[i] = reply
             where, asking = {}, set()
@@ -241,35 +254,40 @@ class ClusterLink:
                 break
         return replies
 
-    def _send(
-        self, conn: ClusterConnection, addr: Addr, op: str, idx: list[int], keys: Sequence[bytes],
-        commands: Sequence[Any], read_reply: Callable[[ReplyReader, int], Any] | None, asking: set[int],
-    ) -> list[Any]:
-        """Commands `idx` to one node in one round trip; those in `asking` after an ASKING."""
-        sent: list[int | None] = []  # the command each position carries; None: an ASKING
+    def _start(self, conn: ClusterConnection, addr: Addr, op: str, idx: list[int], commands: Sequence[Any],
+               asking: set[int]) -> tuple[Round, list[int | None]]:
+        """Send commands `idx` to one node, those in `asking` after an ASKING; the round, and the
+        command each position carries (None: an ASKING)."""
+        order: list[int | None] = []
         for i in idx:
-            sent += [None, i] if i in asking else [i]
-        cmds = [("ASKING",) if i is None else commands[i] for i in sent]
-        sent_keys = [b"" if i is None else keys[i] for i in sent]
+            order += [None, i] if i in asking else [i]
+        cmds = [("ASKING",) if i is None else commands[i] for i in order]
+        return self._link(addr).start(self._conn(conn, addr), op, cmds), order
+
+    def _finish(self, addr: Addr, round_: Round, order: list[int | None],
+                read_reply: Callable[[ReplyReader, int], Any] | None) -> list[Any]:
+        """The replies to what `_start` sent, in the order of its `idx` (ASKING replies dropped)."""
         read: Callable[[ReplyReader, int], Any] | None = None
         if read_reply is not None:
             outer = read_reply
 
             def read(reader: ReplyReader, n: int) -> Any:
-                i = sent[n]
+                i = order[n]
                 return reader.line() if i is None else outer(reader, i)
 
-        got = self._link(addr).pipeline(self._conn(conn, addr), op, sent_keys, cmds, read)
-        return [reply for i, reply in zip(sent, got, strict=True) if i is not None]
+        got = self._link(addr).finish(round_, read)
+        return [reply for i, reply in zip(order, got, strict=True) if i is not None]
 
     def is_down(self) -> bool:
+        """Whether every node the map names is taken as down."""
         with self._lock:
-            links = list(self._links.values())
+            links = list(self._mapped().values())
         return all(link.is_down() for link in links)
 
     def any_down(self) -> bool:
+        """Whether some node the map names is taken as down."""
         with self._lock:
-            links = list(self._links.values())
+            links = list(self._mapped().values())
         return any(link.is_down() for link in links)
 
     def close(self) -> None:

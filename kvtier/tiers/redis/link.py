@@ -15,6 +15,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, Protocol, cast
 from urllib.parse import parse_qsl, unquote, urlsplit
 
@@ -66,6 +67,19 @@ class _NoReply:
 
 
 NO_REPLY = _NoReply()
+
+
+@dataclass
+class Round:
+    """One pipeline round trip to one server: what was sent, on which connection, and how it went."""
+
+    conn: Any
+    op: str
+    commands: Sequence[Any]
+    was_connected: bool
+    """Whether the connection was open before (a broken one gets one fresh try)."""
+    retried: bool = False
+    failed: bool = False
 
 
 class RedisLink:
@@ -149,43 +163,69 @@ class RedisLink:
         server is down or was just marked down by a connection error). `keys` are the commands' Redis
         keys (a cluster routes by them; one server has no use for them). `read_reply(reader, n)`,
         when given, reads the reply to command `n` itself, straight from the socket."""
+        return self.finish(self.start(conn, op, commands), read_reply)
+
+    def start(self, conn: Any, op: str, commands: Sequence[Any]) -> Round:
+        """The sending half of `pipeline`: `finish` reads the replies (a cluster sends to every node
+        before it reads from any)."""
+        sent = Round(conn, op, commands, was_connected=conn._sock is not None)
         if self.is_down():
-            return [NO_REPLY] * len(commands)
-        # A connection that broke while idle (the server restarted) gets one fresh try: every
-        # command here is idempotent, and nothing of the first try's replies was used.
-        was_connected = conn._sock is not None
-        for attempt in range(2):
-            replies: list[Any] = []
+            sent.failed = True
+        else:
+            self._send(sent)
+        return sent
+
+    def _send(self, sent: Round) -> None:
+        conn = sent.conn
+        try:
+            buffers: list[Any] = []
+            for cmd in sent.commands:
+                buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
+            if conn._sock is None:
+                conn.connect_check_health(check_health=False)
+            send_buffers(conn._sock, buffers)
+        except Exception as e:
+            self._failed(sent, e, [])
+
+    def finish(self, sent: Round, read_reply: Callable[[ReplyReader, int], Any] | None = None) -> list[Any]:
+        """The reading half of `pipeline`, for what `start` sent."""
+        n = len(sent.commands)
+        replies: list[Any] = []
+        while not sent.failed:
+            replies = []
             try:
-                buffers: list[Any] = []
-                for cmd in commands:
-                    buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
-                if conn._sock is None:
-                    conn.connect_check_health(check_health=False)
-                send_buffers(conn._sock, buffers)
                 if read_reply is not None:
-                    reader = ReplyReader(conn._sock)  # connected by send_packed_command
-                    for n in range(len(commands)):
-                        replies.append(read_reply(reader, n))
+                    reader = ReplyReader(sent.conn._sock)
+                    for i in range(n):
+                        replies.append(read_reply(reader, i))
                     reader.finish()
-                for _ in range(len(commands) - len(replies)):
+                for _ in range(n - len(replies)):
                     try:
-                        replies.append(conn.read_response(disable_decoding=True))
+                        replies.append(sent.conn.read_response(disable_decoding=True))
                     except ResponseError as e:
                         replies.append(e)
-            except _DOWN_ERRORS as e:
-                conn.disconnect()
-                stale = isinstance(e, RedisConnectionError | ConnectionError)
-                if attempt == 0 and was_connected and stale and not replies:
-                    continue
-                self._mark_down(op, e)
-            except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
-                conn.disconnect()
-                self.faillog.failed(f"{op}:{type(e).__name__}", e)
-            else:
-                self._mark_up()
+            except Exception as e:
+                self._failed(sent, e, replies)
+                continue
+            self._mark_up()
             break
-        return replies + [NO_REPLY] * (len(commands) - len(replies))
+        return replies + [NO_REPLY] * (n - len(replies))
+
+    def _failed(self, sent: Round, exc: Exception, replies: list[Any]) -> None:
+        """After an error: a connection that broke while idle (the server restarted) gets one fresh
+        try, sent again at once (every command here is idempotent, and no reply was used); else
+        the round fails, and a connection error or timeout marks the server down."""
+        sent.conn.disconnect()
+        stale = isinstance(exc, RedisConnectionError | ConnectionError)
+        if stale and sent.was_connected and not sent.retried and not replies:
+            sent.retried = True
+            self._send(sent)
+            return
+        sent.failed = True
+        if isinstance(exc, _DOWN_ERRORS):
+            self._mark_down(sent.op, exc)
+        else:  # a bug must fail the keys, never lose the jobs or the thread
+            self.faillog.failed(f"{sent.op}:{type(exc).__name__}", exc)
 
     def _mark_down(self, op: str, exc: BaseException) -> None:
         cause = f"{op}:{type(exc).__name__}"
