@@ -16,20 +16,27 @@ round trip (the tier's batch at this size: values while they stay under `batch_b
   `+OK` replies one `recv_into`; a batch of GETs is one send, and its replies one `recvmsg_into`
   with MSG_WAITALL straight into pre-touched rows (each reply's length line, its value, its CRLF).
   Values go out from, and come back into, distinct pre-touched page-aligned rows of one buffer as
-  large as the tier's host region (same memory traffic). Its reads rely on every value having the known size,
-  and check each length line.
+  large as the tier's host region (same memory traffic). Its reads rely on every value having the
+  known size, and check each length line.
 - tier: `kvtier tier-bench --tier redis --url URL --chunk-bytes N --chunks K --threads T --json`
   (a real tier process over a real host region: rows go out from and come back into the region,
   with the header checksummed on store and verified on load).
 
+`--cluster` starts a three-master cluster (`tests/services/redis_cluster.py`) instead, and sets
+the tier (`--option urls=[...]`) beside two bare RESP cluster clients (`raw_resp_cluster`): a socket
+per thread and node, each round trip split by key slot over the nodes, sent to all of them before
+any reply is read; `resp-cluster` takes the tier's batch per round trip, `resp-cluster-per-node`
+that many values for every node. `--contenders` runs a subset of the raw contenders.
+
 Throughput counts chunk payload bytes (the same for all). Prints a table and a JSON document with
-every sample, the medians, and the ratio tier / best raw client (the highest median of the four raw
+every sample, the medians, and the ratio tier / best raw client (the highest median of the raw
 contenders, per phase).
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import os
 import socket
@@ -42,9 +49,11 @@ from typing import Any
 from urllib.parse import urlsplit
 
 import redis
+from redis.crc import key_slot
 
 from benchmarks import rawio
 from kvtier.tiers.common import chunkfmt
+from tests.services.redis_cluster import start_cluster
 from tests.services.redis_server import start_server, stop_server
 
 CRLF = memoryview(b"\r\n")
@@ -141,8 +150,83 @@ def raw_resp(url: str, value_bytes: int, chunks: int, threads: int, depth: int) 
             sock.close()
 
 
-def tier_bench(url: str, chunk_bytes: int, chunks: int, threads: int) -> dict[str, Any]:
-    cmd = [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "redis", "--url", url,
+def raw_resp_cluster(urls: list[str], value_bytes: int, chunks: int, threads: int, depth: int,
+                     per_node: bool = False) -> dict[str, float]:
+    """Seconds for a bare RESP cluster client to SET then GET `chunks` values: per thread a socket
+    per node. A round trip takes the thread's next `depth` values (as the tier's batch), or with
+    `per_node` up to `depth` values for every node, splits them by the node serving their slot
+    (CRC16, from one CLUSTER SLOTS), sends to every node (framed as `raw_resp`'s), then reads every
+    node's replies."""
+    with redis.Redis.from_url(urls[0]) as admin:
+        owners: list[str] = [""] * 16384
+        for start, end, master, *_ in admin.execute_command("CLUSTER", "SLOTS"):
+            first, last = int(start), int(end)
+            owners[first : last + 1] = [f"redis://127.0.0.1:{int(master[1])}"] * (last + 1 - first)
+    keys = [b"resp:%d" % i for i in range(chunks)]
+    node_of = [owners[key_slot(k)] for k in keys]
+    shares = [list(range(t, chunks, threads)) for t in range(threads)]
+    buf = rawio.rows(chunks, value_bytes)
+    rows = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(chunks)]
+    socks = [{node: _resp_connect(node) for node in set(node_of)} for _ in range(threads)]
+    bulk = b"$%d\r\n" % value_bytes
+
+    def set_batch(conns: dict[str, socket.socket], batch: list[int]) -> None:
+        by_node: dict[str, list[int]] = {}
+        for i in batch:
+            by_node.setdefault(node_of[i], []).append(i)
+        for node, part in by_node.items():
+            parts: list[memoryview] = []
+            for i in part:
+                head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n%b" % (len(keys[i]), keys[i], bulk)
+                parts += [memoryview(head), rows[i], CRLF]
+            rawio.send_parts(conns[node], parts)
+        for node, part in by_node.items():
+            replies = memoryview(bytearray(5 * len(part)))
+            rawio.recv_parts(conns[node], [replies])
+            if bytes(replies) != b"+OK\r\n" * len(part):
+                raise RuntimeError(f"unexpected SET replies {bytes(replies[:40])!r}")
+
+    def get_batch(conns: dict[str, socket.socket], batch: list[int]) -> None:
+        by_node: dict[str, list[int]] = {}
+        for i in batch:
+            by_node.setdefault(node_of[i], []).append(i)
+        for node, part in by_node.items():
+            conns[node].sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (len(keys[i]), keys[i])
+                                         for i in part))
+        for node, part in by_node.items():
+            heads = [memoryview(bytearray(len(bulk))) for _ in part]
+            ends = [memoryview(bytearray(2)) for _ in part]
+            parts = [p for n, i in enumerate(part) for p in (heads[n], rows[i], ends[n])]
+            rawio.recv_parts(conns[node], parts)
+            if any(bytes(h) != bulk for h in heads):
+                raise RuntimeError("a GET reply is not a value of the expected size")
+
+    def run(op: Callable[[dict[str, socket.socket], list[int]], None]) -> float:
+        def worker(t: int) -> None:
+            for batch in rounds[t]:
+                op(socks[t], batch)
+
+        return rawio.timed_threads(threads, worker)
+
+    rounds: list[list[list[int]]] = []
+    for share in shares:
+        if not per_node:
+            rounds.append([share[j : j + depth] for j in range(0, len(share), depth)])
+            continue
+        queues = [[i for i in share if node_of[i] == node] for node in sorted(set(node_of))]
+        longest = max(len(q) for q in queues)
+        rounds.append([[i for q in queues for i in q[j : j + depth]] for j in range(0, longest, depth)])
+    try:
+        return {"store_s": run(set_batch), "load_s": run(get_batch)}
+    finally:
+        for conns in socks:
+            for sock in conns.values():
+                sock.close()
+
+
+def tier_bench(url: str | list[str], chunk_bytes: int, chunks: int, threads: int) -> dict[str, Any]:
+    where = ["--option", f"urls={json.dumps(url)}"] if isinstance(url, list) else ["--url", url]
+    cmd = [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "redis", *where,
            "--chunk-bytes", str(chunk_bytes), "--chunks", str(chunks), "--threads", str(threads),
            "--json"]
     out = subprocess.run(cmd, check=True, capture_output=True, text=True)
@@ -159,10 +243,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--threads", type=int, default=4)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json-out", help="also write the JSON document here")
+    p.add_argument("--cluster", action="store_true",
+                   help="start a three-master cluster (valkey-server, else redis-server) instead; "
+                        "the raw contenders are resp-cluster and resp-cluster-per-node")
+    p.add_argument("--contenders", help="a comma-separated subset of the contenders (default: all)")
     args = p.parse_args(argv)
 
-    server = None if args.url else start_server(args.server)
-    url = args.url or server.url  # type: ignore[union-attr]
     value_bytes = chunkfmt.HEADER_BYTES + args.chunk_bytes
     depth = -(-DEFAULT_BATCH_BYTES // value_bytes)  # the tier adds values while under batch_bytes
     gib = args.chunk_bytes * args.chunks / 2**30
@@ -170,43 +256,57 @@ def main(argv: list[str] | None = None) -> int:
     raws: dict[str, tuple[Callable[..., dict[str, float]], int]] = {
         "redis-py": (raw_redis_py, depth), "redis-py-deep": (raw_redis_py, deep),
         "resp": (raw_resp, depth), "resp-deep": (raw_resp, deep)}
+    if args.cluster:
+        raws = {"resp-cluster": (raw_resp_cluster, depth),
+                "resp-cluster-per-node": (functools.partial(raw_resp_cluster, per_node=True), depth)}
+    if args.contenders:
+        raws = {who: raws[who] for who in args.contenders.split(",") if who in raws}
     contenders = [*raws, "tier"]
     rows: dict[str, dict[str, list[float]]] = {c: {"store": [], "load": []} for c in contenders}
+    cluster = start_cluster() if args.cluster else None
+    server = None if args.url or cluster else start_server(args.server)
+    target: str | list[str] = cluster.urls if cluster else (args.url or server.url)  # type: ignore[union-attr]
+    admins = [redis.Redis.from_url(u) for u in (target if isinstance(target, list) else [target])]
     try:
-        admin = redis.Redis.from_url(url)
         for rep in range(args.repeats):
             shift = rep % len(contenders)
             order = contenders[shift:] + contenders[:shift]
             for who in order:
-                admin.flushall()
+                for admin in admins:
+                    admin.flushall()
                 time.sleep(0.2)
                 if who == "tier":
-                    r = tier_bench(url, args.chunk_bytes, args.chunks, args.threads)
+                    r = tier_bench(target, args.chunk_bytes, args.chunks, args.threads)
                 else:
                     client, d = raws[who]
-                    r = client(url, value_bytes, args.chunks, args.threads, d)
+                    r = client(target, value_bytes, args.chunks, args.threads, d)
                 rows[who]["store"].append(gib / r["store_s"])
                 rows[who]["load"].append(gib / r["load_s"])
                 print(f"repeat {rep} {who:13s}: store {gib / r['store_s']:.3f} GiB/s, "
                       f"load {gib / r['load_s']:.3f} GiB/s", file=sys.stderr, flush=True)
-        admin.flushall()
-        admin.close()
+        for admin in admins:
+            admin.flushall()
+            admin.close()
     finally:
         if server is not None:
             stop_server(server)
+        if cluster is not None:
+            cluster.stop()
 
     med = {who: {ph: statistics.median(v) for ph, v in by.items()} for who, by in rows.items()}
     best = {ph: max(raws, key=lambda who: med[who][ph]) for ph in ("store", "load")}
     doc = {
-        "server": args.url or args.server, "chunks": args.chunks, "chunk_bytes": args.chunk_bytes,
+        "server": "cluster of 3 masters" if cluster else args.url or args.server, "chunks": args.chunks,
+        "chunk_bytes": args.chunk_bytes,
         "value_bytes": value_bytes, "threads": args.threads, "raw_pipeline_depth": depth,
         "raw_deep_pipeline_depth": deep, "best_raw": best,
         "repeats": args.repeats, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
         "median_gib_s": med, "all_gib_s": rows,
         "ratio": {ph: med["tier"][ph] / med[best[ph]][ph] for ph in ("store", "load")},
-        "ratio_vs_redis_py": {ph: med["tier"][ph] / max(med["redis-py"][ph], med["redis-py-deep"][ph])
-                              for ph in ("store", "load")},
     }
+    if "redis-py" in raws and "redis-py-deep" in raws:
+        doc["ratio_vs_redis_py"] = {ph: med["tier"][ph] / max(med["redis-py"][ph], med["redis-py-deep"][ph])
+                                    for ph in ("store", "load")}
     print(f"{'':14s} {'store GiB/s':>12s} {'load GiB/s':>12s}  (medians of {args.repeats})")
     for who in contenders:
         print(f"{who:14s} {med[who]['store']:12.3f} {med[who]['load']:12.3f}")
