@@ -19,6 +19,7 @@ from __future__ import annotations
 import gc
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,12 +45,12 @@ ROOT = Path(__file__).resolve().parents[2]
 GONE_WITHIN_S = 5.0
 ROW_BYTES = 30 * 2 * 3 * 32 * 64 * 4  # SmolLM2 float32, one 32-token block per chunk
 DASHBOARD = ROOT / "docs" / "grafana" / "kvtier.json"
-DEVICE_BLOCKS = 17
-"""The "int" server's device cache: 16 blocks of 32 tokens besides vLLM's null block, its
-`--max-model-len` 512."""
-PROMPT_A = list(range(1000, 1256))
-"""8 chunks of token ids; `PROMPT_B` (12) after it leaves the device only A's first 4 blocks."""
-PROMPT_B = list(range(2000, 2384))
+DEVICE_BLOCKS = 9
+"""The "int" server's device cache: 8 blocks of 32 tokens besides vLLM's null block, its
+`--max-model-len` 256."""
+PROMPT_A = list(range(1000, 1128))
+"""4 chunks of token ids; `PROMPT_B` (7) after it leaves only A's first block on the device."""
+PROMPT_B = list(range(2000, 2224))
 
 
 def _children() -> dict[int, list[int]]:
@@ -137,7 +138,7 @@ class _Server:
             args += ["--max-model-len", "1024"]
         else:
             args += ["--kv-cache-memory-bytes", str(DEVICE_BLOCKS * ROW_BYTES), "--block-size", "32",
-                     "--max-model-len", "512"]
+                     "--max-model-len", "256"]
         with self.log_path.open("w") as log:
             self.proc = subprocess.Popen(
                 [sys.executable, "-m", "kvtier.cli", "serve", str(_model_path()), *flags, "--", *args],
@@ -233,9 +234,16 @@ def test_a_real_prometheus_gets_data_for_every_dashboard_query(servers: dict[str
         _complete(base, prompt)
     _restart_a_killed_tier(server, deadline)
     prom.wait_scraped(max(time.time(), began + 2), deadline)  # every series scraped twice
-    empty = [(title, expr) for title, expr in dashboard_exprs(DASHBOARD)
-             if not prom.query(prom.evaluable(expr))]
-    assert not empty, empty
+    settled = time.monotonic() + 10
+    while empty := [(title, expr) for title, expr in dashboard_exprs(DASHBOARD)
+                    if not prom.query(prom.evaluable(expr))]:
+        print(f"{len(empty)} queries without data yet: {empty}")
+        if time.monotonic() > settled:
+            break
+        time.sleep(0.5)
+    names = {name for _, expr in empty for name in re.findall(r"\bkvtier_\w+", expr)}
+    exposed = [line for line in http_get(f"{base}/metrics").splitlines() if line.startswith(tuple(names))]
+    assert not empty, (empty, {name: prom.query(name) for name in names}, exposed, prom.query("up[10s]"))
     for expr in ('kvtier_prompt_tokens_total{source="host"}', "kvtier_probation_chunks_total",
                  "kvtier_probation_reused_chunks_total", 'kvtier_transfer_bytes_total{op="store"}'):
         [sample] = prom.query(f"sum({expr})")
