@@ -157,6 +157,21 @@ def test_a_block_size_vllm_cannot_view_names_nothing() -> None:
     assert t.blocks(k(1)) is None
 
 
+def test_a_lora_requests_chunks_carry_its_adapter_through_the_sidecar(tmp_path: Path) -> None:
+    sidecar = BlockSidecar(str(tmp_path), "0" * 32, 2, lambda: SPACE)
+    t = KVEventTranslator({"fs": "fs"}, 2, 1, sidecars={"fs": sidecar})
+    req = request(2, 2)
+    req.lora_request = SimpleNamespace(name="pirate", adapter_id=3)
+    t.remember(req, [k(1), k(2)])
+    (stored,) = roundtrip(t.translate("fs", TierEvent(STORED, (k(1), k(2)))))
+    assert (stored.lora_name, stored.lora_id, stored.block_hashes) == ("pirate", 3, [0, 1])
+    fresh = KVEventTranslator({"fs": "fs"}, 2, 1, sidecars={"fs": sidecar})
+    fresh.translate("fs", TierEvent(STORED, (k(2),)))
+    sidecar.close()
+    (named,) = fresh.take_resolved()
+    assert (named.lora_name, named.lora_id, named.parent_block_hash) == ("pirate", 3, 0)
+
+
 def test_placement_is_what_the_tier_class_declares() -> None:
     t = KVEventTranslator({"slow": "DelayedMemoryTier", "lost": "NoSuchTier", "r": "redis"}, 1, 1,
                           module_paths={"slow": "tests.tiers.plugin_tier"})

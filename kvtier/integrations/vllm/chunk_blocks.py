@@ -23,27 +23,32 @@ from dataclasses import dataclass
 from kvtier.engine.request import Request
 from kvtier.format.chunks import ChunkKey
 
-_HEAD = struct.Struct("<32sIHHB")
-"""chunk key, block size, hash length, blocks in the chunk, has a parent (0/1)."""
+_HEAD = struct.Struct("<32sIHHBqH")
+"""chunk key, block size, hash length, blocks in the chunk, has a parent (0/1), LoRA adapter id
+(-1: none), length of the LoRA name (UTF-8, after the token ids)."""
 
 
 @dataclass(frozen=True)
 class ChunkBlocks:
     """One chunk as vLLM's engine blocks: `hashes[i]` is vLLM's raw block hash of the chunk's block
-    i, `parent` the hash of the block just before the chunk (None: the chunk starts the prompt), and
-    `tokens` the chunk's token ids (`len(hashes)` blocks of equal size)."""
+    i, `parent` the hash of the block just before the chunk (None: the chunk starts the prompt),
+    `tokens` the chunk's token ids (`len(hashes)` blocks of equal size), and `lora` the LoRA adapter
+    (name, id) the request ran with, which vLLM's events carry and routers hash with the tokens."""
 
     hashes: tuple[bytes, ...]
     parent: bytes | None
     tokens: array[int]
+    lora: tuple[str, int] | None = None
 
     def pack(self, key: ChunkKey, block_size: int) -> bytes:
         """The binary form: a header naming `key` and `block_size`, the hashes, the parent, the
-        token ids (uint32)."""
+        token ids (uint32), the LoRA name."""
         width = len(self.hashes[0])
         parent = self.parent if self.parent is not None else b""
-        head = _HEAD.pack(key, block_size, width, len(self.hashes), int(self.parent is not None))
-        return b"".join((head, *self.hashes, parent, array("I", self.tokens).tobytes()))
+        name, lora_id = (self.lora[0].encode(), self.lora[1]) if self.lora else (b"", -1)
+        head = _HEAD.pack(key, block_size, width, len(self.hashes), int(self.parent is not None),
+                          lora_id, len(name))
+        return b"".join((head, *self.hashes, parent, array("I", self.tokens).tobytes(), name))
 
     @staticmethod
     def unpack(data: bytes, key: ChunkKey, block_size: int) -> ChunkBlocks | None:
@@ -51,16 +56,20 @@ class ChunkBlocks:
         another block size, a short or foreign record)."""
         if len(data) < _HEAD.size:
             return None
-        named, size, width, blocks, has_parent = _HEAD.unpack_from(data)
-        expected = _HEAD.size + width * (blocks + has_parent) + 4 * blocks * block_size
+        named, size, width, blocks, has_parent, lora_id, name_len = _HEAD.unpack_from(data)
+        tokens_at = _HEAD.size + width * (blocks + has_parent)
+        name_at = tokens_at + 4 * blocks * block_size
         if (named, size) != (key, block_size) or not width or not blocks or has_parent > 1 \
-                or len(data) != expected:
+                or len(data) != name_at + name_len:
             return None
-        at = _HEAD.size
-        hashes = tuple(data[at + i * width : at + (i + 1) * width] for i in range(blocks))
-        at += blocks * width
-        parent = data[at : at + width] if has_parent else None
-        return ChunkBlocks(hashes, parent, array("I", data[at + width * has_parent :]))
+        hashes = tuple(data[_HEAD.size + i * width : _HEAD.size + (i + 1) * width]
+                       for i in range(blocks))
+        parent = data[tokens_at - width : tokens_at] if has_parent else None
+        try:
+            lora = (data[name_at:].decode(), lora_id) if lora_id >= 0 else None
+        except UnicodeDecodeError:
+            return None
+        return ChunkBlocks(hashes, parent, array("I", data[tokens_at:name_at]), lora)
 
 
 def request_chunks(
@@ -80,6 +89,8 @@ def request_chunks(
         return []  # vLLM never hashes so; a view it would refuse names nothing
     hashes = resolve_block_hashes(getattr(request, "block_hashes", []), hash_block_size, block_size)
     tokens = request.all_token_ids
+    adapter = getattr(request, "lora_request", None)
+    lora = (str(adapter.name), int(adapter.adapter_id)) if adapter is not None else None
     bpc = blocks_per_chunk
     out: list[tuple[ChunkKey, ChunkBlocks]] = []
     for i in range(first, min(len(keys), len(hashes) // bpc)):
@@ -88,5 +99,6 @@ def request_chunks(
             break
         parent = hashes[i * bpc - 1] if i else None
         blocks = tuple(hashes[i * bpc + b] for b in range(bpc))
-        out.append((keys[i], ChunkBlocks(blocks, parent, array("I", tokens[span[0] : span[1]]))))
+        chunk = ChunkBlocks(blocks, parent, array("I", tokens[span[0] : span[1]]), lora)
+        out.append((keys[i], chunk))
     return out

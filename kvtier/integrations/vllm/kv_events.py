@@ -14,7 +14,8 @@ so a router (NVIDIA Dynamo's KV indexer, llm-d) reads them as they are:
   host `CPU`/`LOCAL`, fs `STORAGE`/`LOCAL`, obj `STORAGE`/`REMOTE`, redis and p2p `CPU`/`REMOTE`
   (another host's memory); a shared tier is REMOTE because every instance reaches it alike, and a
   router that prefers the instance holding a prefix may skip it (Dynamo 1.6.1 does);
-- `ownership` unset (a router may ignore events that set it), `lora_name`/`extra_keys` unset.
+- `lora_name`/`lora_id`: the request's LoRA adapter, as vLLM's own events (routers hash the name
+  with the tokens); `ownership` unset (a router may ignore events that set it), `extra_keys` unset.
 
 The chunk → blocks mapping (`ChunkBlocks`) comes from the request, on the scheduler thread, when the
 request is keyed (`remember`); it is kept while any tier holds the chunk, and in a bounded LRU of
@@ -219,13 +220,17 @@ class KVEventTranslator:
             return [BlockRemoved(block_hashes=hashes, medium=medium, locality=locality)]
         runs: list[list[ChunkBlocks]] = []
         for chunk in chunks:
-            if runs and chunk.parent == runs[-1][-1].hashes[-1]:
+            if runs and chunk.parent == runs[-1][-1].hashes[-1] and chunk.lora == runs[-1][-1].lora:
                 runs[-1].append(chunk)
             else:
                 runs.append([chunk])
-        return [BlockStored(
-            block_hashes=[convert(h) for c in run for h in c.hashes],
-            parent_block_hash=None if run[0].parent is None else convert(run[0].parent),
-            token_ids=[t for c in run for t in c.tokens], block_size=self.block_size,
-            lora_id=None, medium=medium, lora_name=None, locality=locality,
-        ) for run in runs]
+        out: list[Any] = []
+        for run in runs:
+            lora_name, lora_id = run[0].lora if run[0].lora is not None else (None, None)
+            out.append(BlockStored(
+                block_hashes=[convert(h) for c in run for h in c.hashes],
+                parent_block_hash=None if run[0].parent is None else convert(run[0].parent),
+                token_ids=[t for c in run for t in c.tokens], block_size=self.block_size,
+                lora_id=lora_id, medium=medium, lora_name=lora_name, locality=locality,
+            ))
+        return out
