@@ -21,7 +21,8 @@ from tests.tiers.contract_suite import ContractSuite
 SERVICE_TIERS = {"obj": "s3_tier_options", "redis": "redis_tier_options"}
 """Tiers backed by a server: the fixture (in tests/services/) giving options for a fresh namespace."""
 VARIANTS = {"redis-cluster": ("redis", "cluster_tier_options")}
-"""More setups of a built-in tier: its type, and the fixture giving its options."""
+"""More setups of a built-in tier: its type, and the fixture giving its options. In this process
+only: the tier process around them is the one the tier's own setup already runs in."""
 PEER_TIERS = {"p2p"}
 """Tiers whose contract needs a second instance: covered by their own tests."""
 CONTRACT_TIERS = [t for t in ("memory", "fs", *SERVICE_TIERS) if t in BUILTIN_TIERS]
@@ -34,8 +35,8 @@ def tier_options(name: str, request: pytest.FixtureRequest, tmp_path: Path) -> d
     return dict(request.getfixturevalue(fixture)) if fixture else {}
 
 
-@pytest.fixture(params=[(k, mode) for k in (*CONTRACT_TIERS, *VARIANTS) for mode in ("inproc", "process")],
-                ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(params=[(k, mode) for k in CONTRACT_TIERS for mode in ("inproc", "process")]
+                + [(k, "inproc") for k in VARIANTS], ids=lambda p: f"{p[0]}-{p[1]}")
 def tier(request, ctx: TierContext, region: HostRegion, tmp_path: Path) -> Iterator[object]:
     name, mode = request.param
     kind = VARIANTS.get(name, (name, ""))[0]
@@ -61,5 +62,5 @@ def test_every_builtin_tier_is_covered() -> None:
 
 
 class TestContract(ContractSuite):
-    """The contract suite over every built-in tier but p2p, and the redis tier on a cluster, in this
-    process and in a tier process."""
+    """The contract suite over every built-in tier but p2p, in this process and in a tier process,
+    and over the redis tier on a cluster."""

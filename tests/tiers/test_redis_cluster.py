@@ -1,7 +1,7 @@
 """The redis tier on a real three-master cluster (the session's `redis_cluster`): routing over every
 node, MOVED and ASK redirects after slot migrations, a killed node turning into misses while the
-other nodes serve, bad values found on any node, and settings that name what is wrong. The contract
-suite runs on the cluster too (test_contract.py)."""
+other nodes serve, bad values found on any node, settings that name what is wrong, and the tier in a
+tier process through `tier-bench`. The contract suite runs on the cluster too (test_contract.py)."""
 
 from __future__ import annotations
 
@@ -188,7 +188,7 @@ def test_any_node_or_a_seed_list_with_a_dead_seed_reaches_the_cluster(make_tier,
         assert run(tier, JobKind.STORE, keys, list(range(6))) == set(keys)
 
 
-def test_tier_bench_runs_against_the_cluster(cluster_tier_options) -> None:
+def test_tier_bench_runs_against_the_cluster_in_a_tier_process(cluster_tier_options) -> None:
     report = run_tier_bench("redis", cluster_tier_options, chunk_bytes=64 << 10, chunks=8, threads=2)
     assert report["tier_counts"]["tier_counter"][TierCounter.LOADED.value] == 8
     assert report["store_gib_s"] > 0 and report["tier_counts"]["tier_gauge"][TierGauge.SERVER_DOWN.value] == 0
