@@ -4,6 +4,7 @@ that kvtier's events name the engine blocks vLLM's device events named."""
 from __future__ import annotations
 
 import time
+from pathlib import Path
 from typing import Any
 
 from tests.integrations.conftest import BLOCK_SIZE
@@ -38,6 +39,25 @@ def assert_names_device_blocks(event: Any, device: list[int], prompt: list[int])
     assert event.parent_block_hash == (device[i - 1] if i else None)
     assert event.token_ids == prompt[i * BLOCK_SIZE : (i + n) * BLOCK_SIZE]
     assert (event.block_size, event.ownership, event.locality) == (BLOCK_SIZE, None, "LOCAL")
+
+
+def sidecar_blocks(scheduler: Any, tier: str, key: bytes) -> Any:
+    """The blocks tier `tier`'s sidecar file names for `key`, once its thread wrote it."""
+    from kvtier.integrations.vllm.block_sidecar import decode
+
+    path = Path(scheduler.events.sidecars[tier].path(key))
+    deadline = time.monotonic() + 10
+    while not path.exists():
+        assert time.monotonic() < deadline, f"no sidecar at {path}"
+        time.sleep(0.02)
+    return decode(path.read_bytes(), key, BLOCK_SIZE)
+
+
+def tick(llm: Any) -> None:
+    """One engine step without a full block: vLLM publishes events (kvtier's too) at each step."""
+    from vllm import SamplingParams
+
+    llm.generate([{"prompt_token_ids": [1, 2, 3, 4, 5]}], SamplingParams(max_tokens=1), use_tqdm=False)
 
 
 def promote(scheduler: Any, keys: list[bytes]) -> None:

@@ -24,7 +24,9 @@ from tests.integrations.kv_event_helpers import (
     assert_names_device_blocks,
     decoded,
     promote,
+    sidecar_blocks,
     stored_by_medium,
+    tick,
 )
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.serve_helpers import free_port
@@ -91,8 +93,7 @@ def tokens(llm: Any, name: str) -> list[int]:
 
 
 def kv_events(llm: Any) -> list[Any]:
-    """Every event published since the last call, read with vLLM's own decoder (kvtier's share the
-    batches of vLLM's device events)."""
+    """Every event published since the last call (kvtier's and vLLM's), read with vLLM's decoder."""
     batches, llm.test_events[:] = list(llm.test_events), []
     return decoded(batches)
 
@@ -136,11 +137,10 @@ def test_chunks_of_two_blocks_reload_from_host_with_split_metrics_and_events(llm
         assert [h for e in stored[medium] for h in e.block_hashes] == device[: hit // BLOCK_SIZE]
         for event in stored[medium]:
             assert_names_device_blocks(event, device, prompt)
-
-
-def tick(llm: Any) -> None:
-    """One engine step without a full block: vLLM publishes events (kvtier's too) at each step."""
-    generate(llm, [1, 2, 3, 4, 5], max_tokens=1)
+    for i, key in enumerate(keys):  # what names the fs copies after a restart: a sidecar per chunk
+        blocks = sidecar_blocks(scheduler, "fs", key)
+        assert blocks is not None and blocks.tokens.tolist() == prompt[i * CHUNK : (i + 1) * CHUNK]
+        assert [int.from_bytes(h[-8:], "big") for h in blocks.hashes] == device[i * BPC : (i + 1) * BPC]
 
 
 def test_partial_prefix_hit_matches_the_device_prefix_cache(llm: Any) -> None:
