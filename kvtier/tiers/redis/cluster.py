@@ -92,6 +92,8 @@ class ClusterLink:
         self._lock = threading.Lock()
         self._links: dict[Addr, RedisLink] = {}
         self._slots: list[Addr | None] = [None] * SLOTS
+        self._nodes: frozenset[Addr] = frozenset()
+        """The nodes `_slots` names (a node a MOVED named stays until the next full refresh)."""
         self._refresh_due = float("inf")
         self._last_refresh = time.monotonic()
         self._refreshing = False
@@ -149,11 +151,13 @@ class ClusterLink:
             host = master[0].decode() if isinstance(master[0], bytes) else str(master[0] or "")
             addr = (host if host not in ("", "?") else asked_host, int(master[1]))
             slots[start : end + 1] = [addr] * (end + 1 - start)
-        if all(a is None for a in slots):
+        nodes = frozenset(a for a in slots if a is not None)
+        if not nodes:
             return False
-        for node in {a for a in slots if a is not None}:
+        for node in nodes:
             self._link(node)
-        self._slots = slots
+        with self._lock:
+            self._slots, self._nodes = slots, nodes
         return True
 
     def _link(self, addr: Addr) -> RedisLink:
@@ -195,15 +199,14 @@ class ClusterLink:
         """The links of the nodes the map names now: only these are asked for the map and counted
         as down (a seed that did not answer at startup keeps its link, unused unless the map names
         it later). Lock held."""
-        nodes = set(self._slots)
-        return {a: link for a, link in self._links.items() if a in nodes}
+        return {a: link for a, link in self._links.items() if a in self._nodes}
 
     def _moved(self, slot: int, addr: Addr) -> None:
         self._link(addr)
         with self._lock:
             slots = list(self._slots)
             slots[slot] = addr
-            self._slots = slots
+            self._slots, self._nodes = slots, self._nodes | {addr}
             self._refresh_due = min(self._refresh_due, time.monotonic())
 
     # ---- the Link interface --------------------------------------------------------------------
