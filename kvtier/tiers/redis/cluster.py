@@ -176,11 +176,14 @@ class ClusterLink:
         """Ask a live node for the whole map when one is due (after MOVED, or a node down)."""
         now = time.monotonic()
         with self._lock:
+            since = now - self._last_refresh
+            if self._refreshing or since < REFRESH_MIN_INTERVAL_S:
+                return
+            moved = self._refresh_due <= now
+            if not moved and since < self.reconnect_interval_s:
+                return
             mapped = self._mapped()
-            due = self._refresh_due <= now or (
-                now - self._last_refresh >= self.reconnect_interval_s
-                and any(link.is_down() for link in mapped.values()))
-            if self._refreshing or not due or now - self._last_refresh < REFRESH_MIN_INTERVAL_S:
+            if not moved and not any(link.is_down() for link in mapped.values()):
                 return
             self._refreshing = True
             self._refresh_due, self._last_refresh = float("inf"), now
