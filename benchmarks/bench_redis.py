@@ -18,6 +18,8 @@ round trip (the tier's batch at this size: values while they stay under `batch_b
   Values go out from, and come back into, distinct pre-touched page-aligned rows of one buffer as
   large as the tier's host region (same memory traffic). Its reads rely on every value having the
   known size, and check each length line.
+- resp-one-buffer: resp with each batch of SETs framed beforehand into one contiguous buffer (the
+  rows copied in before the timer starts), sent with one `sendall`.
 - tier: `kvtier tier-bench --tier redis --url URL --chunk-bytes N --chunks K --threads T --json`
   (a real tier process over a real host region: rows go out from and come back into the region,
   with the header checksummed on store and verified on load).
@@ -106,22 +108,30 @@ def _resp_connect(url: str) -> socket.socket:
     return sock
 
 
-def raw_resp(url: str, value_bytes: int, chunks: int, threads: int, depth: int) -> dict[str, float]:
+def raw_resp(url: str, value_bytes: int, chunks: int, threads: int, depth: int,
+             one_buffer: bool = False) -> dict[str, float]:
     """Seconds for a bare RESP socket per thread to SET then GET `chunks` values (see the module
-    docstring: gathered sends, scattered reads straight into pre-touched rows)."""
+    docstring: gathered sends, scattered reads straight into pre-touched rows). `one_buffer`: each
+    batch of SETs is framed into one contiguous buffer before the timer starts, and sent with one
+    `sendall`."""
     shares = [list(range(t, chunks, threads)) for t in range(threads)]
     buf = rawio.rows(chunks, value_bytes)
     rows = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(chunks)]
     socks = [_resp_connect(url) for _ in range(threads)]
     bulk = b"$%d\r\n" % value_bytes
 
+    def head(i: int) -> bytes:
+        key = b"resp:%d" % i
+        return b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n%b" % (len(key), key, bulk)
+
+    framed = {share[j]: b"".join(head(i) + bytes(rows[i]) + b"\r\n" for i in share[j : j + depth])
+              for share in shares for j in range(0, len(share), depth)} if one_buffer else {}
+
     def set_batch(sock: socket.socket, batch: list[int]) -> None:
-        parts: list[memoryview] = []
-        for i in batch:
-            key = b"resp:%d" % i
-            head = b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n%b" % (len(key), key, bulk)
-            parts += [memoryview(head), rows[i], CRLF]
-        rawio.send_parts(sock, parts)
+        if one_buffer:
+            sock.sendall(framed[batch[0]])
+        else:
+            rawio.send_parts(sock, [part for i in batch for part in (memoryview(head(i)), rows[i], CRLF)])
         replies = memoryview(bytearray(5 * len(batch)))
         rawio.recv_parts(sock, [replies])
         if bytes(replies) != b"+OK\r\n" * len(batch):
@@ -255,7 +265,8 @@ def main(argv: list[str] | None = None) -> int:
     deep = -(-args.chunks // args.threads)
     raws: dict[str, tuple[Callable[..., dict[str, float]], int]] = {
         "redis-py": (raw_redis_py, depth), "redis-py-deep": (raw_redis_py, deep),
-        "resp": (raw_resp, depth), "resp-deep": (raw_resp, deep)}
+        "resp": (raw_resp, depth), "resp-deep": (raw_resp, deep),
+        "resp-one-buffer": (functools.partial(raw_resp, one_buffer=True), depth)}
     if args.cluster:
         raws = {"resp-cluster": (raw_resp_cluster, depth),
                 "resp-cluster-per-node": (functools.partial(raw_resp_cluster, per_node=True), depth)}
