@@ -45,21 +45,28 @@ class _SessionFrozen:
         return None
 
 
+def freeze_imports() -> bool:
+    """Import vLLM's engine modules, make their freezes and unfreezes do nothing, collect and freeze
+    what is left; False (and nothing done) where vLLM is not installed."""
+    try:
+        modules = [importlib.import_module(name) for name in ("vllm", *UNFREEZING)]
+    except ImportError:
+        return False
+    for module in modules[1:]:
+        module.gc = _SessionFrozen()
+    modules[1].freeze_gc_heap = lambda: None
+    gc.collect()
+    gc.freeze()
+    return True
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_runtest_setup(item: pytest.Item) -> None:
     config = item.config
     if config.stash.get(_FROZEN, False) or item.get_closest_marker("slow") is None:
         return
     config.stash[_FROZEN] = True
-    try:
-        modules = [importlib.import_module(name) for name in ("vllm", *UNFREEZING)]
-    except ImportError:  # no vLLM here: its tests skip, and there is nothing big to freeze
-        return
-    for module in modules[1:]:
-        module.gc = _SessionFrozen()
-    modules[1].freeze_gc_heap = lambda: None
-    gc.collect()
-    gc.freeze()
+    freeze_imports()  # no vLLM here: its tests skip, and there is nothing big to freeze
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:

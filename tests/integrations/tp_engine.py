@@ -118,8 +118,18 @@ def _bytes(tensor: Any) -> np.ndarray:
 
 
 def install_spy(_vllm_worker: Any) -> None:
-    """Run in every rank (`collective_rpc`): record the pages its connector half stores and loads."""
+    """Run in every rank (`collective_rpc`): record the pages its connector half stores and loads.
+    A rank in a process of its own also freezes its heap out of its collections
+    (`tests.gc_freeze`), engine included: its shutdown and exit then take a fraction of a second,
+    not seconds of collecting a heap the process is about to drop."""
+    import multiprocessing
+
     from vllm.distributed.kv_transfer import get_kv_transfer_group
+
+    from tests.gc_freeze import freeze_imports
+
+    if multiprocessing.parent_process() is not None:
+        freeze_imports()
 
     half = get_kv_transfer_group().worker
     save, start_load = half.save, half.start_load
