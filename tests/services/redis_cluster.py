@@ -48,6 +48,9 @@ class Cluster:
     def urls(self) -> list[str]:
         return [f"redis://127.0.0.1:{node.port}" for node in self.nodes]
 
+    def unix_url(self, n: int) -> str:
+        return self.nodes[n].unix_url
+
     def client(self, n: int) -> redis.Redis:
         return redis.Redis(port=self.nodes[n].port, socket_timeout=5)
 

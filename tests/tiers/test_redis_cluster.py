@@ -170,6 +170,7 @@ def test_settings_that_do_not_name_a_cluster_say_which_and_why(ctx, redis_cluste
          "either url or urls"),
         ({"urls": []}, "urls", [], "at least one seed"),
         ({"url": "unix:///tmp/x.sock", "cluster": True}, "url", "unix:///tmp/x.sock", "over TCP"),
+        ({"url": redis_cluster.unix_url(0)}, "url", redis_cluster.unix_url(0), "over TCP"),
         ({}, "url", None, "required"),
     ]
     for options, key, value, why in cases:

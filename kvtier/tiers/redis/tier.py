@@ -90,6 +90,9 @@ def _open_link(o: dict[str, Any], book: TierBook, on_down: Callable[[], None]) -
     if cluster is False:
         raise ConfigError("cluster", False, f"{link.url} is a node of a Redis/Valkey Cluster: set "
                           "cluster to true (or leave it out)")
+    if urlsplit(url).scheme not in CLUSTER_SCHEMES:
+        raise ConfigError("url", link.url, "is a node of a Redis/Valkey Cluster, which is reached "
+                          "over TCP: give its redis:// or rediss:// URL")
     return ClusterLink([url], option="url", **kwargs)
 
 
