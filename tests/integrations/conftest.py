@@ -75,6 +75,38 @@ def connector_halves(llm: Any) -> tuple[Any, Any]:
 
 
 
+def refused_start(extra_config: dict[str, Any], model: Path | None = None, **llm: Any) -> str:
+    """Start an in-process engine (call it from a test using `vllm_env`, with no other engine up in
+    this process) that kvtier must refuse; return what was raised, with its causes
+    (`engine_child._describe`). What the half-built engine left in vLLM's per-process state (its KV
+    connector, its distributed groups) is taken down here as vLLM's own shutdown would; no host
+    region of kvtier's may be left in /dev/shm."""
+    from vllm import LLM
+    from vllm.distributed.kv_transfer import ensure_kv_transfer_shutdown, has_kv_transfer_group
+    from vllm.distributed.parallel_state import cleanup_dist_env_and_memory
+
+    from tests.integrations.engine_child import _describe
+
+    assert not has_kv_transfer_group(), "another in-process engine is up: its connector would go"
+
+    mine = f"kvtier-{os.getpid()}-"  # a region's name starts with its owner's pid
+    regions = {name for name in os.listdir("/dev/shm") if name.startswith(mine)}
+    try:
+        llm = LLM(model=str(model or _model_path()), kv_transfer_config=transfer_config(extra_config),
+                  **llm)
+    except Exception as exc:
+        error = _describe(exc)
+    else:
+        llm.llm_engine.engine_core.shutdown()
+        raise AssertionError(f"kvtier started with {extra_config}")
+    finally:
+        ensure_kv_transfer_shutdown()
+        cleanup_dist_env_and_memory()
+    left = {name for name in os.listdir("/dev/shm") if name.startswith(mine)} - regions
+    assert not left, f"a refused start left host regions {left}: {error}"
+    return error
+
+
 def run_child(request: dict[str, Any], timeout_s: float = 240) -> list[dict[str, Any]]:
     """Run `engine_child` (one fresh process) with `request` plus the test model; call it from a
     test using `vllm_env`, whose environment (set in os.environ) the child inherits."""

@@ -280,28 +280,6 @@ def test_fs_chunks_reload_in_a_new_process(llm: Any, fs_dir: Path) -> None:
     assert result["tokens"] == list(ref.outputs[0].token_ids)
 
 
-def test_bad_configs_stop_vllm_with_kvtiers_message(vllm_env: Path) -> None:
-    unwritable = vllm_env / "a-file"  # a path under a file: unwritable even for root
-    unwritable.write_text("")
-    shm_free = os.statvfs("/dev/shm").f_bavail * os.statvfs("/dev/shm").f_frsize
-    configs = [
-        {"blocks_per_chunk": 1},
-        {"cpu_bytes_to_use": 1 << 26, "secondary_tiers": [{"type": "tape"}]},
-        {"cpu_bytes_to_use": 1 << 26,
-         "secondary_tiers": [{"type": "fs", "root_dir": str(unwritable / "kv")}]},
-        {"cpu_bytes_to_use": shm_free + (1 << 30)},
-    ]
-    runs = run_child({"extra_configs": configs, "llm": LLM_ARGS, "prompts": []})
-    errors = [run.get("error", "") for run in runs]
-    assert "cpu_bytes_to_use" in errors[0], errors[0]
-    assert "tape" in errors[1] and "fs" in errors[1], errors[1]
-    assert "root_dir" in errors[2], errors[2]
-    # the memory plan (MemTotal less the engine's needs and the OS reserve) refuses it, or, where
-    # /dev/shm is smaller than that plan allows, the region check does: both name the key
-    assert "cpu_bytes_to_use" in errors[3], errors[3]
-    assert "/dev/shm" in errors[3] or "os_reserve_bytes" in errors[3], errors[3]
-
-
 def test_a_prefix_longer_than_the_host_tier_streams_back_from_fs(llm: Any) -> None:
     """Seven chunks in the fs tier, room for four in the host tier: the whole prefix comes back
     (promoted and copied a batch at a time), not only the four that fit at once."""
