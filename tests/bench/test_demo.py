@@ -98,21 +98,24 @@ def test_small_real_demo_json() -> None:
 
 
 @pytest.mark.slow
-def test_demo_on_a_hybrid_model_reloads_and_keeps_the_replies() -> None:
+def test_demo_on_a_hybrid_model_reloads_and_keeps_the_replies(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
     """`kvtier demo --model` on the tiny Gemma3 (sliding-window + full attention layers, vLLM's
     hybrid manager on): later turns reload from host or fs, and `--check-replies` finds every
     reply equal to the engine's alone. vLLM wants room for a max-length request in each of the
     four KV cache groups (a sliding group's estimate is the whole length here): 64 blocks for 480
-    tokens; four conversations outgrow them."""
+    tokens; four conversations outgrow them. The command runs in this process (its engines are
+    in-process ones; the embedded model's run above is the command as a user starts it)."""
     from kvtier.tools.tiny_models import build_tiny_model
 
     model = build_tiny_model("gemma3")
-    argv = [sys.executable, "-m", "kvtier.cli", "demo", "--model", str(model), "--json",
-            "--check-replies", "--conversations", "4", "--turns", "3", "--device-blocks", "64",
-            "--max-model-len", "480", "--host-chunks", "12", "--reply-tokens", "8"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
-    report = json.loads(done.stdout)
+    argv = ["demo", "--model", str(model), "--json", "--check-replies", "--conversations", "4",
+            "--turns", "3", "--device-blocks", "64", "--max-model-len", "480", "--host-chunks", "12",
+            "--reply-tokens", "8"]
+    capsys.readouterr()
+    assert main(argv) == 0
+    report = json.loads(capsys.readouterr().out)
     assert report["model"] == model.name and report["replies_match"] is True
     later = [t for t in report["kvtier"] if t["turn"] > 1]
     assert all(t["tokens"]["host"] + t["tokens"]["fs"] > 0 for t in later), later
