@@ -21,6 +21,8 @@ from typing import Any
 
 import pytest
 
+from tests.integrations.serve_helpers import stop_process
+
 MODEL = "kvtier-test"
 WORKER = "1"
 NOTHING = {"gpu": 0, "cpu": 0, "disk": 0}
@@ -88,10 +90,4 @@ class Indexer:
         return self.log_path.read_text(errors="replace")[-3000:]
 
     def close(self) -> None:
-        if self.proc.poll() is None:
-            self.proc.terminate()
-            try:
-                self.proc.wait(10)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        stop_process(self.proc)

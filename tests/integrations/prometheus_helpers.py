@@ -12,7 +12,7 @@ import urllib.parse
 from pathlib import Path
 from typing import Any
 
-from tests.integrations.serve_helpers import free_port, http_get
+from tests.integrations.serve_helpers import free_port, http_get, stop_process
 
 PROMETHEUS = shutil.which("prometheus")
 """The binary, or None where it is not installed (`make setup` installs it)."""
@@ -46,14 +46,7 @@ class Prometheus:
 
     def close(self) -> None:
         """Stop Prometheus (idempotent)."""
-        if self.proc.poll() is not None:
-            return
-        self.proc.terminate()
-        try:
-            self.proc.wait(10)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        stop_process(self.proc)
 
     def _api(self, path: str, **params: str) -> Any:
         url = f"{self.base}/api/v1/{path}?{urllib.parse.urlencode(params)}"

@@ -25,6 +25,18 @@ def http_get(url: str, body: dict[str, Any] | None = None, timeout: float = 60) 
         return str(resp.read().decode())
 
 
+def stop_process(proc: subprocess.Popen[Any], grace_s: float = 10.0) -> None:
+    """Terminate `proc` and wait for it; killed if it outlives `grace_s`. Idempotent."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(grace_s)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+
+
 def wait_healthy(proc: subprocess.Popen[bytes], port: int, log_path: Path, deadline: float) -> None:
     """Until the server `proc` started on `port` answers /health; fails the test, with the end of
     its log, if it exits first or `deadline` (monotonic) passes."""
