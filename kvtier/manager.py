@@ -108,6 +108,7 @@ class TieringManager:
         self.priorities = RememberedPriorities()
         """The priority each chunk was cascaded with: a promoted chunk gets it back."""
         self._disabled: set[str] = set()
+        self.cascades = True  # False on an instance keeping its chunks in the host tier (`kv_consumer`)
         for name in self.tiers:
             self.metrics.set("tier_enabled", 1.0, name)
 
@@ -285,10 +286,11 @@ class TieringManager:
     def cascade(
         self, keys: Sequence[ChunkKey], priority: int = DEFAULT_PRIORITY, skip: str | None = None
     ) -> None:
-        """Copy host-resident `keys` to every secondary tier (but `skip`) that admits them."""
+        """Copy host-resident `keys` to every secondary tier (but `skip`) that admits them; none
+        where `cascades` is off."""
         self.priorities.remember(keys, priority)
         for name, tier in self.tiers.items():
-            if name == skip or name in self._disabled:
+            if name == skip or name in self._disabled or not self.cascades:
                 continue
             admitted = self.admit(keys, name, priority)
             resident = [k for k in admitted if self.host.contains(k)]
@@ -311,10 +313,7 @@ class TieringManager:
         finish). Raises KeyError for an unknown name."""
         if name not in self.tiers:
             raise KeyError(f"no secondary tier named {name!r}; known: {', '.join(self.tiers)}")
-        if enabled:
-            self._disabled.discard(name)
-        else:
-            self._disabled.add(name)
+        (self._disabled.discard if enabled else self._disabled.add)(name)
         self.metrics.set("tier_enabled", 1.0 if enabled else 0.0, name)
 
     # -- completions ---------------------------------------------------------------------------

@@ -90,6 +90,23 @@ def read_config(extra: Mapping[str, Any], engine_block_size: int, *, announce: b
     return KVTierConfig.from_dict(extra)
 
 
+ROLES = {
+    "kv_both": "loads and stores through every tier",
+    "kv_producer": "a prefill instance: stores every computed prefix through its tiers, loads nothing",
+    "kv_consumer": "a decode instance: loads from every tier, stores nothing beyond its host tier",
+}
+"""vLLM's `kv_role`s, as kvtier carries them out."""
+
+
+def apply_role(scheduler: KVTierScheduler, kv_role: str | None) -> None:
+    """Set the scheduler half's loads and cascades for vLLM's `kv_role` (None: kv_both; vLLM's
+    config refuses any other name before an engine starts)."""
+    role = kv_role or "kv_both"
+    scheduler.loads = role != "kv_producer"
+    scheduler.manager.cascades = role != "kv_consumer"
+    settings_log.info("kvtier: kv_role %s: %s", role, ROLES[role])
+
+
 class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     """Tiered KV-cache offloading for vLLM: host memory first, then secondary tiers.
 
@@ -133,6 +150,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
                         and vllm_config.device_config.device_type == "cpu")
                 self.scheduler = KVTierScheduler(config, geometry, world, events=enabled,
                                                  sync_loads=sync, hash_block_size=hashed)
+            apply_role(self.scheduler, self._kv_transfer_config.kv_role)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 

@@ -97,6 +97,7 @@ class KVTierScheduler:
         self.sync_loads = sync_loads
         self.streams = LoadStreams(self.manager, self._job_ids)
         self.tails = Tails(geometry.chunk_tokens)
+        self.loads = True  # False on an instance that only stores what it computes (`kv_producer`)
         try:
             self.ops = Operations(config, self.manager)
         except BaseException:
@@ -131,7 +132,8 @@ class KVTierScheduler:
         if state is not None and not state.hits.recorded:
             state.hits.device = num_computed_tokens
             state.looked_up = 0
-        if state is None or state.options.skip_load or state.load_failed or num_computed_tokens % ct:
+        if state is None or not self.loads or state.options.skip_load or state.load_failed \
+                or num_computed_tokens % ct:
             return 0, False
         start = num_computed_tokens // ct
         keys = state.keys[start : (request.num_tokens - 1) // ct]

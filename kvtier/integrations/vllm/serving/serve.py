@@ -199,6 +199,10 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser],
     p.add_argument(CPU_OFFLOAD_FLAG, type=float, default=None, metavar="GIB",
                    help="vLLM's WEIGHT offload to CPU memory, not KV: passed on with a warning")
     p.add_argument("--fs", type=Path, default=None, help="add an fs tier in this directory")
+    p.add_argument("--kv-role", choices=("kv_both", "kv_producer", "kv_consumer"), default=None,
+                   help="vLLM's kv_role: kv_producer (a prefill instance) stores what it computes "
+                        "and loads nothing; kv_consumer (a decode instance) loads and stores "
+                        "nothing beyond its host tier (default: kv_both, or the --config value)")
     p.add_argument("--config", type=Path, default=None,
                    help="JSON file: a whole --kv-transfer-config, kvtier's extra config alone, or "
                         "a config for vLLM's OffloadingConnector (mapped key by key)")
@@ -249,6 +253,8 @@ def run_command(args: argparse.Namespace) -> int:
     transfer, mapped = build_transfer_config(
         cpu_gb, args.fs, args.config, engine_block_size=engine_block_size(vllm_args, cpu),
         cpu_flag=cpu_flag, os_reserve_gb=args.os_reserve_gb)
+    if args.kv_role is not None:
+        transfer["kv_role"] = args.kv_role
     config = KVTierConfig.from_dict(transfer["kv_connector_extra_config"])
     model = args.model if args.model is not None else args.default_model()
     total = mem_total()
