@@ -1,4 +1,5 @@
-"""`kvtier bench multiturn --trace DIR`: every kvtier configuration traces its run to its own file."""
+"""`kvtier bench multiturn --trace DIR`: every kvtier configuration traces its run to its own file;
+`--blocks-per-chunk N`: every kvtier configuration offloads in chunks of N engine blocks."""
 
 from __future__ import annotations
 
@@ -16,3 +17,14 @@ def test_each_kvtier_run_gets_its_own_trace_file(tmp_path: Path) -> None:
     plain = configs.BenchContext(1 << 20, 40, 400, 80, tmp_path / "run3-host")
     untraced = configs.resolve("host", plain).kvtier
     assert untraced is not None and "trace_path" not in untraced
+
+
+def test_blocks_per_chunk_option_sets_kvtier_chunk_size_only(tmp_path: Path) -> None:
+    ctx = configs.BenchContext(1 << 20, 40, 400, 80, tmp_path / "run1", {"blocks_per_chunk": "4"})
+    for name in ("host", "host+fs"):
+        kv = configs.resolve(name, ctx).kvtier
+        assert kv is not None and kv["blocks_per_chunk"] == 4
+        assert kv["cpu_bytes_to_use"] == 80 << 20  # the host tier keeps its bytes
+    assert configs.resolve("no-offload", ctx).kvtier is None
+    default = configs.resolve("host", configs.BenchContext(1 << 20, 40, 400, 80, tmp_path / "run2")).kvtier
+    assert default is not None and "blocks_per_chunk" not in default

@@ -104,6 +104,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--ramp-step-requests", type=int, default=None,
                    help="requests per ramp step (default: the largest point's conversations x turns)")
     p.add_argument("--ramp-step-s", type=float, default=None, help="seconds per ramp step")
+    p.add_argument("--blocks-per-chunk", type=_ints_one, default=None,
+                   help="engine blocks per chunk of every kvtier configuration (default 1)")
     p.add_argument("--trace", type=Path, default=None,
                    help="write each kvtier run's connector trace (trace_path) into this directory")
     p.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
@@ -178,6 +180,8 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
     block_bytes = presets.kv_bytes_per_token(model, dtype) * preset.block_size if model is not None else 0
     options = {k: v for k in ("obj_endpoint", "obj_bucket", "redis_url", "admission_policy")
                if (v := getattr(args, k))}
+    if args.blocks_per_chunk is not None:
+        options["blocks_per_chunk"] = str(args.blocks_per_chunk)
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
         options["trace_dir"] = str(args.trace.resolve())
@@ -199,7 +203,7 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
                  f"{model.name if model else args.endpoint} ({dtype})",
         "workload": spec.as_json(), "mix": mix.__dict__ if mix else None,
         "ramp": ramp.__dict__ if ramp else None, "sweep": list(sweep), "configs": names,
-        "repeats": args.repeats,
+        "repeats": args.repeats, "blocks_per_chunk": args.blocks_per_chunk or 1,
         "mode": mode,
         "model": str(model) if model else None, "dtype": dtype, "block_size": preset.block_size,
         "block_bytes": block_bytes, "sizing": sizes.__dict__ if args.endpoint is None else None,

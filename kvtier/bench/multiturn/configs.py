@@ -16,11 +16,14 @@ or neither (vLLM alone).
 - `host+fs-frequency`, `host+fs-priority`: host + fs with that admission policy at both gates
   (`host+fs` is the same with `all`), so `--configs host+fs,host+fs-frequency` compares them.
 
+With `--blocks-per-chunk N` (option `blocks_per_chunk`) every kvtier configuration offloads in
+chunks of N engine blocks (the host tier keeps its bytes); the others are unchanged.
+
 With `--trace DIR` (option `trace_dir`) every kvtier configuration writes its run's connector trace
 to `DIR/<run directory>.jsonl`.
 
-Every configuration offloads in chunks of one engine block, the same block size and the same host
-bytes, so the kvtier and native pairs differ only in the connector.
+By default every configuration offloads in chunks of one engine block, the same block size and the
+same host bytes, so the kvtier and native pairs differ only in the connector.
 
 `CONFIGS` maps each name to its builder; `resolve` raises ValueError listing the known names.
 """
@@ -192,6 +195,9 @@ def resolve(name: str, ctx: BenchContext) -> EngineConfig:
     """Build configuration `name`; kvtier's part is validated (`KVTierConfig.from_dict`)."""
     check_names([name])
     config = CONFIGS[name](ctx)
+    blocks_per_chunk = ctx.options.get("blocks_per_chunk")
+    if config.kvtier is not None and blocks_per_chunk:  # `--blocks-per-chunk`: kvtier's chunk size
+        config = replace(config, kvtier={**config.kvtier, "blocks_per_chunk": int(blocks_per_chunk)})
     trace_dir = ctx.options.get("trace_dir")
     if config.kvtier is not None and trace_dir:  # `--trace`: one trace file per run
         config = replace(config, kvtier={**config.kvtier,
