@@ -8,8 +8,11 @@ stderr, and writes results.json, results.csv and results.png to `--out` (default
 stdout. The vllm-native configurations load our shim of vLLM's own tiering from
 benchmarks/baselines/ (run from kvtier's source tree). Workload and cache sizes
 come from the preset unless given; `--endpoint URL` drives a running server instead (one
-configuration, labelled `--label`); `--mode inprocess` uses an in-process engine. Arguments after
-`--` go to every vLLM server.
+configuration, labelled `--label`), and `--endpoints URL,URL[,...]` several running servers as one
+fleet, each request sent where `--route` says (round-robin: the next instance; prefix-affinity:
+the conversation's own), with the split summed over the instances' /metrics and given per
+instance; `--mode inprocess` uses an in-process engine. Arguments after `--` go to every vLLM
+server.
 
 Mixed traffic and a ramp (server and endpoint modes): `--mix 0.5 --mix-tokens 256` makes half of
 all requests single-use one-turn prompts of 256 tokens, taken between the conversations' turns as
@@ -40,6 +43,7 @@ from typing import TYPE_CHECKING, Any
 
 from kvtier.bench.multiturn import configs as config_registry
 from kvtier.bench.multiturn import presets, report
+from kvtier.bench.multiturn.fleet import ROUTES
 from kvtier.bench.multiturn.workload import Mix, Ramp
 from kvtier.errors import KVTierError
 
@@ -55,6 +59,22 @@ def _ints(text: str) -> tuple[int, ...]:
     if not values or min(values) < 1:
         raise argparse.ArgumentTypeError(f"{text!r}: integers >= 1")
     return values
+
+
+def _urls(text: str) -> tuple[str, ...]:
+    urls = tuple(u.strip() for u in text.split(",") if u.strip())
+    if len(urls) < 2:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least two comma-separated URLs (one: --endpoint)")
+    return urls
+
+
+def _endpoints(args: argparse.Namespace) -> tuple[str, ...]:
+    """The running servers to drive (`--endpoint` or `--endpoints`); empty when the sweep starts
+    its own."""
+    if args.endpoints:
+        urls: tuple[str, ...] = args.endpoints
+        return urls
+    return (args.endpoint,) if args.endpoint else ()
 
 
 def _ints_one(text: str) -> int:
@@ -79,7 +99,14 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--repeats", type=_ints_one, default=3,
                    help="runs of each configuration at each point, interleaved (default 3)")
     p.add_argument("--mode", choices=("server", "inprocess"), default="server")
-    p.add_argument("--endpoint", default=None, help="drive this running server (no engine started)")
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--endpoint", default=None, help="drive this running server (no engine started)")
+    where.add_argument("--endpoints", type=_urls, default=None, metavar="URL,URL[,...]",
+                       help="drive these running servers as one fleet, each request routed by "
+                            "--route; the split is summed over their /metrics, and given per instance")
+    p.add_argument("--route", choices=ROUTES, default="round-robin",
+                   help="with --endpoints: round-robin (each request to the next instance) or "
+                        "prefix-affinity (a conversation sticks to one instance); default round-robin")
     p.add_argument("--served-model-name", default=None, help="model name for the endpoint")
     p.add_argument("--model", type=Path, default=None, help="model dir (default: embedded SmolLM2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the model's)")
@@ -131,7 +158,7 @@ def _load_tokenizer(name: str) -> Any:
 
 
 def _model(args: argparse.Namespace) -> Path | None:
-    if args.model is not None or args.endpoint is not None:
+    if args.model is not None or _endpoints(args):
         given: Path | None = args.model
         return given
     from kvtier.tools.models import ModelPrepError, prepare_smollm2
@@ -163,14 +190,15 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
             step_requests = max(sweep) * spec.turns
         ramp = Ramp(args.ramp, step_requests, args.ramp_step_s)
         ramp.check()
+    endpoints = _endpoints(args)
     names = args.configs.split(",") if args.configs else list(preset.configs)
-    if args.endpoint is not None:
+    if endpoints:
         names = [args.label or "endpoint"]
     else:
         config_registry.check_names(names)
     if args.block_size is not None:
         preset = presets.Preset(**{**preset.__dict__, "block_size": args.block_size})
-    if args.endpoint is not None and args.device_blocks is None and preset.device_blocks is None \
+    if endpoints and args.device_blocks is None and preset.device_blocks is None \
             and preset.device_conversations is None:  # the endpoint's cache is not ours to size
         preset = presets.Preset(**{**preset.__dict__, "device_blocks": 1 << 30})
     sizes = presets.sizing(preset, spec, sweep, device_blocks=args.device_blocks,
@@ -190,23 +218,24 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
     tokenizer_name = args.tokenizer or (str(model) if model is not None else None)
     if tokenizer_name is None:
         raise KVTierError("--tokenizer: needed with --endpoint (the served model's tokenizer)")
-    mode = "endpoint" if args.endpoint else args.mode
+    mode = "endpoint" if endpoints else args.mode
     plan = Plan(spec, tuple(sweep), names, mode, model,
                 args.served_model_name or (model.name if model is not None else "model"),
                 _load_tokenizer(tokenizer_name), preset.block_size, block_bytes, sizes.max_model_len,
-                context, dtype, args.endpoint, os.environ.get("OPENAI_API_KEY"),
-                tuple(args.passthrough), out, args.repeats, mix, ramp)
+                context, dtype, endpoints, os.environ.get("OPENAI_API_KEY"),
+                tuple(args.passthrough), out, args.repeats, mix, ramp, args.route)
     meta = {
         "label": args.label or f"{platform.node()} {args.preset}", "preset": args.preset,
         "title": f"kvtier bench multiturn, preset {args.preset}: {spec.initial_tokens} + "
                  f"{spec.tokens_per_turn}/turn x {spec.turns} turns, {spec.max_concurrency} in flight, "
-                 f"{model.name if model else args.endpoint} ({dtype})",
+                 f"{model.name if model else ', '.join(endpoints)} ({dtype})",
         "workload": spec.as_json(), "mix": mix.__dict__ if mix else None,
         "ramp": ramp.__dict__ if ramp else None, "sweep": list(sweep), "configs": names,
         "repeats": args.repeats, "blocks_per_chunk": args.blocks_per_chunk or 1,
-        "mode": mode,
+        "mode": mode, "endpoints": list(endpoints),
+        "route": args.route if len(endpoints) > 1 else None,
         "model": str(model) if model else None, "dtype": dtype, "block_size": preset.block_size,
-        "block_bytes": block_bytes, "sizing": sizes.__dict__ if args.endpoint is None else None,
+        "block_bytes": block_bytes, "sizing": None if endpoints else sizes.__dict__,
         "command": shlex.join(["kvtier", *sys.argv[1:]]) if sys.argv else "",
         "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "loadavg_start": list(os.getloadavg()), "started": time.strftime("%Y-%m-%d %H:%M:%S"),

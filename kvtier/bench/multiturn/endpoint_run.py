@@ -1,4 +1,4 @@
-"""One point of the workload against an OpenAI-compatible endpoint.
+"""One point of the workload against an OpenAI-compatible endpoint, or a fleet of them.
 
 Scheduling (the same in the in-process runner): the conversations wait in one FIFO queue, in
 order; `max_concurrency` workers each take the conversation at the head, ask its next turn, stream
@@ -6,7 +6,9 @@ the answer, append the reply, and put the conversation back at the tail if it ha
 every conversation is active from the start, and a conversation's next turn comes after about
 `conversations` other turns: its prefix must survive that many requests in some cache. With a
 `Mix` the workers also take single-use requests as they fall due, and with a `Ramp` the run is a
-sequence of steps, each at its own concurrency and ended by a drain (`workload` says how).
+sequence of steps, each at its own concurrency and ended by a drain (`workload` says how). With
+several endpoints the same workload goes to a fleet, each request to the instance a routing rule
+picks (`fleet`).
 
 The client's own cost is measured and returned with the records: the time to build each user
 message (tokenizer and chat template, run in a worker thread so it does not stall the event
@@ -18,12 +20,13 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 from kvtier.bench.multiturn.chat_client import ChatClient, LoopLag
 from kvtier.bench.multiturn.conversation import Conversation, Tokenizer, WorkloadSpec
+from kvtier.bench.multiturn.fleet import Chat, FleetClient, Router, check_route
 from kvtier.bench.multiturn.summary import RequestRecord, summary
 from kvtier.bench.multiturn.workload import Mix, Ramp, SingleUse, Workload
 
@@ -48,7 +51,7 @@ class _Step:
         return None if self.deadline_s is None else max(self.deadline_s - time.perf_counter(), 0.0)
 
 
-async def _serve_step(workload: Workload, client: ChatClient, step: _Step, index: int,
+async def _serve_step(workload: Workload, client: Chat, step: _Step, index: int,
                       records: list[RequestRecord], prep: list[float], on_request: OnRequest | None) -> None:
     """Serve items at `step.concurrency` until the step is over or the workload exhausted, then
     drain: return when every request the step started has finished."""
@@ -83,7 +86,7 @@ async def _serve_step(workload: Workload, client: ChatClient, step: _Step, index
     await asyncio.gather(*(worker() for _ in range(step.concurrency)))
 
 
-async def _drive(workload: Workload, client: ChatClient, ramp: Ramp | None, on_request: OnRequest | None,
+async def _drive(workload: Workload, client: Chat, ramp: Ramp | None, on_request: OnRequest | None,
                  on_step: OnStep | None) -> tuple[list[RequestRecord], list[float]]:
     records: list[RequestRecord] = []
     prep: list[float] = []
@@ -101,12 +104,14 @@ async def _drive(workload: Workload, client: ChatClient, ramp: Ramp | None, on_r
     return records, prep
 
 
-async def _run(base_url: str, model: str, workload: Workload, ramp: Ramp | None,
-               on_request: OnRequest | None, on_step: OnStep | None, ignore_eos: bool,
-               api_key: str | None) -> tuple[list[RequestRecord], dict[str, Any]]:
+async def _run(base_urls: Sequence[str], route: str, model: str, workload: Workload,
+               ramp: Ramp | None, on_request: OnRequest | None, on_step: OnStep | None,
+               ignore_eos: bool, api_key: str | None) -> tuple[list[RequestRecord], dict[str, Any]]:
     spec = workload.spec
     most = max(ramp.levels) if ramp is not None else spec.max_concurrency
-    client = ChatClient(base_url, model, spec.output_tokens, most, ignore_eos=ignore_eos, api_key=api_key)
+    clients = [ChatClient(url, model, spec.output_tokens, most, ignore_eos=ignore_eos, api_key=api_key)
+               for url in base_urls]
+    client: Chat = clients[0] if len(clients) == 1 else FleetClient(clients, Router(route, len(clients)))
     lag = LoopLag()
     cpu0, wall0 = time.process_time(), time.perf_counter()
     lag.start()
@@ -121,14 +126,22 @@ async def _run(base_url: str, model: str, workload: Workload, ramp: Ramp | None,
                      "cpu_fraction": (time.process_time() - cpu0) / wall if wall else 0.0}
 
 
-def run_endpoint_point(base_url: str, model: str, spec: WorkloadSpec, tokenizer: Tokenizer, tag: str,
-                       on_request: OnRequest | None = None, *, ignore_eos: bool = True,
-                       api_key: str | None = None, mix: Mix | None = None, ramp: Ramp | None = None,
-                       on_step: OnStep | None = None) -> tuple[list[RequestRecord], dict[str, Any]]:
+def run_endpoint_point(base_url: str | Sequence[str], model: str, spec: WorkloadSpec,
+                       tokenizer: Tokenizer, tag: str, on_request: OnRequest | None = None, *,
+                       ignore_eos: bool = True, api_key: str | None = None, mix: Mix | None = None,
+                       ramp: Ramp | None = None, on_step: OnStep | None = None,
+                       route: str = "round-robin") -> tuple[list[RequestRecord], dict[str, Any]]:
     """Serve the whole workload (with `ramp`: every step, an endless workload); the request
-    records (each with its `step` and whether it was `single_use`) and the client's overhead
-    (`client`). `on_step(step, records)` runs after each step has drained."""
+    records (each with its `step`, whether it was `single_use`, and the `instance` that served it)
+    and the client's overhead (`client`). `on_step(step, records)` runs after each step has
+    drained. Several URLs are a fleet: each request goes to the instance `route` picks
+    (`fleet.Router`)."""
     if ramp is not None:
         ramp.check()
+    urls = [base_url] if isinstance(base_url, str) else list(base_url)
+    if not urls:
+        raise ValueError("no endpoint to drive")
+    check_route(route)
     workload = Workload(spec, tokenizer, tag, mix, endless=ramp is not None)
-    return asyncio.run(_run(base_url, model, workload, ramp, on_request, on_step, ignore_eos, api_key))
+    return asyncio.run(_run(urls, route, model, workload, ramp, on_request, on_step,
+                            ignore_eos, api_key))

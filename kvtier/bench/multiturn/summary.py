@@ -64,6 +64,7 @@ class RequestRecord:
     error: str = ""
     single_use: bool = False  # a mixed-in one-turn request (`workload.Mix`)
     step: int = 0  # the ramp step it started in
+    instance: int = 0  # the fleet instance that served it (`fleet`; 0 for one endpoint)
 
 
 def sum_splits(splits: Sequence[Mapping[str, int]]) -> dict[str, int]:

@@ -10,8 +10,8 @@ conversations in a round, and no run's prefixes help another.
 
 `mode` "server" starts a vLLM OpenAI server per run (`server.VLLMServer`) and drives it over HTTP
 with streaming; "inprocess" builds an in-process engine per run (`engine_run.InProcessEngine`);
-"endpoint" drives an already running server (`Plan.endpoint`) under the label `Plan.configs[0]`
-and starts nothing.
+"endpoint" drives already running servers (`Plan.endpoints`: one, or a fleet routed by
+`Plan.route`, see `fleet`) under the label `Plan.configs[0]` and starts nothing.
 
 The hit-quality split: with kvtier, its counters (per request in process, `/metrics` deltas for a
 server); otherwise vLLM's own counters (`native_split`: device prefix cache, and with vLLM's
@@ -42,6 +42,7 @@ from kvtier.bench.multiturn import configs as config_registry
 from kvtier.bench.multiturn import scrape
 from kvtier.bench.multiturn.conversation import Tokenizer, WorkloadSpec
 from kvtier.bench.multiturn.endpoint_run import run_endpoint_point
+from kvtier.bench.multiturn.fleet import instance_entries, merge_transfers
 from kvtier.bench.multiturn.summary import RequestRecord, point_summary, sum_splits
 from kvtier.bench.multiturn.vllm_server import ServerSettings, VLLMServer, http_get
 from kvtier.bench.multiturn.workload import Mix, Ramp
@@ -69,13 +70,14 @@ class Plan:
     max_model_len: int
     context: config_registry.BenchContext
     dtype: str = "float32"
-    endpoint: str | None = None
+    endpoints: tuple[str, ...] = ()
     api_key: str | None = None
     vllm_args: tuple[str, ...] = ()
     log_dir: Path = field(default_factory=lambda: Path("."))
     repeats: int = 1
     mix: Mix | None = None
     ramp: Ramp | None = None
+    route: str = "round-robin"
 
 
 @dataclass(frozen=True)
@@ -160,41 +162,51 @@ def _wait_metrics(url: str, before: dict[scrape.Sample, float], splitter: scrape
         time.sleep(0.25)
 
 
-def _served_point(plan: Plan, run: Run, base_url: str, hooks: Hooks, emit: Emit, with_kvtier: bool) -> None:
+def _served_point(plan: Plan, run: Run, base_urls: list[str], hooks: Hooks, emit: Emit,
+                  with_kvtier: bool) -> None:
     """Serve the point; with a ramp, one point per step (its own `/metrics` split, scraped after
-    the step drained)."""
+    the step drained). Several URLs are a fleet (`fleet`): the split is the sum of the instances'
+    deltas, each instance's own is in the point's `instances`."""
     warm = replace(plan.spec, initial_tokens=160, tokens_per_turn=64, turns=1, conversations=1,
                    max_concurrency=1, output_tokens=2, seed=-1)
-    run_endpoint_point(base_url, plan.served_name, warm, plan.tokenizer, "warm-up", api_key=plan.api_key)
+    for url in base_urls:
+        run_endpoint_point(url, plan.served_name, warm, plan.tokenizer, "warm-up", api_key=plan.api_key)
     splitter: scrape.Splitter = scrape.kvtier_split if with_kvtier else native_split
     spec = replace(plan.spec, conversations=run.conversations)
     turns = run.conversations * spec.turns
     requests = (len(plan.ramp.levels) * plan.ramp.step_requests if plan.ramp and plan.ramp.step_requests
                 else turns + (plan.mix.due(turns) if plan.mix else 0))
     hooks.point_starting(_label(plan, run), run.conversations, requests)
-    url = f"{base_url}/metrics"
-    scrapes = [scrape.parse(http_get(url))]
-    splits: list[dict[str, int]] = []
+    urls = [f"{base}/metrics" for base in base_urls]
+    scrapes = [[scrape.parse(http_get(url)) for url in urls]]  # per step boundary, per instance
+    splits: list[list[dict[str, int]]] = []
 
     def step_done(step: int, records: list[RequestRecord]) -> None:
-        expected = sum(r.prompt_tokens for r in records if not r.error)
-        after, split = _wait_metrics(url, scrapes[-1], splitter, expected)
-        scrapes.append(after)
-        splits.append(split)
+        afters, step_splits = [], []
+        for index, url in enumerate(urls):
+            expected = sum(r.prompt_tokens for r in records if not r.error and r.instance == index)
+            after, split = _wait_metrics(url, scrapes[-1][index], splitter, expected)
+            afters.append(after)
+            step_splits.append(split)
+        scrapes.append(afters)
+        splits.append(step_splits)
 
-    records, client = run_endpoint_point(base_url, plan.served_name, spec, plan.tokenizer, run.tag,
+    records, client = run_endpoint_point(base_urls, plan.served_name, spec, plan.tokenizer, run.tag,
                                          hooks.request_done, api_key=plan.api_key, mix=plan.mix,
-                                         ramp=plan.ramp, on_step=step_done)
-    for step, split in enumerate(splits):
-        before, after = scrapes[step], scrapes[step + 1]
+                                         ramp=plan.ramp, on_step=step_done, route=plan.route)
+    for step, step_splits in enumerate(splits):
+        pairs = list(zip(scrapes[step], scrapes[step + 1], strict=True))
+        mine = [r for r in records if r.step == step]
         extra: dict[str, Any] = {
             "tokens_from": "kvtier_metrics" if with_kvtier else "vllm_metrics",
-            "preemptions": scrape.preemptions(before, after),
-            "kvtier_transfers": scrape.transfers(before, after), "client": client, **_where(run)}
+            "preemptions": sum(scrape.preemptions(before, after) for before, after in pairs),
+            "kvtier_transfers": merge_transfers([scrape.transfers(b, a) for b, a in pairs]),
+            "client": client, **_where(run)}
+        if len(base_urls) > 1:
+            extra.update(route=plan.route, instances=instance_entries(base_urls, step_splits, mine))
         if plan.ramp is not None:
             extra["ramp"] = {"step": step, "concurrency": plan.ramp.levels[step]}
-        emit(point_summary(run.config, run.conversations, [r for r in records if r.step == step],
-                           split, extra))
+        emit(point_summary(run.config, run.conversations, mine, sum_splits(step_splits), extra))
 
 
 def _inprocess_point(plan: Plan, run: Run, engine: Any, hooks: Hooks, emit: Emit) -> None:
@@ -229,7 +241,7 @@ def _engine_run(plan: Plan, run: Run, hooks: Hooks, emit: Emit) -> None:
         if plan.mode == "server":
             log = plan.log_dir / f"server-{run.config.replace('+', '-')}.log"
             with VLLMServer(settings, log) as server:
-                _served_point(plan, run, server.base_url, hooks, emit, config.kvtier is not None)
+                _served_point(plan, run, [server.base_url], hooks, emit, config.kvtier is not None)
         elif plan.mode == "inprocess":
             from kvtier.bench.multiturn.engine_run import InProcessEngine
 
@@ -252,7 +264,10 @@ def run_sweep(plan: Plan, hooks: Hooks, emit: Emit) -> None:
         if plan.mode != "endpoint":
             _engine_run(plan, run, hooks, emit)
             continue
-        if plan.endpoint is None:
-            raise ValueError("--endpoint: needed in endpoint mode")
-        base_url = plan.endpoint.rstrip("/")
-        _served_point(plan, run, base_url, hooks, emit, "kvtier_" in http_get(f"{base_url}/metrics"))
+        if not plan.endpoints:
+            raise ValueError("--endpoint or --endpoints: needed in endpoint mode")
+        base_urls = [url.rstrip("/") for url in plan.endpoints]
+        with_kvtier = ["kvtier_" in http_get(f"{url}/metrics") for url in base_urls]
+        if len(set(with_kvtier)) > 1:
+            raise ValueError("--endpoints: some instances run kvtier and some do not")
+        _served_point(plan, run, base_urls, hooks, emit, with_kvtier[0])
