@@ -55,25 +55,30 @@ class Accounting:
         self.sources = [HOST, *manager.tiers]
         self.finished: OrderedDict[str, dict[str, int]] = OrderedDict()
 
-    def record_alloc(self, hits: RequestHits, looked_up: int, sources: list[str]) -> None:
+    def record_alloc(
+        self, hits: RequestHits, looked_up: int, sources: list[str], skipped: int = 0
+    ) -> None:
         """A request got its blocks: `looked_up` chunks were asked past the device hit and
-        `sources[i]` served the i-th loaded chunk. Called once per request (first allocation)."""
+        `sources[i]` served the i-th loaded chunk, the first one but its `skipped` tokens (the
+        device held them). Called once per request (first allocation)."""
         hits.recorded = True
-        ct = self.chunk_tokens
-        for source in sources:
-            hits.loaded[source] += ct
+        self._add(hits, sources, skipped, 1)
         if looked_up:
             self.metrics.inc("lookups", 1)
             self.metrics.inc("lookup_chunks", looked_up)
         for tier, count in Counter(sources).items():
             self.metrics.inc("hit_chunks", count, tier)
 
-    def load_failed(self, hits: RequestHits | None, sources: list[str]) -> None:
-        """A host → device load of chunks from `sources` failed: vLLM recomputes them."""
+    def load_failed(self, hits: RequestHits | None, sources: list[str], skipped: int = 0) -> None:
+        """A host → device load of chunks from `sources` (the first one but its `skipped` tokens)
+        failed: vLLM recomputes them."""
         self.metrics.inc("failures", len(sources), HOST, "load")
         if hits is not None:
-            for source in sources:
-                hits.loaded[source] -= self.chunk_tokens
+            self._add(hits, sources, skipped, -1)
+
+    def _add(self, hits: RequestHits, sources: list[str], skipped: int, sign: int) -> None:
+        for i, source in enumerate(sources):
+            hits.loaded[source] += sign * (self.chunk_tokens - (skipped if i == 0 else 0))
 
     def copied(self, op: str, chunks: int, seconds: float, ok: bool) -> None:
         """Workers finished a device ↔ host copy job (`op` "store": device → host)."""

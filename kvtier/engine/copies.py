@@ -88,3 +88,5 @@ class LoadCopy(CopyAcks):
     sources: list[str] = field(default_factory=list)
     last: bool = True
     sync: bool = False
+    skipped: int = 0
+    """Tokens of the first chunk the device already held: its load wrote only the rest."""

@@ -26,6 +26,9 @@ class RequestState:
     hits: RequestHits
     priority: int
     load_from: int = 0
+    load_offset: int = 0
+    """Tokens of chunk `load_from` the device already holds (its hit ends inside that chunk, a
+    multiple of the engine block): the load offers the rest of the chunk and skips those blocks."""
     stored: int = 0
     asked: int = 0
     """Chunks before this index were put to the host tier's admission (device → host gate)."""

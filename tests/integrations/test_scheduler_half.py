@@ -10,6 +10,7 @@ from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
 from kvtier.engine.request_options import RequestOptions, retention_priority
+from kvtier.format.layout import SKIP_BLOCK
 from kvtier.integrations.vllm.metadata import KVTierWorkerMetadata
 from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
 from kvtier.policies.base import DEFAULT_PRIORITY
@@ -306,8 +307,41 @@ def test_chunks_of_two_blocks() -> None:
         s.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=acks))
         assert s.get_num_new_matched_tokens(FakeRequest("b", prompt), 0) == (16, True)  # type: ignore[arg-type]
         assert s.get_num_new_matched_tokens(FakeRequest("c", prompt), 8) == (8, True)  # type: ignore[arg-type]
-        # A device hit that ends inside a chunk: that chunk cannot be loaded in part; recompute.
-        assert s.get_num_new_matched_tokens(FakeRequest("d", prompt), 4) == (0, False)  # type: ignore[arg-type]
+    finally:
+        s.shutdown()
+
+
+@pytest.mark.parametrize("ok", [True, False])
+def test_a_device_hit_inside_a_chunk_loads_the_rest_of_it(ok: bool) -> None:
+    """Chunks of two 4-token blocks; the device holds the first block: the load ends on a chunk
+    boundary, skips the block the device holds, and the split counts each token once."""
+    config = KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES, "blocks_per_chunk": 2})
+    s = KVTierScheduler(config, geometry(blocks_per_chunk=2), 1)
+    try:
+        s.bind_block_ids({"a": ([6, 1, 8, 3, 9],)}.__getitem__)
+        prompt = list(range(21))  # 2 full chunks of 8 tokens, then 5 more
+        a = FakeRequest("a", prompt)
+        assert s.get_num_new_matched_tokens(a, 0) == (0, False)  # type: ignore[arg-type]
+        (job,) = s.build_connector_meta(FakeSchedulerOutput({"a": 21})).stores
+        s.update_connector_output(KVConnectorOutput(
+            kv_connector_worker_meta=KVTierWorkerMetadata({job.job_id: (1, True)})))
+        keys = s.hasher.keys(prompt)
+        for hit, loaded in ((4, 12), (12, 4)):
+            assert s.get_num_new_matched_tokens(FakeRequest(f"h{hit}", prompt), hit) == (loaded, True)  # type: ignore[arg-type]
+        b = FakeRequest("b", prompt)
+        assert s.get_num_new_matched_tokens(b, 4) == (12, True)  # type: ignore[arg-type]
+        s.update_state_after_alloc(b, FakeBlocks([6, 21, 22, 23]), 12)  # type: ignore[arg-type]
+        (load,) = s.build_connector_meta(FakeSchedulerOutput({})).loads
+        assert load.block_ids == ((SKIP_BLOCK, 21), (22, 23)) and list(load.keys) == keys
+        assert s.hit_sources(b) == {"host": 12}  # type: ignore[arg-type]
+        worker_meta = KVTierWorkerMetadata(loads={load.job_id: (1, ok)})
+        s.update_connector_output(
+            KVConnectorOutput(finished_recving={"b"}, kv_connector_worker_meta=worker_meta))
+        split = {"device": 4, "host": 12, "recomputed": 5} if ok else \
+            {"device": 4, "host": 0, "recomputed": 17}
+        assert s.request_finished(b) == {"kvtier": {"tokens": split}}  # type: ignore[arg-type]
+        # A hit that is not a whole number of engine blocks is never continued.
+        assert s.get_num_new_matched_tokens(FakeRequest("c", prompt), 6) == (0, False)  # type: ignore[arg-type]
     finally:
         s.shutdown()
 

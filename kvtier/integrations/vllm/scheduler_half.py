@@ -126,14 +126,17 @@ class KVTierScheduler:
         Called by vLLM's scheduler for a waiting request, possibly on several steps. Returns
         (tokens, load asynchronously: a streamed one always), or (None, False) while a promotion
         is in flight. Never offers the last prompt token (as vLLM's prefix cache: hits agree).
+        A device hit that ends inside a chunk is continued from that chunk: the load ends on a
+        chunk boundary and skips the blocks the device holds.
         """
         state = self._state(request)
         ct = self.geometry.chunk_tokens
         if state is not None and not state.hits.recorded:
             state.hits.device = num_computed_tokens
             state.looked_up = 0
+        offset = num_computed_tokens % ct
         if state is None or not self.loads or state.options.skip_load or state.load_failed \
-                or num_computed_tokens % ct:
+                or offset % self.geometry.block_size:
             return 0, False
         start = num_computed_tokens // ct
         keys = state.keys[start : (request.num_tokens - 1) // ct]
@@ -152,13 +155,23 @@ class KVTierScheduler:
         self.ops.lookup_answered(request.request_id, found.pending, state.promoted_from.values())
         if found.pending:
             return None, False
-        if state.streamed.start != start + found.ready:
-            state.streamed = range(0)  # not right after what is ready: nothing to stream onto
+        if state.streamed.start != start + found.ready or (offset and not found.ready):
+            # Not right after what is ready (or no ready head to carry the partial first chunk):
+            # nothing to stream onto.
+            state.streamed = range(0)
         state.load_from = start
+        state.load_offset = offset
         state.looked_up = len(keys)
         chunks = found.ready + len(state.streamed)
         state.load_sync = self.sync_loads and not state.streamed
-        return chunks * ct, chunks > 0 and not state.load_sync
+        return (chunks * ct - offset if chunks else 0), chunks > 0 and not state.load_sync
+
+    def loaded_chunks(self, state: RequestState, num_external_tokens: int) -> int:
+        """The chunks a load of `num_external_tokens` past the device hit covers (the first one
+        partly, when the hit ends inside it)."""
+        if not num_external_tokens:
+            return 0
+        return (num_external_tokens + state.load_offset) // self.geometry.chunk_tokens
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -172,7 +185,8 @@ class KVTierScheduler:
         if state is None:
             return
         first = state.load_from
-        count = num_external_tokens // self.geometry.chunk_tokens
+        count = self.loaded_chunks(state, num_external_tokens)
+        skipped = state.load_offset if count else 0
         streamed = len(state.streamed) if count >= len(state.streamed) else 0
         head = state.keys[first : first + count - streamed]  # ready in the host tier
         slots = self.manager.host.prepare_load(head, access=False) if head else None
@@ -180,12 +194,15 @@ class KVTierScheduler:
         self.manager.release(state.take_promoted(keep=range(first + count - streamed, first + count)))
         ok = slots is not None or not head
         if not state.hits.recorded:
-            self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [])
+            self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [],
+                                         skipped)
         if num_external_tokens == 0:
             return
         bpc = self.geometry.blocks_per_chunk
         ids = blocks.get_block_ids()
-        chunks = [load_blocks(ids, c, bpc) for c in range(first, first + count)]
+        skip = skipped // self.geometry.block_size
+        chunks = [load_blocks(ids, c, bpc, skip if c == first else 0)
+                  for c in range(first, first + count)]
         req_id = request.request_id
         if not ok:
             # The rows left the host tier since the lookup: these chunks are recomputed.
@@ -201,12 +218,13 @@ class KVTierScheduler:
         if head and slots is not None:
             copy = ChunkCopy(next(self._job_ids), req_id, tuple(head), tuple(chunks[: len(head)]),
                              tuple(slots), last=not streamed, sync=state.load_sync)
-            self._send(copy, sources[: len(head)], head)
+            self._send(copy, sources[: len(head)], head, skipped)
 
     def _send(self, copy: ChunkCopy, sources: list[str] | None = None,
-              keys: list[bytes] | None = None) -> None:
+              keys: list[bytes] | None = None, skipped: int = 0) -> None:
         """Queue a load (or a part of one) for the next step; `keys` pinned for it are released
-        when it ends, and its `sources` are counted then (none: a failed load)."""
+        when it ends, and its `sources` are counted then (none: a failed load; `skipped`: tokens
+        of its first chunk the device held)."""
         state = self._requests.get(copy.req_id)
         mark_load_failed(state if not copy.slots else None)
         if keys:
@@ -215,7 +233,7 @@ class KVTierScheduler:
                 self.manager.host.raise_priority(keys, state.priority)
         if copy.slots and sources is not None:
             self._loads[copy.job_id] = LoadCopy(req_id=copy.req_id, sources=sources, last=copy.last,
-                                                sync=copy.sync)
+                                                sync=copy.sync, skipped=skipped)
         self._loads_to_send.append(copy)
 
     def _send_parts(self, parts: list[Part]) -> None:
@@ -344,7 +362,8 @@ class KVTierScheduler:
             else:
                 state = self._requests.get(load.req_id)
                 mark_load_failed(state)
-                self.accounting.load_failed(state.hits if state else None, load.sources)
+                self.accounting.load_failed(state.hits if state else None, load.sources,
+                                            load.skipped)
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
         """Forget the request; return its prompt-token split for `kv_transfer_params` (None when

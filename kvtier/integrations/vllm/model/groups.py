@@ -137,12 +137,15 @@ def store_blocks(ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int
     return tuple(out)
 
 
-def load_blocks(ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int) -> tuple[int, ...]:
+def load_blocks(
+    ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int, skip: int = 0
+) -> tuple[int, ...]:
     """Chunk `chunk`'s blocks to load into, group by group; `SKIP_BLOCK` where a group holds none
-    (outside the window before the hit point)."""
+    (outside the window before the hit point) and for the chunk's first `skip` blocks (the device
+    hit already holds them)."""
     out: list[int] = []
     for group in ids:
         blocks = list(group[chunk * blocks_per_chunk : (chunk + 1) * blocks_per_chunk])
         blocks += [NULL_BLOCK] * (blocks_per_chunk - len(blocks))
-        out.extend(SKIP_BLOCK if b == NULL_BLOCK else b for b in blocks)
+        out.extend(SKIP_BLOCK if b == NULL_BLOCK or i < skip else b for i, b in enumerate(blocks))
     return tuple(out)
