@@ -3,7 +3,9 @@
 `Transfer` is what the connector's worker half drives, once per engine step and on the engine's
 worker thread: `before_forward` (before the step's forward pass is launched), `forward_done` then
 `submit_store` for each store (after the forward pass was launched), `submit_load` for each load,
-and `poll` for the jobs that ended. A job's `CopyResult` comes out of `poll` exactly once, after
+and `poll` for the jobs that ended. A model with recurrent layers also hands the transfer its state
+copier (`add_states`): state segments then go through `submit_state_store` and `submit_state_load`,
+ordered and reported as the attention chunks are. A job's `CopyResult` comes out of `poll` exactly once, after
 its bytes are in place (or, when it failed, after no copy of it can still be running).
 
 Failures are values: a job that could not be copied is reported with `ok=False`, having logged the
@@ -13,14 +15,13 @@ cause; the caller fails the job and kvtier recomputes or skips the chunk.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from kvtier.transfer.copy_plan import CopyPlan
-
-CopyFn = Callable[[Sequence[torch.Tensor], Sequence[Sequence[int]], torch.Tensor, Sequence[int]], None]
+from kvtier.transfer.state_copier import StateCopier
 
 
 @dataclass(frozen=True)
@@ -40,6 +41,7 @@ class Transfer(ABC):
     """
 
     plan: CopyPlan
+    states: StateCopier | None = None
 
     @abstractmethod
     def attach(self, region_name: str, shm_dir: str) -> None:
@@ -62,6 +64,31 @@ class Transfer(ABC):
         forward pass. When `poll` reports the job ok, the blocks hold the chunks' KV; until `poll`
         reports it (ok or not), the rows must stay pinned and the blocks unread.
         """
+
+    def add_states(self, copier: StateCopier) -> None:
+        """Carry this rank's recurrent-layer state segments too, copied by `copier` (its tensors on
+        the KV tensors' device). Called once, before the first state copy; ValueError when the
+        copier's tensors live on another device."""
+        devices = {t.device for parts in copier.tensors for t in parts}
+        if devices != {copier.device} or copier.device != self.device:
+            raise ValueError(f"state tensors on {sorted(map(str, devices))}, KV tensors on {self.device}")
+        self.states = copier
+
+    @property
+    @abstractmethod
+    def device(self) -> torch.device:
+        """The device of the KV tensors."""
+
+    @abstractmethod
+    def submit_state_store(self, job_id: int, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy the state segment of blocks `block_ids` (one per recurrent layer) into rows `slots`
+        (one per row of the segment), as `submit_store` copies chunks: same before and after; a
+        transfer without states (`add_states`) reports the job failed."""
+
+    @abstractmethod
+    def submit_state_load(self, job_id: int, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        """Copy the state segment in rows `slots` into blocks `block_ids`, as `submit_load` copies
+        chunks; reported by `poll` before any load submitted after it."""
 
     @abstractmethod
     def poll(self) -> list[CopyResult]:

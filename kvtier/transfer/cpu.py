@@ -16,7 +16,7 @@ import torch
 
 from kvtier.format.layout import host_rows
 from kvtier.host.region import HostRegion
-from kvtier.transfer.base import CopyFn, CopyResult, Transfer
+from kvtier.transfer.base import CopyResult, Transfer
 from kvtier.transfer.copy_plan import CopyPlan
 
 log = logging.getLogger("kvtier.transfer")
@@ -47,10 +47,20 @@ class HostTransfer(Transfer):
         self._region = region
 
     def submit_store(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
-        self._timed(job_id, self.store, block_ids, slots)
+        self._timed(job_id, lambda: self.store(block_ids, slots))
 
     def submit_load(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
-        self._timed(job_id, self.load, block_ids, slots)
+        self._timed(job_id, lambda: self.load(block_ids, slots))
+
+    def submit_state_store(self, job_id: int, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        self._timed(job_id, lambda: self._states(True, block_ids, slots))
+
+    def submit_state_load(self, job_id: int, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        self._timed(job_id, lambda: self._states(False, block_ids, slots))
+
+    @property
+    def device(self) -> torch.device:
+        return self.layer_tensors[0].device
 
     def poll(self) -> list[CopyResult]:
         done, self._results = self._results, []
@@ -58,37 +68,36 @@ class HostTransfer(Transfer):
 
     def store(self, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> bool:
         """`submit_store` done now: True once the rows hold the chunks, False (logged) on failure."""
-        return self._run("store", self.plan.engine_to_host, block_ids, slots)
+        return self._run("store", len(slots), lambda rows: self.plan.engine_to_host(
+            self.layer_tensors, block_ids, rows, slots))
 
     def load(self, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> bool:
         """`submit_load` done now: True once the blocks hold the chunks, False (logged) on failure."""
-        return self._run("load", self.plan.host_to_engine, block_ids, slots)
+        return self._run("load", len(slots), lambda rows: self.plan.host_to_engine(
+            self.layer_tensors, block_ids, rows, slots))
 
-    def _timed(
-        self,
-        job_id: int,
-        copy: Callable[[Sequence[Sequence[int]], Sequence[int]], bool],
-        block_ids: Sequence[Sequence[int]],
-        slots: Sequence[int],
-    ) -> None:
+    def _states(self, to_host: bool, block_ids: Sequence[int], slots: Sequence[int]) -> bool:
+        what = "state store" if to_host else "state load"
+        copier = self.states
+        if copier is None:
+            log.error("kvtier %s on a transfer without state tensors", what)
+            return False
+        copy = copier.engine_to_host if to_host else copier.host_to_engine
+        return self._run(what, 1, lambda rows: copy(block_ids, rows, slots))
+
+    def _timed(self, job_id: int, copy: Callable[[], bool]) -> None:
         start = time.perf_counter()
-        ok = copy(block_ids, slots)
+        ok = copy()
         self._results.append(CopyResult(job_id, ok, time.perf_counter() - start))
 
-    def _run(
-        self,
-        what: str,
-        copy: CopyFn,
-        block_ids: Sequence[Sequence[int]],
-        slots: Sequence[int],
-    ) -> bool:
+    def _run(self, what: str, chunks: int, copy: Callable[[torch.Tensor], None]) -> bool:
         if self._rows is None:
-            log.error("kvtier %s of %d chunk(s) before the host region was attached", what, len(slots))
+            log.error("kvtier %s of %d chunk(s) before the host region was attached", what, chunks)
             return False
         try:
-            copy(self.layer_tensors, block_ids, self._rows, slots)
+            copy(self._rows)
         except Exception:
-            log.exception("kvtier %s of %d chunk(s) failed", what, len(slots))
+            log.exception("kvtier %s of %d chunk(s) failed", what, chunks)
             return False
         return True
 

@@ -1,32 +1,43 @@
 """The asynchronous transfer: copies queued on copy streams, ordered and tracked with events.
 
-`StreamTransfer` queues each job's copies (`StagedCopy`) on a copy stream and returns at once;
-`poll` reports a job once the event recorded after its copies has completed (`query()`, which
-never blocks). The stream and event operations sit behind `CopyStreams`, implemented for CUDA by
-`kvtier.transfer.cuda.CudaStreams`, and in the tests by an emulated device over CPU tensors that
-runs each stream's work later, in stream order, as a GPU would.
+`StreamTransfer` queues each job's copies on a copy stream and returns at once: attention chunks
+through `StagedCopy`, recurrent-state segments (gated delta net, Mamba2) through `StateCopier`, the
+same way; `poll` reports a job once the event recorded after its copies has completed (`query()`,
+which never blocks), each stream's jobs in the order they were queued. The stream and event
+operations sit behind `CopyStreams`, implemented for CUDA by `kvtier.transfer.cuda.CudaStreams`,
+and in the tests by an emulated device over CPU tensors that runs each stream's work later, in
+stream order, as a GPU would.
 
-Hazards, and what orders them (the compute stream is the one vLLM runs the forward pass on):
+Hazards, and what orders them (the compute stream is the one vLLM runs the forward pass on; a
+"block" is an attention block or a state block alike):
 
 1. A store must read its blocks after the forward pass that wrote them: `forward_done`, called by
    `wait_for_save` once the pass was launched, records an event on the compute stream, and the
    store stream waits on it before the store's copies.
 2. A stored block must not be overwritten before its copy has read it. kvtier's scheduler half
    acknowledges a store a step or more after it was planned, and vLLM frees a request's blocks as
-   soon as it finishes or is preempted, so a later forward pass may write a block whose store is
-   still running. kvtier does not rely on the scheduler holding blocks: the compute stream waits
-   (on the device, the CPU goes on) for the last store still running, in `before_forward` (vLLM's
-   `handle_preemptions`, called before every forward pass) when the connector forwards that hook,
-   else right after the store is queued (which also delays the step's sampling by the copy).
+   soon as it finishes or is preempted (a state block holds its boundary state only until the end
+   of the step), so a later forward pass may write a block whose store is still running. kvtier
+   does not rely on the scheduler holding blocks: the compute stream waits (on the device, the CPU
+   goes on) for the last store still running, in `before_forward` (vLLM's `handle_preemptions`,
+   called before every forward pass) when the connector forwards that hook, else right after the
+   store is queued (which also delays the step's sampling by the copy).
 3. A loaded block must not be read before its copy ended: a load is reported finished only once
    its event completed; vLLM schedules the request only after that report, and holds the blocks
-   of a request aborted while loading until then (`Scheduler.finish_requests`).
+   of a request aborted while loading until then (`Scheduler.finish_requests`). A request's state
+   load is queued before its chunk loads, on the same stream, and `poll` keeps stream order, so a
+   failed state load is reported before the request's last chunk load.
 4. A load must not write a block that an earlier step still uses (vLLM may free a block on the CPU
    while a forward pass that touches it is still queued, and reallocate it to the loading request),
    nor one a running store still reads: the load stream waits on the last forward pass's event and
-   on the last store still running. (vLLM also zeroes new blocks on the compute stream, but only
-   recurrent-state blocks, which kvtier copies on the compute stream itself (`StateCopier`), or
-   mixed-precision caches, which `engine_geometry` refuses.)
+   on the last store still running. With recurrent layers, vLLM 0.32 also zeroes, on the compute
+   stream before the step's forward pass (`new_block_ids_to_zero`), the whole pages (every layer's
+   bytes, state layers' included) of the attention blocks it allocated in the step; a block freed
+   and given again in one scheduling pass can be in that list and in a load of the same step, so a
+   transfer carrying states makes each load wait for a compute event recorded when it is submitted
+   (after that zeroing; it also waits for the step's forward pass, the price of the guarantee).
+   Without recurrent layers vLLM zeroes nothing (mixed-precision caches, the other case, are
+   refused by `engine_geometry`).
 5. A job that failed part way may have queued some copies: it is reported (failed) only after its
    event, so nothing writes into its rows or blocks once kvtier or vLLM reuse them.
 6. The host rows must stay mapped and pinned while copies use them: `close` waits for every job
@@ -52,6 +63,9 @@ from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.staged import DEFAULT_STAGING_BYTES, StagedCopy
 
 log = logging.getLogger("kvtier.transfer")
+
+Copy = Callable[[torch.Tensor], None]
+"""A job's copies, given the host rows: queued on the current stream when called."""
 
 
 class Direction(Enum):
@@ -99,6 +113,7 @@ class CopyStreams(ABC):
 class _Running:
     job_id: int
     direction: Direction
+    what: str
     chunks: int
     start: CopyEvent
     end: CopyEvent
@@ -107,7 +122,7 @@ class _Running:
 
     def result(self, seconds: float) -> CopyResult:
         for exc in self.errors:
-            log.error("kvtier %s of %d chunk(s) failed: %r", self.direction.value, self.chunks, exc)
+            log.error("kvtier %s of %d chunk(s) failed: %r", self.what, self.chunks, exc)
         return CopyResult(self.job_id, not self.errors, seconds)
 
 
@@ -162,59 +177,90 @@ class StreamTransfer(Transfer):
     def forward_done(self) -> None:
         self._forward = self.streams.mark_compute()
 
+    @property
+    def device(self) -> torch.device:
+        return self.staged.device
+
     def submit_store(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        self._store(job_id, "store", len(slots), lambda rows: self.staged.store(rows, block_ids, slots))
+
+    def submit_state_store(self, job_id: int, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        states = self.states
+        copy = None if states is None else lambda rows: states.store(rows, block_ids, slots)
+        self._store(job_id, "state store", 1, copy)
+
+    def submit_load(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+        self._load(job_id, "load", len(slots), lambda rows: self.staged.load(rows, block_ids, slots))
+
+    def submit_state_load(self, job_id: int, block_ids: Sequence[int], slots: Sequence[int]) -> None:
+        states = self.states
+        copy = None if states is None else lambda rows: states.load(rows, block_ids, slots)
+        self._load(job_id, "state load", 1, copy)
+
+    def _store(self, job_id: int, what: str, chunks: int, copy: Copy | None) -> None:
+        """Hazards 1 and 2: after the forward pass that wrote the blocks; before the next one."""
         after = [self._forward] if self._forward is not None else []
-        end = self._launch(job_id, Direction.STORE, after, self.staged.store, block_ids, slots)
+        end = self._launch(job_id, Direction.STORE, what, chunks, after, copy)
         if end is None:
             return
         self._last_store = end
         if not self.ordered_before_forward:
             self.streams.compute_waits(end)
 
-    def submit_load(self, job_id: int, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+    def _load(self, job_id: int, what: str, chunks: int, copy: Copy | None) -> None:
+        """Hazard 4: after the queued forward passes and the running stores; with recurrent layers,
+        after the block zeroing vLLM queued in this step (a compute event recorded now)."""
         after = [e for e in (self._forward, self._last_store) if e is not None and not e.query()]
-        self._launch(job_id, Direction.LOAD, after, self.staged.load, block_ids, slots)
+        if self.states is not None:
+            after.append(self.streams.mark_compute())
+        self._launch(job_id, Direction.LOAD, what, chunks, after, copy)
 
     def _launch(
         self,
         job_id: int,
         direction: Direction,
+        what: str,
+        chunks: int,
         after: Sequence[CopyEvent],
-        copy: Callable[[torch.Tensor, Sequence[Sequence[int]], Sequence[int]], None],
-        block_ids: Sequence[Sequence[int]],
-        slots: Sequence[int],
+        copy: Copy | None,
     ) -> CopyEvent | None:
-        """Queue the job's copies; its end event, or None when nothing could be queued."""
+        """Queue the job's copies (`copy`, given the host rows); its end event, or None when nothing
+        could be queued (no region attached, no state copier, or the stream refused)."""
         rows = self._rows
-        if rows is None:
-            what = direction.value
-            log.error("kvtier %s of %d chunk(s) before the host region was attached", what, len(slots))
+        if rows is None or copy is None:
+            cause = "before the host region was attached" if rows is None else "without state tensors"
+            log.error("kvtier %s of %d chunk(s) %s", what, chunks, cause)
             self._ended.append(CopyResult(job_id, False, 0.0))
             return None
         errors: list[Exception] = []
 
         def enqueue() -> None:
             try:
-                copy(rows, block_ids, slots)
+                copy(rows)
             except Exception as exc:
                 errors.append(exc)
 
         try:
             start, end = self.streams.launch(direction, after, enqueue)
         except Exception:
-            log.exception("kvtier could not queue the %s of %d chunk(s)", direction.value, len(slots))
+            log.exception("kvtier could not queue the %s of %d chunk(s)", what, chunks)
             self._ended.append(CopyResult(job_id, False, 0.0))
             return None
-        self._running.append(_Running(job_id, direction, len(slots), start, end, errors))
+        self._running.append(_Running(job_id, direction, what, chunks, start, end, errors))
         return end
 
     def poll(self) -> list[CopyResult]:
+        """The jobs that ended, each stream's in the order they were queued: a job still running
+        holds back the later ones of its stream (a failed state load is reported before the
+        request's chunk loads queued after it)."""
         done, self._ended = self._ended, []
         running: list[_Running] = []
+        held: set[Direction] = set()
         for job in self._running:
-            if job.end.query():
+            if job.direction not in held and job.end.query():
                 done.append(job.result(self.streams.seconds(job.start, job.end)))
             else:
+                held.add(job.direction)
                 running.append(job)
         self._running = running
         return done
