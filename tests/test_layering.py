@@ -33,7 +33,7 @@ MAX_TOP_MODULES = 6
 MAX_FOLDER_FILES = 20
 OUTSIDE_INTEGRATIONS = ("bench", "tools", "cli")
 # The core's parts, each importing only the parts before it (a part is a top-level module or folder).
-LAYERS = ("errors", "plugins", "format", "ops", "policies", "host", "tiers", "transfer", "config",
+LAYERS = ("errors", "plugins", "clib", "format", "ops", "policies", "host", "tiers", "transfer", "config",
           "manager", "trace", "engine")
 UNSAFE_DESERIALIZERS = ("pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib")
 # Names several modules may share because each plays that role for its own family or command.

@@ -64,6 +64,13 @@ class RequestState:
                 self.promoted_from.setdefault(i, tier)
             self.promoted_at = start
 
+    def loaded_chunks(self, num_external_tokens: int, chunk_tokens: int) -> int:
+        """The chunks a load of `num_external_tokens` past the device hit covers (the first one
+        in part when the hit ends inside it)."""
+        if not num_external_tokens:
+            return 0
+        return (num_external_tokens + self.load_offset) // chunk_tokens
+
     def take_promoted(self, keep: range = range(0)) -> list[bytes]:
         """The chunks promoted for this request, whose holds are to be released, once (then none):
         its own load has pinned the rows it needs, or it no longer needs them. The chunks it

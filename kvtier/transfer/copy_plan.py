@@ -21,6 +21,7 @@ import torch
 
 from kvtier.errors import ConfigError
 from kvtier.format.layout import SKIP_BLOCK, CanonicalLayout, TPShard, check_rows
+from kvtier.transfer.native_copy import NativeCopies, kernel
 
 
 class EngineLayout(ABC):
@@ -54,8 +55,10 @@ class CopyPlan:
         shard: TPShard,
         block_size: int,
         layer_groups: Sequence[int] = (),
+        native: bool = True,
     ) -> None:
-        """`layer_groups[l]`: the block-id group of layer l (default: one group for all layers)."""
+        """`layer_groups[l]`: the block-id group of layer l (default: one group for all layers);
+        `native`: copies between CPU tensors go through our C kernel when it is available."""
         if block_size <= 0 or layout.chunk_tokens % block_size:
             raise ConfigError("block_size", block_size, f"must divide chunk_tokens={layout.chunk_tokens}")
         if shard.num_kv_heads != layout.num_kv_heads:
@@ -72,6 +75,8 @@ class CopyPlan:
         self.blocks_per_chunk = layout.chunk_tokens // block_size
         self.layer_groups = groups
         self.num_groups = max(groups) + 1
+        found = kernel() if native else None
+        self.native = NativeCopies(found) if found is not None else None
 
     def engine_to_host(
         self,
@@ -107,6 +112,17 @@ class CopyPlan:
         slots on a store, engine blocks on a load), and a non-writing replica stores nothing."""
         pairs = self.pairs(layer_tensors, block_ids_per_chunk, host_rows, slots, to_host)
         if to_host and not self.shard.writes:
+            return
+        if self.native is not None and host_rows.device.type == "cpu" \
+                and all(kv.device.type == "cpu" for kv in layer_tensors):
+
+            def views() -> list[tuple[int, tuple[tuple[torch.Tensor, torch.Tensor], ...]]]:
+                return [(self.layer_groups[layer], self._views(kv, host_rows, layer))
+                        for layer, kv in enumerate(layer_tensors)]
+
+            key = (host_rows.data_ptr(), len(host_rows),
+                   *((kv.data_ptr(), kv.dtype, kv.shape, kv.stride()) for kv in layer_tensors))
+            self.native.copy(views, key, pairs, host_rows, slots, to_host)
             return
         for layer, kv in enumerate(layer_tensors):
             for engine, host in self._views(kv, host_rows, layer):

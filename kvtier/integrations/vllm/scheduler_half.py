@@ -1,34 +1,28 @@
 """The scheduler half of the connector: which chunks to load and store, and host-tier bookkeeping.
 
-Runs in vLLM's scheduler (engine core) process, on its scheduler thread; every method is called
-there and none blocks: host-tier calls are in-memory, and secondary tiers are reached only through
-the tiering manager's non-blocking calls.
+Runs on vLLM's scheduler thread (engine core process); nothing here blocks: host-tier calls are
+in-memory, secondary tiers are reached through the tiering manager's non-blocking calls.
 
-Loads: `get_num_new_matched_tokens` reports the chunks ready in the host tier past vLLM's own
-device prefix hit (None, "ask again", while a promotion from a secondary tier is in flight);
-`update_state_after_alloc` pins their host rows; the next `build_connector_meta` sends the copies.
-With `sync_loads` (CPU backend, one KV cache group) a load the host tier alone serves is
-synchronous: its request runs in the same step, the copy before that step's forward pass, and the
-pins go once every worker reported the copy. Other loads are asynchronous (`load_kv_async`): the
-worker reports the request in `finished_recving`, which releases the pins. When the secondary
-tiers hold more of the prefix than the host tier has room for, the whole prefix is offered and the
-chunks that did not fit are streamed in parts (`kvtier.engine.streamed_loads`). A request whose load failed is
-recomputed: a new load offered to it could wait forever in vLLM's admission.
+Loads: `get_num_new_matched_tokens` offers the chunks the host tier holds past vLLM's device hit
+(from the chunk the hit ends in; None, "ask again", while a promotion is in flight);
+`update_state_after_alloc` pins their rows; the next `build_connector_meta` sends the copies. With
+`sync_loads` (CPU backend, one KV cache group) a load the host tier alone serves is copied before
+its own step's forward pass, its pins released once every worker reported it; other loads are
+asynchronous (`load_kv_async`, released on `finished_recving`). Chunks the secondary tiers hold
+beyond the host tier's room are streamed in parts (`kvtier.engine.streamed_loads`). A request whose
+load failed is recomputed and offered no load again (it could wait forever in vLLM's admission).
 
-Stores: `build_connector_meta` allocates host rows (WRITING) for every full chunk that this step
-completes, prompt chunks and the chunks filled during decode alike (in multi-turn chat the reply is
-part of the next turn's prefix); a chunk the request only partly fills is never stored. When
-pinned rows leave too little room, the leading chunks get rows and the rest wait for the
-request's next step, or after it finished as a tail (`kvtier.engine.tails`). The worker copies device → host
-from `wait_for_save`: on CPU before the step ends; on CUDA on a copy stream, the next forward pass
-ordered after it (`handle_preemptions`). `update_connector_output` publishes the rows once every
-worker reported its copy (`publish`: settled or on probation), then cascades the settled ones.
+Stores: `build_connector_meta` allocates host rows (WRITING) for every full chunk the step
+completes, prompt and decode chunks alike (a reply is part of the next turn's prefix); a partly
+filled chunk is never stored. Chunks without room wait for the request's next step, or become a
+tail once it finished (`kvtier.engine.tails`). The worker copies device → host in `wait_for_save`
+(on CUDA on a copy stream, the next forward pass ordered after it); `update_connector_output`
+publishes the rows once every worker reported (settled or on probation) and cascades the settled.
 
-Per-request options (`kvtier.engine.request_options`, from `kv_transfer_params`) may skip the
-load or the store, restrict the load's source tiers and set the cascade's retention priority.
-`kvtier.engine.accounting` keeps metrics and each request's split of prompt tokens by source;
-`take_events` drains KV events (`kv_events.py`, translated when vLLM's are on); with
-`trace_path`, `tracing.py` records each finished request.
+Per-request options (`kvtier.engine.request_options`) may skip the load or the store, restrict the
+load's tiers and set the retention priority; `kvtier.engine.accounting` keeps metrics and each
+request's token split; `take_events` drains KV events (`kv_events.py`); `tracing.py` records each
+finished request when `trace_path` is set.
 """
 
 from __future__ import annotations
@@ -125,9 +119,8 @@ class KVTierScheduler:
 
         Called by vLLM's scheduler for a waiting request, possibly on several steps. Returns
         (tokens, load asynchronously: a streamed one always), or (None, False) while a promotion
-        is in flight. Never offers the last prompt token (as vLLM's prefix cache: hits agree).
-        A device hit that ends inside a chunk is continued from that chunk: the load ends on a
-        chunk boundary and skips the blocks the device holds.
+        is in flight. Never offers the last prompt token (as vLLM's prefix cache: hits agree). A
+        hit ending inside a chunk goes on from it: the load skips the blocks the device holds.
         """
         state = self._state(request)
         ct = self.geometry.chunk_tokens
@@ -156,22 +149,13 @@ class KVTierScheduler:
         if found.pending:
             return None, False
         if state.streamed.start != start + found.ready or (offset and not found.ready):
-            # Not right after what is ready (or no ready head to carry the partial first chunk):
-            # nothing to stream onto.
-            state.streamed = range(0)
+            state.streamed = range(0)  # nothing ready right before it to stream onto
         state.load_from = start
         state.load_offset = offset
         state.looked_up = len(keys)
         chunks = found.ready + len(state.streamed)
         state.load_sync = self.sync_loads and not state.streamed
         return (chunks * ct - offset if chunks else 0), chunks > 0 and not state.load_sync
-
-    def loaded_chunks(self, state: RequestState, num_external_tokens: int) -> int:
-        """The chunks a load of `num_external_tokens` past the device hit covers (the first one
-        partly, when the hit ends inside it)."""
-        if not num_external_tokens:
-            return 0
-        return (num_external_tokens + state.load_offset) // self.geometry.chunk_tokens
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
@@ -185,7 +169,7 @@ class KVTierScheduler:
         if state is None:
             return
         first = state.load_from
-        count = self.loaded_chunks(state, num_external_tokens)
+        count = state.loaded_chunks(num_external_tokens, self.geometry.chunk_tokens)
         skipped = state.load_offset if count else 0
         streamed = len(state.streamed) if count >= len(state.streamed) else 0
         head = state.keys[first : first + count - streamed]  # ready in the host tier
@@ -194,14 +178,11 @@ class KVTierScheduler:
         self.manager.release(state.take_promoted(keep=range(first + count - streamed, first + count)))
         ok = slots is not None or not head
         if not state.hits.recorded:
-            self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [],
-                                         skipped)
+            self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [], skipped)
         if num_external_tokens == 0:
             return
-        bpc = self.geometry.blocks_per_chunk
-        ids = blocks.get_block_ids()
-        skip = skipped // self.geometry.block_size
-        chunks = [load_blocks(ids, c, bpc, skip if c == first else 0)
+        bpc, skip = self.geometry.blocks_per_chunk, skipped // self.geometry.block_size
+        chunks = [load_blocks(blocks.get_block_ids(), c, bpc, skip if c == first else 0)
                   for c in range(first, first + count)]
         req_id = request.request_id
         if not ok:

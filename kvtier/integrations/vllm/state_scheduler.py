@@ -86,7 +86,7 @@ class StateScheduler(KVTierScheduler):
         state = self._requests[request.request_id]
         ct = self.geometry.chunk_tokens
         start = state.load_from
-        for end in range(start + self.loaded_chunks(state, tokens), start, -1):
+        for end in range(start + state.loaded_chunks(tokens, ct), start, -1):
             found = self._state_ready(state, end)
             if found is None:
                 return None, False
@@ -119,7 +119,7 @@ class StateScheduler(KVTierScheduler):
         promoted = self._promoted_states.pop(req_id, [])
         state = self._requests.get(req_id)
         if state is not None and num_external_tokens > 0:
-            end = state.load_from + self.loaded_chunks(state, num_external_tokens)
+            end = state.load_from + state.loaded_chunks(num_external_tokens, self.geometry.chunk_tokens)
             keys = tuple(state_keys(self.states.layout, state.keys[end - 1]))
             targets = self.states.load_blocks(ids, end * self.geometry.chunk_tokens)
             slots = self.manager.host.prepare_load(keys) if targets is not None else None
