@@ -77,5 +77,8 @@ def test_without_a_rotation_every_tier_may_serve() -> None:
 
 
 def test_the_full_campaign_rotates_and_the_smoke_does_not() -> None:
-    assert PRESETS["full"].rotate_load_tiers
-    assert not PRESETS["smoke"].rotate_load_tiers
+    full = PRESETS["full"]
+    assert set(full.load_rotation) == set(full.tiers) == {"fs", "obj", "redis", "cluster", "p2p"}
+    assert all(full.load_rotation.count(t) == 2 for t in full.detect_tiers)
+    assert full.min_detected >= 300
+    assert not PRESETS["smoke"].load_rotation

@@ -76,7 +76,8 @@ def run_chaos(args: argparse.Namespace) -> int:
             raw = runner.run(preset, model, work, args.seed)
     meta["loadavg_end"] = list(os.getloadavg())
     summary = report.summarize(raw, expect_corruptions=preset.pace is not None,
-                               soak=preset.sample_every_s is not None)
+                               soak=preset.sample_every_s is not None,
+                               min_detected={t: preset.min_detected for t in preset.detect_tiers})
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({"meta": meta, "summary": summary, "raw": raw}, indent=1))
     print(json.dumps(summary, indent=1) if args.json else report.table(summary))

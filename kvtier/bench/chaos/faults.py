@@ -11,7 +11,14 @@ place. Every `fault_every_s` it runs the next process fault of
 - `redis_restart`: SIGKILL redis-server, start it again (empty: its corruptions are lost);
 - `seaweed_restart`: SIGKILL SeaweedFS, start it again on the same data;
 - `enospc`: fill the fs tier's filesystem (a small tmpfs) to ENOSPC for `stop_s`, then free it;
-- `temp_files`: leave partial temp files in the fs tier's directory, as a killed writer would.
+- `temp_files`: leave partial temp files in the fs tier's directory, as a killed writer would;
+- `cluster_restart`: SIGKILL one node of the Redis/Valkey Cluster (in turn), start it again
+  (empty: the corruptions on it are lost) once `stop_s` passed, and wait until the cluster is whole;
+- `peer_restart`: SIGKILL the p2p peer's tier process, start it again after `stop_s` (it holds
+  nothing until fed again: its corruptions are lost).
+
+A medium with `kinds` takes only those corruptions (a p2p peer: its rows' only); each tick also
+feeds the p2p peer what the fs tier holds (`peer.PeerMedium.feed`).
 """
 
 from __future__ import annotations
@@ -30,13 +37,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.chaos.cluster import Cluster
 from kvtier.bench.chaos.corrupt import CORRUPTIONS
 from kvtier.bench.chaos.ledger import Ledger
-from kvtier.bench.chaos.media import FsMedium, Medium
+from kvtier.bench.chaos.media import ClusterMedium, FsMedium, Medium
+from kvtier.bench.chaos.peer import PeerMedium
 from kvtier.bench.chaos.services import Redis, Seaweed
 
 log = logging.getLogger("kvtier.bench.chaos")
-FAULTS = ("tier_kill", "tier_stop", "redis_restart", "seaweed_restart", "enospc", "temp_files")
+FAULTS = ("tier_kill", "tier_stop", "redis_restart", "seaweed_restart", "enospc", "temp_files",
+          "cluster_restart", "peer_restart")
+TARGETS = {"redis_restart": "redis", "seaweed_restart": "obj", "enospc": "fs", "temp_files": "fs",
+           "cluster_restart": "cluster", "peer_restart": "p2p"}
+"""The tier each server fault hits (the campaign names its tiers by these words)."""
 
 
 @dataclass
@@ -77,6 +90,8 @@ class Targets:
     fs_mount: Path | None
     fs: FsMedium | None
     on_redis_restart: Callable[[], None] = lambda: None
+    cluster: Cluster | None = None
+    peer: PeerMedium | None = None
 
 
 @dataclass
@@ -96,7 +111,8 @@ class Injectors:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="kvtier-chaos", daemon=True)
         self._kinds = list(CORRUPTIONS)
-        self._n = 0
+        self._n: Counter[str] = Counter()
+        self._node = 0
 
     def start(self) -> None:
         self._thread.start()
@@ -110,6 +126,7 @@ class Injectors:
         faults = list(self.pace.faults)
         i = 0
         while not self._stop.wait(self.pace.corrupt_every_s):
+            self._feed_peer()
             self._corrupt_batch()
             if faults and time.monotonic() >= next_fault:
                 self._fault(faults[i % len(faults)])
@@ -118,17 +135,29 @@ class Injectors:
 
     # -- corruptions ---------------------------------------------------------------------------
 
+    def _feed_peer(self) -> None:
+        peer, fs = self.targets.peer, self.targets.fs
+        if peer is None or fs is None:
+            return
+        try:
+            peer.feed(fs)
+        except Exception as e:  # the peer restarting: fed at a later tick
+            log.debug("feeding the p2p peer failed: %s", e)
+
     def _corrupt_batch(self) -> None:
         for _ in range(self.pace.corrupt_batch):
             medium = self._rng.choice(self.targets.media)
-            kind = self._kinds[self._n % len(self._kinds)]
+            kinds = getattr(medium, "kinds", self._kinds)
+            kind = kinds[self._n[medium.tier] % len(kinds)]
             try:
                 if self._corrupt(medium, kind):
-                    self._n += 1
+                    self._n[medium.tier] += 1
             except Exception as e:  # a server down: no injection this time
                 self.failed_injections[f"{medium.tier}:{type(e).__name__}"] += 1
 
     def _corrupt(self, medium: Medium, kind: str) -> bool:
+        if self.ledger.blinded(medium.tier):
+            return False
         stored = medium.keys()
         if self.ledger.open_count(medium.tier) >= self.pace.max_open * len(stored):
             return False
@@ -147,8 +176,7 @@ class Injectors:
 
     def _fault(self, kind: str) -> None:
         tiers = self.targets.tiers()
-        target = {"redis_restart": "redis", "seaweed_restart": "obj", "enospc": "fs",
-                  "temp_files": "fs"}.get(kind) or self._rng.choice(sorted(tiers))
+        target = TARGETS.get(kind) or self._rng.choice(sorted(tiers))
         window = Window(kind, target, time.monotonic())
         try:
             getattr(self, f"_{kind}")(tiers, target, window)
@@ -232,3 +260,30 @@ class Injectors:
             if data is not None:
                 fs.leave_temp(key, data[: len(data) // 2], pid=999_999)
                 self.temps_left += 1
+
+    def _cluster_restart(self, tiers: dict[str, Any], target: str, window: Window) -> None:
+        cluster = self.targets.cluster
+        medium = next((m for m in self.targets.media if m.tier == target), None)
+        if cluster is None or not isinstance(medium, ClusterMedium):
+            raise RuntimeError("no cluster in this run")
+        node, self._node = self._node, (self._node + 1) % len(cluster.nodes)
+        window.note = f"node {node}"
+        cluster.kill(node)
+        # What the tier found bad on the node before the kill reaches the ledger first.
+        self._stop.wait(self.pace.stop_s)
+        self.ledger.lose_tier(target, lambda key: medium.node_of(key) == node)
+        cluster.restart(node)
+
+    def _peer_restart(self, tiers: dict[str, Any], target: str, window: Window) -> None:
+        medium = self.targets.peer
+        if medium is None:
+            raise RuntimeError("no p2p peer in this run")
+        self.ledger.blind(target, window.start)
+        medium.kill_peer()
+        self.ledger.lose_tier(target)
+        self._stop.wait(self.pace.stop_s)
+        try:
+            medium.peer.start()
+        finally:
+            # Loads submitted until the engine's p2p tier found the new peer say nothing.
+            self.ledger.blind(target, window.start, time.monotonic() + 2.0)

@@ -4,12 +4,16 @@ jobs to settle each one.
 A corruption of chunk K in tier T is open from the moment its bytes are in place until one of:
 
 - `detected`: the tier removed the bad copy (a REMOVED event for K from T, or, at the end, the copy
-  is gone: nothing else deletes in a campaign, whose tiers are sized never to evict);
+  is gone: nothing else deletes in a campaign, whose tiers are sized never to evict); for a tier
+  that cannot remove what it refuses (p2p: the copy is another instance's), a load of K submitted
+  after the injection that failed K while the tier process and its peer stayed up, after which the
+  copy is repaired (`repair`) so that the next corruption of K is a new one;
 - `served`: a load of K from T that was submitted after the injection reported success: the bad
   copy was accepted (must never happen);
 - `overwritten`: a store of K into T that completed after the injection replaced it unread (a
   tier skips storing a key it holds, so the ledger looks at the medium to tell);
-- `lost`: its server was restarted without persistence (redis);
+- `lost`: its server was restarted without persistence (redis, a cluster node), or the peer
+  holding it was killed (p2p);
 - `unread`: still in place, still bad, at the end of the run.
 
 `TierSpy` wraps one tier handle of the engine's tiering manager and reports its loads, stores and
@@ -45,9 +49,14 @@ class Ledger:
     """Open and settled corruptions, and the store jobs in flight per tier (not to be raced).
     `verify(tier, key)` looks at the medium: None absent, True a valid copy, False a bad one."""
 
-    def __init__(self, verify: Callable[[str, bytes], bool | None]) -> None:
+    def __init__(self, verify: Callable[[str, bytes], bool | None],
+                 repair: Callable[[str, bytes], None] = lambda tier, key: None) -> None:
         self._verify = verify
+        self._repair = repair
         self._lock = threading.Lock()
+        self._blind: dict[str, tuple[float, float]] = {}
+        """Per tier, the last span (start, end; end inf while it lasts) in which its failed loads
+        say nothing of its copies (its peer being restarted)."""
         self._open: dict[tuple[str, bytes], Corruption] = {}
         self.settled: list[Corruption] = []
         self._storing: Counter[tuple[str, bytes]] = Counter()
@@ -96,6 +105,29 @@ class Ledger:
             for k in keys:
                 self._settle(tier, k, "served", after=submitted)
 
+    def refused(self, tier: str, keys: list[bytes], submitted: float) -> None:
+        """A load of `keys` submitted at `submitted` failed them, the tier process up throughout:
+        each corruption injected before is detected, its copy repaired first (see the module
+        docstring). Nothing when the load overlapped a blind span of the tier."""
+        start, end = self._blind.get(tier, (0.0, 0.0))
+        if start <= time.monotonic() and submitted <= end:
+            return
+        with self._lock:
+            found = [k for k in keys if (c := self._open.get((tier, k))) is not None and c.at < submitted]
+        for k in found:
+            self._repair(tier, k)
+            with self._lock:
+                self._settle(tier, k, "detected", after=submitted)
+
+    def blind(self, tier: str, start: float, end: float = float("inf")) -> None:
+        """From `start` to `end`, failed loads of `tier` (submitted before `end`) detect nothing."""
+        self._blind[tier] = (start, end)
+
+    def blinded(self, tier: str) -> bool:
+        """Whether `tier` is in a blind span now (no corruption should be injected into it)."""
+        start, end = self._blind.get(tier, (0.0, 0.0))
+        return start <= time.monotonic() <= end
+
     def removed(self, tier: str, keys: tuple[bytes, ...]) -> None:
         with self._lock:
             for k in keys:
@@ -119,10 +151,10 @@ class Ledger:
         with self._lock:
             return sum(t == tier for t, _ in self._open)
 
-    def lose_tier(self, tier: str) -> None:
-        """Every open corruption of `tier` is gone with its server's data."""
+    def lose_tier(self, tier: str, where: Callable[[bytes], bool] = lambda key: True) -> None:
+        """Every open corruption of `tier` (whose key `where` holds) is gone with its server's data."""
         with self._lock:
-            for t, k in [tk for tk in self._open if tk[0] == tier]:
+            for t, k in [tk for tk in self._open if tk[0] == tier and where(tk[1])]:
                 self._settle(t, k, "lost")
 
     def reconcile(self) -> None:
@@ -142,16 +174,24 @@ class Ledger:
                 "by_tier": dict(Counter(c.tier for c in every)),
                 "outcomes": {o: by_outcome.get(o, 0) for o in (*OUTCOMES, "open")},
                 "detected_by_tier": dict(Counter(c.tier for c in every if c.outcome == "detected")),
+                "outcomes_by_tier": {t: dict(Counter(c.outcome or "open" for c in every if c.tier == t))
+                                     for t in sorted({c.tier for c in every})},
             }
+
+    def detected(self, tier: str) -> int:
+        with self._lock:
+            return sum(c.tier == tier and c.outcome == "detected" for c in self.settled)
 
 
 class TierSpy:
-    """One tier handle, its loads, stores and REMOVED events reported to `ledger`."""
+    """One tier handle, its loads, stores and REMOVED events reported to `ledger`; with `refusals`,
+    its failed loads too (`Ledger.refused`), unless its process changed while they ran."""
 
-    def __init__(self, inner: Any, ledger: Ledger) -> None:
+    def __init__(self, inner: Any, ledger: Ledger, refusals: bool = False) -> None:
         self._inner = inner
         self._ledger = ledger
-        self._jobs: dict[int, tuple[Job, float]] = {}
+        self._refusals = refusals
+        self._jobs: dict[int, tuple[Job, float, int | None]] = {}
         self._events: list[TierEvent] = []
         self._pid: int | None = inner.pid
         self.name: str = inner.name
@@ -160,11 +200,11 @@ class TierSpy:
         return getattr(self._inner, name)
 
     def submit_load(self, job: Job) -> None:
-        self._jobs[job.job_id] = (job, time.monotonic())
+        self._jobs[job.job_id] = (job, time.monotonic(), self._inner.pid)
         self._inner.submit_load(job)
 
     def submit_store(self, job: Job) -> None:
-        self._jobs[job.job_id] = (job, time.monotonic())
+        self._jobs[job.job_id] = (job, time.monotonic(), self._inner.pid)
         self._ledger.store_started(self.name, job.keys)
         self._inner.submit_store(job)
 
@@ -180,11 +220,15 @@ class TierSpy:
             entry = self._jobs.pop(r.job_id, None)
             if entry is None:
                 continue
-            job, submitted = entry
+            job, submitted, pid = entry
             if job.kind is JobKind.STORE:
                 self._ledger.store_finished(self.name, job.keys, set(r.successful_keys))
-            elif r.successful_keys:
+                continue
+            if r.successful_keys:
                 self._ledger.loaded(self.name, list(r.successful_keys), submitted)
+            failed = set(job.keys) - set(r.successful_keys)
+            if self._refusals and failed and self._inner.is_up and self._inner.pid == pid:
+                self._ledger.refused(self.name, [k for k in job.keys if k in failed], submitted)
         return results
 
     def _drain_events(self) -> None:

@@ -4,9 +4,10 @@ corruption injectors read and damage, and what the final reconciliation inspects
 A `Medium` lists the chunk keys stored under the run's layout fingerprint, reads a stored chunk
 (`chunkfmt` header + host row) and writes bytes in its place: fs files under
 `root/<fingerprint>/<xx>/<key hex>`, obj objects `<prefix>/<fingerprint>/<key hex>`, redis strings
-`<key_prefix>:<fingerprint>:<key hex>`. `verify` says whether what is stored now is a valid chunk
-of that key (None: absent). Each method may raise what its client raises (a server is down): the
-caller counts that as an injection that did not happen.
+`<key_prefix>:<fingerprint>:<key hex>`, on one server or on the node of a Redis/Valkey Cluster
+that serves the key's slot; a p2p peer's rows are `peer.PeerMedium`. `verify` says whether what is
+stored now is a valid chunk of that key (None: absent). Each method may raise what its client
+raises (a server is down): the caller counts that as an injection that did not happen.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.chaos.cluster import Cluster
 from kvtier.tiers.common import chunkfmt
 
 
@@ -138,3 +140,40 @@ class RedisMedium(Medium):
 
     def write(self, key: bytes, data: bytes) -> None:
         self.client.set(self.head + key.hex().encode(), data)
+
+
+class ClusterMedium(RedisMedium):
+    """The redis tier's values on a `cluster.Cluster`: each key on the node serving its slot (the
+    slots never move in a campaign). `keys` lists the live nodes' keys only (a node being restarted
+    is skipped); reading or writing a key of a dead node raises."""
+
+    def __init__(self, tier: str, layout_fp: str, cluster: Cluster, key_prefix: str) -> None:
+        self.cluster = cluster
+        self.clients = [node.client() for node in cluster.nodes]
+        super().__init__(tier, layout_fp, self.clients[0], key_prefix)
+
+    def node_of(self, key: bytes) -> int:
+        from redis.crc import key_slot
+
+        return self.cluster.node_of_slot(key_slot(self.head + key.hex().encode()))
+
+    def keys(self) -> list[bytes]:
+        import redis
+
+        out: list[bytes] = []
+        for node, client in zip(self.cluster.nodes, self.clients, strict=True):
+            if node.proc is None:
+                continue
+            try:
+                out += [bytes.fromhex(k[len(self.head):].decode())
+                        for k in client.scan_iter(match=self.head + b"*", count=1000)]
+            except redis.RedisError:
+                continue
+        return out
+
+    def read(self, key: bytes) -> bytes | None:
+        data: bytes | None = self.clients[self.node_of(key)].get(self.head + key.hex().encode())
+        return data
+
+    def write(self, key: bytes, data: bytes) -> None:
+        self.clients[self.node_of(key)].set(self.head + key.hex().encode(), data)

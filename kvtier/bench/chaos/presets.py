@@ -3,17 +3,22 @@ the run stops.
 
 - `smoke` (CI, under 3 minutes here): 4 conversations of 3 turns, rounds until at least 3 rounds
   and 60 corruptions, a corruption every 0.5 s and every process fault in turn every 4 s.
-- `full`: 8 conversations of 4 turns, rounds until at least 1,000 corruptions were injected
-  (and at least 3 rounds), two corruptions every 0.25 s while under a quarter of a tier's chunks
-  are corrupted, every process fault in turn every 8 s. Requests take turns at the secondary tier
-  they may load from (`load_tiers`: fs, then obj, then redis, ...): the engine loads a chunk from
-  the first tier that holds it, so without the rotation obj and redis would be read only for what
-  fs lacks, and their corruptions would mostly go unread.
+- `full`: 8 conversations of 4 turns, rounds until each shared tier (obj, the cluster, p2p) has
+  detected at least 300 corruptions (and at least 3 rounds, at most `max_s` seconds of rounds), two
+  corruptions every 0.25 s while under half of a tier's chunks are corrupted, every process fault
+  in turn every 8 s. Requests take turns at the secondary tier they may load from (`load_tiers`,
+  `load_rotation`: the shared tiers twice as often as fs and redis): the engine loads a chunk from
+  the first tier that holds it, so without the rotation the others would be read only for what fs
+  lacks, and their corruptions would mostly go unread.
 - `soak`: the `smoke` workload for `--duration` seconds (default 30 minutes) with host eviction
   and cascades and no injector, sampling the engine's process tree (the engine and its tier processes)
   every 10 s (every duration / 40 when shorter); the verdict is growth under 5 % after the warm-up
   (the first round, when every conversation was stored once, or a quarter of the duration up to
   2 minutes, whichever is later).
+
+Tiers (`tiers`, named by these words): `fs`, `obj` (SeaweedFS), `redis` (one redis-server),
+`cluster` (the redis tier on a three-master Valkey Cluster) and `p2p` (the engine's p2p tier,
+loading from a peer process that holds what the fs tier holds).
 
 Caches: chunks of one 32-token block; a device cache of `device_blocks`, a host tier of
 `host_chunks` (both far below the workload, so both evict and every round reloads from the
@@ -27,6 +32,9 @@ from dataclasses import dataclass, replace
 
 from kvtier.bench.chaos.faults import FAULTS, Pace
 from kvtier.bench.multiturn.conversation import WorkloadSpec
+
+ALL_TIERS = ("fs", "obj", "redis", "cluster", "p2p")
+SHARED = ("obj", "cluster", "p2p")
 
 
 @dataclass(frozen=True)
@@ -44,8 +52,14 @@ class ChaosPreset:
     hang_s: float = 120.0
     sample_every_s: float | None = None
     warm_up_s: float = 120.0
-    rotate_load_tiers: bool = False
-    """Each request may load from one secondary tier only, the tiers taking turns request by request."""
+    tiers: tuple[str, ...] = ALL_TIERS
+    load_rotation: tuple[str, ...] = ()
+    """Request n may load from secondary tier `load_rotation[n % len]` only (empty: from any)."""
+    detect_tiers: tuple[str, ...] = ()
+    min_detected: int = 0
+    """Rounds go on until each of `detect_tiers` detected at least this many corruptions."""
+    max_s: float | None = None
+    """No round starts after this many seconds (whatever the other rules say)."""
 
 
 PRESETS: dict[str, ChaosPreset] = {
@@ -53,11 +67,13 @@ PRESETS: dict[str, ChaosPreset] = {
         "smoke", WorkloadSpec(128, 48, 3, 4, 4, 4), Pace(0.5, 1, 4.0, 1.5, FAULTS), min_rounds=3,
         min_corruptions=60, device_blocks=20, host_chunks=8, fs_mib=256, hang_s=60.0),
     "full": ChaosPreset(
-        "full", WorkloadSpec(160, 48, 4, 8, 4, 6), Pace(0.25, 2, 8.0, 2.0, FAULTS, max_open=0.25),
-        min_rounds=3, min_corruptions=1000, rotate_load_tiers=True),
+        "full", WorkloadSpec(160, 48, 4, 8, 4, 6), Pace(0.25, 2, 8.0, 2.0, FAULTS, max_open=0.5),
+        min_rounds=3, max_rounds=200, load_rotation=(*SHARED, "fs", *SHARED, "redis"),
+        detect_tiers=SHARED, min_detected=300, max_s=1500.0),
     "soak": ChaosPreset(
         "soak", WorkloadSpec(128, 48, 3, 4, 4, 4), None, min_rounds=1, duration_s=1800.0,
-        max_rounds=10_000, device_blocks=20, host_chunks=8, sample_every_s=10.0),
+        max_rounds=10_000, device_blocks=20, host_chunks=8, sample_every_s=10.0,
+        tiers=("fs", "obj", "redis")),
 }
 
 

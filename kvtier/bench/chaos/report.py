@@ -10,6 +10,9 @@
 - recovery: after each restart (tier process killed, redis or SeaweedFS restarted), seconds until
   the tier served a promotion again (null: not within the run);
 - the host tier clean (`check()`) with no pinned row, no temp file left in the fs tier;
+- per tier: corruptions injected, detected (the ledger; kvtier's metric beside it), served, the
+  wrong replies among requests that loaded from it, and its outages (the process faults that hit
+  it); with `min_detected`, each of those tiers must have detected at least that many;
 - soak: each resource's growth after the warm-up (must stay under 5 %).
 """
 
@@ -22,7 +25,7 @@ from kvtier.bench.chaos.driver import Outcome
 from kvtier.bench.chaos.runner import outcome_during
 from kvtier.bench.multiturn.summary import percentile
 
-RESTARTS = ("tier_kill", "redis_restart", "seaweed_restart")
+RESTARTS = ("tier_kill", "redis_restart", "seaweed_restart", "cluster_restart", "peer_restart")
 GROWTH_LIMIT = 0.05
 
 
@@ -30,7 +33,26 @@ def _p99(values: list[float]) -> float | None:
     return round(percentile(values, 99), 3) if values else None
 
 
-def summarize(raw: dict[str, Any], *, expect_corruptions: bool, soak: bool) -> dict[str, Any]:
+def per_tier(raw: dict[str, Any], outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
+    """Per secondary tier: injected, detected (ledger), counted (metric), served, wrong replies of
+    requests that loaded from it, requests that did, and its outages by kind."""
+    ledger = raw["ledger"]
+    by_tier = ledger.get("outcomes_by_tier", {})
+    out: dict[str, dict[str, Any]] = {}
+    for tier in raw["detected_metric"]:
+        loaded = [o for o in outcomes if o.tokens.get(tier, 0) > 0 and not o.hung and o.failed is None]
+        outages = Counter(w["kind"] for w in raw["windows"] if w["target"] == tier)
+        out[tier] = {
+            "injected": ledger["by_tier"].get(tier, 0), "detected": by_tier.get(tier, {}).get("detected", 0),
+            "counted": raw["detected_metric"][tier], "served": by_tier.get(tier, {}).get("served", 0),
+            "requests_loading": len(loaded), "wrong_replies": sum(not o.ok for o in loaded),
+            "outages": dict(outages),
+        }
+    return out
+
+
+def summarize(raw: dict[str, Any], *, expect_corruptions: bool, soak: bool,
+              min_detected: dict[str, int] | None = None) -> dict[str, Any]:
     outcomes = [Outcome(**o) for o in raw["outcomes"]]
     windows = raw["windows"]
     finished = [o for o in outcomes if not o.hung and o.failed is None]
@@ -69,6 +91,10 @@ def summarize(raw: dict[str, Any], *, expect_corruptions: bool, soak: bool) -> d
     }
     if expect_corruptions:
         checks["injected"] = ledger["injected"] > 0
+    tiers = per_tier(raw, outcomes)
+    if min_detected:
+        checks["detected_per_tier"] = all(tiers.get(t, {}).get("detected", 0) >= n
+                                          for t, n in min_detected.items())
     if soak:
         checks["flat_resources"] = all(g is not None and g < GROWTH_LIMIT for g in growth.values())
     return {
@@ -80,7 +106,7 @@ def summarize(raw: dict[str, Any], *, expect_corruptions: bool, soak: bool) -> d
                         "by_kind": ledger["by_kind"], "by_tier": ledger["by_tier"],
                         "detected_by_tier": raw["detected_metric"],
                         "failed_injections": raw["failed_injections"]},
-        "faults": faults,
+        "faults": faults, "tiers": tiers,
         "ttft_p99_s": {"during_faults": _p99(during), "without": _p99(calm),
                        "requests_during": len(during), "requests_without": len(calm)},
         "recovery": recovery, "prompt_tokens": dict(tokens),
@@ -119,4 +145,11 @@ def table(s: dict[str, Any]) -> str:
         rows.append(("growth after warm-up", ", ".join(
             f"{k} {'-' if v is None else f'{100 * v:+.1f}%'}" for k, v in s["growth"].items())))
     width = max(len(str(k)) for k, _ in rows)
-    return "\n".join(f"{k:<{width}}  {v}" for k, v in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    if s.get("tiers"):
+        lines += ["", "tier      injected  detected  counted  served  wrong/loading  outages"]
+        for tier, t in s["tiers"].items():
+            outages = ", ".join(f"{k} {v}" for k, v in sorted(t["outages"].items())) or "-"
+            lines.append(f"{tier:<8}  {t['injected']:>8}  {t['detected']:>8}  {t['counted']:>7}  "
+                         f"{t['served']:>6}  {t['wrong_replies']:>5}/{t['requests_loading']:<7}  {outages}")
+    return "\n".join(lines)

@@ -1,9 +1,11 @@
-"""One chaos run: servers, the fs tier's small filesystem, the kvtier engine with host + fs + obj
-+ redis tiers, the injectors, the load, and the checks at the end.
+"""One chaos run: servers, the fs tier's small filesystem, the kvtier engine with host + the
+preset's secondary tiers (fs, obj, redis, the cluster, p2p), the injectors, the load, and the
+checks at the end.
 
-Order: the reference (cached, or built on an engine without kvtier), then redis-server and
-SeaweedFS, a tmpfs for the fs tier (ENOSPC is skipped when it cannot be mounted), the engine with
-every secondary tier's handle wrapped in a `TierSpy`, the injectors and the sampler; the load
+Order: the reference (cached, or built on an engine without kvtier), then redis-server, SeaweedFS
+and the Valkey Cluster, a tmpfs for the fs tier (ENOSPC is skipped when it cannot be mounted), the engine with
+every secondary tier's handle wrapped in a `TierSpy`, the p2p peer (fed from the fs tier by the
+injectors), the injectors and the sampler; the load
 (`driver.drive`) runs until the preset's stop rule. Then the injectors stop, the tiers settle, the
 tiers' bad-chunk counts reach kvtier's metrics, the ledger is reconciled with the media, the host
 tier is checked, `kvtier fsck` reads the fs tier, and everything is torn down in reverse order.
@@ -13,6 +15,7 @@ tier is checked, `kvtier fsck` reads the fs tier, and everything is torn down in
 from __future__ import annotations
 
 import contextlib
+import secrets
 import subprocess
 import time
 from collections.abc import Iterator
@@ -20,10 +23,13 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
+from kvtier.bench.chaos.cluster import Cluster
 from kvtier.bench.chaos.driver import Outcome, drive
 from kvtier.bench.chaos.faults import Injectors, Targets
 from kvtier.bench.chaos.ledger import Ledger, TierSpy
-from kvtier.bench.chaos.media import FsMedium, Medium, ObjMedium, RedisMedium
+from kvtier.bench.chaos.media import ClusterMedium, FsMedium, Medium, ObjMedium, RedisMedium
+from kvtier.bench.chaos.peer import Peer, PeerMedium, peer_address
+from kvtier.bench.chaos.peer import tier_options as p2p_options
 from kvtier.bench.chaos.presets import ChaosPreset
 from kvtier.bench.chaos.reference import Reference
 from kvtier.bench.chaos.sampler import Sampler, as_json, growth
@@ -89,17 +95,27 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
         seaweed = Seaweed(work / "seaweedfs")
         seaweed.start()
         stack.callback(seaweed.kill)
+        cluster = None
+        if "cluster" in preset.tiers:
+            cluster = Cluster(work / "cluster")
+            cluster.start()
+            stack.callback(cluster.stop)
         mount = work / "fs-mnt"
         mounted = stack.enter_context(tmpfs(mount, preset.fs_mib))
         if not mounted:
             notes.append("tmpfs not permitted: the fs tier is on the work directory, no ENOSPC fault")
         fs_root = mount / "fs"
         fs_root.mkdir(parents=True, exist_ok=True)
-        tiers = [
-            {"type": "fs", "root_dir": str(fs_root), "rescan_interval_s": 2.0, "temp_grace_s": 5.0},
-            {"type": "obj", "prefix": PREFIX, **seaweed.tier_options()},
-            {"type": "redis", "url": redis.url, "key_prefix": PREFIX},
-        ]
+        secret, address = secrets.token_hex(16), peer_address()
+        configs = {
+            "fs": {"type": "fs", "root_dir": str(fs_root), "rescan_interval_s": 2.0, "temp_grace_s": 5.0},
+            "obj": {"type": "obj", "prefix": PREFIX, **seaweed.tier_options()},
+            "redis": {"type": "redis", "url": redis.url, "key_prefix": PREFIX},
+            "cluster": {"type": "redis", "name": "cluster", "urls": cluster.urls if cluster else [],
+                        "key_prefix": PREFIX},
+            "p2p": {"type": "p2p", **p2p_options(address, secret)},
+        }
+        tiers = [configs[name] for name in preset.tiers]
         extra = {"cpu_bytes_to_use": preset.host_chunks * row_bytes, "eviction_policy": "lru",
                  "secondary_tiers": tiers, "tier_restart_backoff_s": 0.5, "tier_job_timeout_s": 20.0}
         llm: Any = LLM(model=str(model), dtype=cast(Any, dtype), enforce_eager=True, block_size=BLOCK,
@@ -110,19 +126,30 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
         stack.callback(llm.llm_engine.engine_core.shutdown)
         scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
         manager = scheduler.manager
-        by_type = {t.spec.type: t for t in manager.tiers.values()}
-        fp = by_type["fs"].spec.layout_fingerprint
-        fs = FsMedium(by_type["fs"].name, fp, fs_root)
-        media: dict[str, Medium] = {m.tier: m for m in (
-            fs, ObjMedium(by_type["obj"].name, fp, seaweed.client(), seaweed.bucket, PREFIX),
-            RedisMedium(by_type["redis"].name, fp, redis.client(), PREFIX))}
-        ledger = Ledger(lambda tier, key: media[tier].verify(key))
+        fp, host_row = manager.tiers["fs"].spec.layout_fingerprint, manager.tiers["fs"].spec.row_bytes
+        fs = FsMedium("fs", fp, fs_root)
+        media: dict[str, Medium] = {
+            "fs": fs, "obj": ObjMedium("obj", fp, seaweed.client(), seaweed.bucket, PREFIX),
+            "redis": RedisMedium("redis", fp, redis.client(), PREFIX)}
+        if cluster is not None:
+            media["cluster"] = ClusterMedium("cluster", fp, cluster, PREFIX)
+        peer = None
+        if "p2p" in preset.tiers:
+            slots = spec.conversations * -(-ref.longest // BLOCK) + 16
+            holder = Peer(address, host_row, slots, fp, secret)
+            stack.callback(holder.close)
+            holder.start()
+            peer = PeerMedium("p2p", fp, holder)
+            media["p2p"] = peer
+        media = {name: m for name, m in media.items() if name in preset.tiers}
+        ledger = Ledger(lambda tier, key: media[tier].verify(key),
+                        lambda tier, key: peer.repair(key) if peer is not None and tier == "p2p" else None)
         for name in list(manager.tiers):
-            manager.tiers[name] = TierSpy(manager.tiers[name], ledger)
+            manager.tiers[name] = TierSpy(manager.tiers[name], ledger, refusals=name == "p2p")
         injectors = None
         if preset.pace is not None:
             targets = Targets(list(media.values()), lambda: dict(manager.tiers), redis, seaweed,
-                              mount if mounted else None, fs)
+                              mount if mounted else None, fs, cluster=cluster, peer=peer)
             injectors = Injectors(targets, ledger, preset.pace, seed)
         sampler = None
         if preset.sample_every_s is not None:
@@ -135,8 +162,11 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
                 return False
             if preset.duration_s is not None:
                 return True
+            if preset.max_s is not None and time.monotonic() - started >= preset.max_s:
+                return False
             injected = ledger.counts()["injected"]
-            return rnd + 1 < preset.min_rounds or injected < preset.min_corruptions
+            return (rnd + 1 < preset.min_rounds or injected < preset.min_corruptions
+                    or any(ledger.detected(t) < preset.min_detected for t in preset.detect_tiers))
 
         def stop() -> bool:
             return preset.duration_s is not None and time.monotonic() - started >= preset.duration_s
@@ -144,7 +174,7 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
         if injectors is not None:
             injectors.start()
         try:
-            rotation = [(name,) for name in manager.tiers] if preset.rotate_load_tiers else []
+            rotation = [(name,) for name in preset.load_rotation]
             outcomes = drive(llm.llm_engine, ref, spec.max_concurrency, keep_going, preset.hang_s, stop,
                              load_tiers=rotation)
         finally:

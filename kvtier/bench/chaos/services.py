@@ -51,7 +51,7 @@ def _wait(ready: Any, proc: subprocess.Popen[bytes], log: Path, what: str, timeo
         time.sleep(0.05)
 
 
-class _Server:
+class Server:
     """A server process in its own session, killed with SIGKILL; `start` again after `kill`."""
 
     name = "server"
@@ -92,7 +92,7 @@ class _Server:
         proc.wait()
 
 
-class Redis(_Server):
+class Redis(Server):
     """redis-server on a free loopback port, no persistence, no memory limit."""
 
     name = "redis"
@@ -127,7 +127,7 @@ class Redis(_Server):
         return redis.Redis.from_url(self.url, socket_timeout=10)
 
 
-class Seaweed(_Server):
+class Seaweed(Server):
     """`weed mini` with S3 credentials, its data kept in `root/data` across restarts."""
 
     name = "seaweedfs"

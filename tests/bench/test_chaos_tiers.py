@@ -1,0 +1,158 @@
+"""The campaign's shared tiers beyond one server: its Valkey Cluster (a node killed then restarted
+empty while the others keep their values) and its p2p peer (a real p2p tier process serving bad
+rows to a real requesting p2p tier: refused, counted, detected by the ledger and repaired; killed,
+its loads fail; restarted, it serves again), and the ledger's blind spans."""
+
+from __future__ import annotations
+
+import os
+import random
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.bench.chaos.cluster import Cluster
+from kvtier.bench.chaos.corrupt import CORRUPTIONS
+from kvtier.bench.chaos.ledger import Ledger, TierSpy
+from kvtier.bench.chaos.media import ClusterMedium, FsMedium
+from kvtier.bench.chaos.peer import KINDS, Peer, PeerMedium, peer_address, tier_options
+from kvtier.host import generations
+from kvtier.host.region import HostRegion
+from kvtier.tiers.base import Job, JobKind, LookupResult
+from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.process import TierProcess, TierSpec
+from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, settle_lookup, wait_jobs
+
+SECRET = "chaos-test-secret-0123456789"
+
+
+def _chunk(key: bytes, row: bytes) -> bytes:
+    return chunkfmt.header_bytes(key, chunkfmt.fingerprint_bytes(LAYOUT_FP), row) + row
+
+
+def test_a_killed_cluster_node_comes_back_empty_and_the_others_keep_theirs(tmp_path: Path) -> None:
+    cluster = Cluster(tmp_path / "cluster")
+    cluster.start()
+    try:
+        medium = ClusterMedium("cluster", LAYOUT_FP, cluster, "chaos")
+        keys = [os.urandom(32) for _ in range(30)]
+        for key in keys:
+            medium.write(key, _chunk(key, os.urandom(256)))
+        on = {n: {k for k in keys if medium.node_of(k) == n} for n in range(3)}
+        assert all(on[n] for n in range(3)) and set(medium.keys()) == set(keys)
+        assert all(medium.verify(k) for k in keys)
+        cluster.kill(1)
+        assert set(medium.keys()) == on[0] | on[2]  # a dead node is skipped, not an error
+        with pytest.raises(Exception):
+            medium.read(next(iter(on[1])))
+        cluster.restart(1)
+        assert set(medium.keys()) == on[0] | on[2]
+        assert all(medium.verify(k) is None for k in on[1])
+        assert all(medium.verify(k) for k in on[0] | on[2])
+    finally:
+        cluster.stop()
+    assert not cluster.pids
+
+
+@pytest.fixture
+def peer_and_requester(tmp_path: Path) -> Iterator[tuple[PeerMedium, FsMedium, TierSpy, Ledger, TierProcess]]:
+    """A peer fed 4 chunks from an fs medium, and a requesting p2p tier process wrapped in a spy."""
+    address = peer_address()
+    peer = Peer(address, ROW_BYTES, 8, LAYOUT_FP, SECRET)
+    region = HostRegion.create(ROW_BYTES * SLOTS + generations.nbytes(SLOTS))
+    spec = TierSpec(tier_name="p2p", type="p2p", module_path=None, options=tier_options(address, SECRET),
+                    config_key="secondary_tiers[0]", region_name=region.name, shm_dir="/dev/shm",
+                    row_bytes=ROW_BYTES, num_slots=SLOTS, layout_fingerprint=LAYOUT_FP,
+                    generations_offset=ROW_BYTES * SLOTS)
+    requester = TierProcess(spec, job_timeout_s=30, lookup_ttl_s=0.2)
+    try:
+        peer.start()
+        requester.start()
+        fs = FsMedium("fs", LAYOUT_FP, tmp_path / "fs")
+        for _ in range(4):
+            key = os.urandom(32)
+            fs.path(key).parent.mkdir(parents=True, exist_ok=True)
+            fs.write(key, _chunk(key, os.urandom(ROW_BYTES)))
+        medium = PeerMedium("p2p", LAYOUT_FP, peer)
+        assert medium.feed(fs) == 4 and set(medium.keys()) == set(fs.keys())
+        ledger = Ledger(lambda tier, key: medium.verify(key), lambda tier, key: medium.repair(key))
+        yield medium, fs, TierSpy(requester, ledger, refusals=True), ledger, requester
+    finally:
+        requester.shutdown()
+        region.close()
+        peer.close()
+
+
+def _load(spy: TierSpy, keys: list[bytes], job_id: int) -> set[bytes]:
+    spy.submit_load(Job(job_id, JobKind.LOAD, tuple(keys), tuple(range(len(keys)))))
+    [result] = wait_jobs(spy, 1)
+    return set(result.successful_keys)
+
+
+def _bad_chunks(proc: TierProcess) -> int:
+    version = proc.stats_version
+    proc.request_stats()
+    deadline = time.monotonic() + 10
+    while proc.stats_version == version and time.monotonic() < deadline:
+        proc.poll()
+        time.sleep(0.01)
+    return int(proc.metrics.tier_counts(proc.name).bad_chunks)
+
+
+def test_a_peer_serving_bad_rows_is_refused_detected_and_repaired(peer_and_requester) -> None:
+    medium, fs, spy, ledger, requester = peer_and_requester
+    keys = fs.keys()
+    rng = random.Random(0)
+    for n, kind in enumerate(KINDS):
+        key, other = keys[n], keys[-1]
+        good = medium.read(key)
+        medium.write(key, CORRUPTIONS[kind](medium.read(key) or b"", medium.read(other) or b"", rng))
+        ledger.injected("p2p", key, kind)
+        assert medium.verify(key) is False
+        assert settle_lookup(spy, [key]) == [LookupResult.HIT]
+        assert _load(spy, [key, other], 10 + n) == {other}
+        assert ledger.counts()["outcomes"]["detected"] == n + 1, kind
+        assert medium.verify(key) is True and medium.read(key) == good  # repaired
+    assert _bad_chunks(requester) == len(KINDS)
+    time.sleep(1.1)  # the requester's answer for a refused key (MISS) expires
+    assert settle_lookup(spy, keys) == [LookupResult.HIT] * 4
+    assert _load(spy, keys, 20) == set(keys)
+    assert ledger.counts()["outcomes"]["served"] == 0
+
+
+def test_a_killed_peer_fails_loads_as_values_then_serves_again(peer_and_requester) -> None:
+    medium, fs, spy, ledger, requester = peer_and_requester
+    keys = fs.keys()
+    assert settle_lookup(spy, keys) == [LookupResult.HIT] * 4
+    medium.write(keys[0], medium.read(keys[1]) or b"")
+    ledger.injected("p2p", keys[0], "swap")
+    ledger.blind("p2p", time.monotonic())
+    medium.kill_peer()
+    ledger.lose_tier("p2p")
+    assert medium.keys() == [] and ledger.blinded("p2p")
+    assert _load(spy, keys, 1) == set()  # a miss, not an error
+    medium.peer.start()
+    ledger.blind("p2p", 0.0, time.monotonic())
+    assert medium.feed(fs) == 4
+    deadline = time.monotonic() + 10  # as an engine does: load what its lookups find
+    while settle_lookup(spy, keys) != [LookupResult.HIT] * 4 and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert _load(spy, keys, 2) == set(keys)
+    assert ledger.counts()["outcomes"] == {"detected": 0, "served": 0, "overwritten": 0, "lost": 1,
+                                           "unread": 0, "open": 0}
+
+
+def test_refusals_in_a_blind_span_detect_nothing() -> None:
+    ledger = Ledger(lambda tier, key: False)
+    key = os.urandom(32)
+    ledger.injected("p2p", key, "swap")
+    now = time.monotonic()
+    ledger.blind("p2p", now - 1.0, now + 5.0)
+    assert ledger.blinded("p2p")
+    ledger.refused("p2p", [key], now + 0.1)
+    assert ledger.counts()["outcomes"]["open"] == 1
+    ledger.blind("p2p", now - 1.0, now)
+    ledger.refused("p2p", [key], now + 0.1)
+    assert ledger.counts()["outcomes"]["detected"] == 1
