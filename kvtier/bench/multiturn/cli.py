@@ -9,8 +9,8 @@ stdout. The vllm-native configurations load our shim of vLLM's own tiering from
 benchmarks/baselines/ (run from kvtier's source tree). Workload and cache sizes
 come from the preset unless given; `--endpoint URL` drives a running server instead (one
 configuration, labelled `--label`), and `--endpoints URL,URL[,...]` several running servers as one
-fleet, each request sent where `--route` says (round-robin: the next instance; prefix-affinity:
-the conversation's own), with the split summed over the instances' /metrics and given per
+fleet, each request sent where `--route` says (round-robin: each turn of a conversation to the
+instance after its previous turn's; prefix-affinity: the conversation's own), with the split summed over the instances' /metrics and given per
 instance; `--mode inprocess` uses an in-process engine. Arguments after `--` go to every vLLM
 server.
 
@@ -105,7 +105,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        help="drive these running servers as one fleet, each request routed by "
                             "--route; the split is summed over their /metrics, and given per instance")
     p.add_argument("--route", choices=ROUTES, default="round-robin",
-                   help="with --endpoints: round-robin (each request to the next instance) or "
+                   help="with --endpoints: round-robin (each turn to the instance after its previous turn's) or "
                         "prefix-affinity (a conversation sticks to one instance); default round-robin")
     p.add_argument("--served-model-name", default=None, help="model name for the endpoint")
     p.add_argument("--model", type=Path, default=None, help="model dir (default: embedded SmolLM2)")

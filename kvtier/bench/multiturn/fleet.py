@@ -3,10 +3,13 @@
 `kvtier bench multiturn --endpoints URL,URL[,...]` sends each request to one instance, chosen by
 `Router`:
 
-- `round-robin`: each request goes to the next instance in turn (one counter over all requests,
-  as a plain load balancer does), whatever conversation it continues: a conversation's next turn
-  lands wherever the counter points, so its prefix is often on another instance. The worst case
-  for locality.
+- `round-robin`: each turn of a conversation goes to the instance after the one that served its
+  previous turn (its first turn to instance `conversation` modulo the number of instances), so
+  the load is spread evenly and no turn finds its previous turn's KV on its own instance: the
+  worst case for locality. (One counter over all requests, as a plain load balancer keeps, would
+  not be: the workload asks its conversations' turns in FIFO order, so with a number of
+  conversations that is a multiple of the fleet's size, each conversation would come back to the
+  same instance every turn.)
 - `prefix-affinity`: every turn of a conversation goes to the same instance (conversation index
   modulo the number of instances), as a router that hashes the conversation's prefix would: each
   instance keeps its own conversations. The locality reference.
@@ -46,16 +49,12 @@ class Router:
             raise ValueError(f"a fleet needs at least one instance, not {instances}")
         self.rule = rule
         self.instances = instances
-        self._next = 0
 
-    def pick(self, conversation: int) -> int:
-        """The instance for the next request, a turn of `conversation`. Called once per request,
-        in the order requests are sent (the event loop's thread)."""
+    def pick(self, conversation: int, turn: int) -> int:
+        """The instance for turn `turn` (from 1) of `conversation`."""
         if self.rule == "prefix-affinity":
             return conversation % self.instances
-        chosen = self._next
-        self._next = (self._next + 1) % self.instances
-        return chosen
+        return (conversation + turn - 1) % self.instances
 
 
 def check_route(rule: str) -> None:
@@ -76,7 +75,7 @@ class FleetClient:
 
     async def chat(self, conversation: int, turn: int,
                    messages: list[Message]) -> tuple[RequestRecord, str]:
-        instance = self.router.pick(conversation)
+        instance = self.router.pick(conversation, turn)
         record, reply = await self.clients[instance].chat(conversation, turn, messages)
         record.instance = instance
         return record, reply
