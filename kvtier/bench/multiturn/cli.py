@@ -10,9 +10,9 @@ benchmarks/baselines/ (run from kvtier's source tree). Workload and cache sizes
 come from the preset unless given; `--endpoint URL` drives a running server instead (one
 configuration, labelled `--label`), and `--endpoints URL,URL[,...]` several running servers as one
 fleet, each request sent where `--route` says (round-robin: each turn of a conversation to the
-instance after its previous turn's; prefix-affinity: the conversation's own), with the split summed over the instances' /metrics and given per
-instance; `--mode inprocess` uses an in-process engine. Arguments after `--` go to every vLLM
-server.
+instance after its previous turn's; prefix-affinity: the conversation's own), with the split
+summed over the instances' /metrics and given per instance; `--mode inprocess` uses an
+in-process engine. Arguments after `--` go to every vLLM server.
 
 Mixed traffic and a ramp (server and endpoint modes): `--mix 0.5 --mix-tokens 256` makes half of
 all requests single-use one-turn prompts of 256 tokens, taken between the conversations' turns as
@@ -105,8 +105,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
                        help="drive these running servers as one fleet, each request routed by "
                             "--route; the split is summed over their /metrics, and given per instance")
     p.add_argument("--route", choices=ROUTES, default="round-robin",
-                   help="with --endpoints: round-robin (each turn to the instance after its previous turn's) or "
-                        "prefix-affinity (a conversation sticks to one instance); default round-robin")
+                   help="with --endpoints: round-robin (each turn to the instance after its "
+                        "previous turn's) or prefix-affinity (a conversation sticks to one "
+                        "instance); default round-robin")
     p.add_argument("--served-model-name", default=None, help="model name for the endpoint")
     p.add_argument("--model", type=Path, default=None, help="model dir (default: embedded SmolLM2)")
     p.add_argument("--tokenizer", default=None, help="tokenizer (default: the model's)")
