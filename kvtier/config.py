@@ -56,6 +56,10 @@ class KVTierConfig:
     tier_job_timeout_s: float = 60.0
     tier_restart_backoff_s: float = 1.0
     tier_lookup_wait_s: float = 0.01
+    promotion_wait_s: float = 0.0
+    """How long a lookup that started a promotion (secondary → host, not streamed) waits for it
+    on the scheduler thread, so its request loads in the same step (0: it is asked again on the
+    next step)."""
     stream_promotions: bool = True
     """A prefix longer than the host tier has room for is promoted and copied to the device a batch
     at a time (False: the chunks that do not fit are recomputed)."""
@@ -125,6 +129,7 @@ class KVTierConfig:
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
             tier_lookup_wait_s=_float(raw, "tier_lookup_wait_s", 0.01, minimum=0.0),
+            promotion_wait_s=_float(raw, "promotion_wait_s", 0.0, minimum=0.0),
             stream_promotions=_bool(raw, "stream_promotions", True),
             sync_host_loads=_bool(raw, "sync_host_loads", True),
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),

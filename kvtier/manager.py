@@ -22,9 +22,7 @@ from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
-from kvtier.config import KVTierConfig
 from kvtier.format.chunks import HOST, ChunkKey, TierEvent
-from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.host.tier import HostTier
 from kvtier.ops.metrics import KVTierMetrics
@@ -32,7 +30,6 @@ from kvtier.policies.admission import AdmissionChain
 from kvtier.policies.base import DEFAULT_PRIORITY, AdmitAll
 from kvtier.policies.remembered import RememberedPriorities
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
-from kvtier.tiers.process import TierProcess, TierSpec
 
 log = logging.getLogger("kvtier.manager")
 
@@ -49,6 +46,7 @@ class TierHandle(Protocol):
     def get_finished_jobs(self) -> list[JobResult]: ...
     def take_events(self) -> list[TierEvent]: ...
     def await_answers(self, timeout_s: float) -> None: ...
+    def await_jobs(self, job_ids: Collection[int], timeout_s: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -112,42 +110,6 @@ class TieringManager:
         for name in self.tiers:
             self.metrics.set("tier_enabled", 1.0, name)
 
-    @classmethod
-    def from_config(
-        cls, config: KVTierConfig, row_bytes: int, layout_fingerprint: str
-    ) -> TieringManager:
-        """Create the host region and tier, and start every secondary tier's process; all or
-        nothing: when a part fails, what was built is shut down in reverse order, the error raised."""
-        rows = generations.create_region(config.cpu_bytes_to_use, row_bytes, config.shm_dir)
-        region, num_slots = rows.region, rows.num_slots
-        metrics = KVTierMetrics()  # the manager's, which every tier process counts into too
-        started: list[TierProcess] = []
-        try:
-            policy, gens = config.eviction_class(num_slots), rows.generations
-            host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy, gens)
-            for i, tier in enumerate(config.secondary_tiers):
-                spec = TierSpec(
-                    tier_name=tier.name, type=tier.type, module_path=tier.module_path,
-                    options=tier.options, config_key=f"secondary_tiers[{i}]",
-                    region_name=region.name, shm_dir=config.shm_dir, row_bytes=row_bytes,
-                    num_slots=num_slots, layout_fingerprint=layout_fingerprint,
-                    generations_offset=rows.offset)
-                proc = TierProcess(spec, job_timeout_s=config.tier_job_timeout_s,
-                                   restart_backoff_s=config.tier_restart_backoff_s, metrics=metrics)
-                proc.launch()
-                started.append(proc)
-            for proc in started:
-                proc.wait_ready()
-            chain = AdmissionChain([c(config.admission_settings()) for c in config.admission_classes])
-            manager = cls(host, started, chain, metrics, lookup_wait_s=config.tier_lookup_wait_s)
-        except BaseException:
-            for proc in reversed(started):
-                proc.shutdown()
-            region.close()
-            raise
-        manager.region = region
-        return manager
-
     def shutdown(self) -> None:
         """Stop every tier process, then remove the host region. Idempotent."""
         for tier in reversed(list(self.tiers.values())):
@@ -198,6 +160,16 @@ class TieringManager:
         (retention priority as `lookup_prefix`); how many fitted (0: no room now). Each is held
         once loaded, until `release`d."""
         return self._promote((), keys, sources, priority)
+
+    def await_promotions(self, keys: Sequence[ChunkKey], timeout_s: float) -> None:
+        """Block up to `timeout_s` until the promotions of `keys` in flight ended, then `poll`:
+        the one wait on the scheduler thread a caller chooses (`promotion_wait_s`)."""
+        deadline, wanted = time.monotonic() + timeout_s, set(keys)
+        for name, tier in self.tiers.items():
+            jobs = [j for j, t in self._transfers.items() if t.tier == name and not wanted.isdisjoint(t.keys)]
+            if jobs:
+                tier.await_jobs(jobs, max(deadline - time.monotonic(), 0.0))
+        self.poll()
 
     def _find(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None) -> tuple[list[str], bool]:
         """The source tier of each of the leading keys some tier holds, and whether the run stopped

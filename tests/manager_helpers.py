@@ -8,6 +8,7 @@ import time
 import pytest
 
 from kvtier.config import KVTierConfig
+from kvtier.engine.tiering_start import start_manager
 from kvtier.manager import PrefixLookup, TieringManager
 from tests.conftest import LAYOUT_FP, random_key
 
@@ -20,7 +21,7 @@ def start(policy: str, tiers: list[dict], **extra) -> TieringManager:
         {"cpu_bytes_to_use": ROW * HOST_SLOTS, "eviction_policy": policy,
          "secondary_tiers": tiers, **extra}
     )
-    return TieringManager.from_config(cfg, ROW, LAYOUT_FP)
+    return start_manager(cfg, ROW, LAYOUT_FP)
 
 
 def store_in_host(m: TieringManager, keys: list[bytes]) -> dict[bytes, bytes]:

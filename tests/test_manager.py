@@ -12,6 +12,7 @@ import psutil
 import pytest
 
 from kvtier.config import KVTierConfig
+from kvtier.engine.tiering_start import start_manager
 from kvtier.errors import ConfigError
 from kvtier.manager import PrefixLookup, TieringManager
 from kvtier.tiers.base import LookupResult
@@ -191,6 +192,26 @@ def test_a_promotion_released_while_in_flight_is_not_held(manager: TieringManage
     manager.host.check()
 
 
+def test_a_caller_may_wait_for_the_promotion_it_started(manager: TieringManager) -> None:
+    """`await_promotions` returns once the fs tier's loads ended: the next lookup, without a
+    step of "ask again" in between, finds every chunk ready with the bytes stored."""
+    keys = [random_key() for _ in range(3)]
+    rows = store_in_host(manager, keys)
+    drain(manager)
+    evict_all(manager)
+    assert manager.lookup_prefix(keys, tiers=["fs"]).promoting == ("fs",) * 3
+    manager.await_promotions(keys, 10.0)
+    assert manager.lookup_prefix(keys, promote=False) == PrefixLookup(3, pending=False)
+    slots = manager.host.prepare_load(keys)
+    assert slots is not None
+    assert [bytes(manager.host.slot_view(s)) for s in slots] == [rows[k] for k in keys]
+    manager.host.complete_load(keys)
+    manager.release(keys)
+    other = [random_key()]
+    manager.await_promotions(other, 10.0)  # nothing of it in flight: returns at once
+    manager.host.check()
+
+
 def test_without_promote_a_lookup_takes_what_the_host_tier_holds(manager: TieringManager) -> None:
     keys = [random_key() for _ in range(4)]
     store_in_host(manager, keys)
@@ -296,7 +317,7 @@ def test_region_too_large_for_shm_is_a_config_error() -> None:
     too_big = st.f_bavail * st.f_frsize + (1 << 30)
     cfg = KVTierConfig.from_dict({"cpu_bytes_to_use": too_big})
     with pytest.raises(ConfigError, match=r"cpu_bytes_to_use.*/dev/shm"):
-        TieringManager.from_config(cfg, ROW, LAYOUT_FP)
+        start_manager(cfg, ROW, LAYOUT_FP)
 
 
 def test_a_partly_answered_run_is_promoted_whole_once_known(manager: TieringManager) -> None:

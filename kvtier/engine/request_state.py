@@ -64,6 +64,16 @@ class RequestState:
                 self.promoted_from.setdefault(i, tier)
             self.promoted_at = start
 
+    def extend_keys(self, computed: int, hasher: ChunkHasher) -> int | None:
+        """Key the full chunks that decode filled up to `computed` tokens; the index of the first
+        new key (None: none)."""
+        if computed // hasher.chunk_tokens <= len(self.keys):
+            return None
+        first, request = len(self.keys), self.request
+        self.keys += hasher.extend(self.keys, request.all_token_ids[:computed],
+                                   cache_salt=request.cache_salt, lora=self.lora)
+        return first
+
     def loaded_chunks(self, num_external_tokens: int, chunk_tokens: int) -> int:
         """The chunks a load of `num_external_tokens` past the device hit covers (the first one
         in part when the hit ends inside it)."""

@@ -28,7 +28,7 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
@@ -244,14 +244,23 @@ class TierProcess:
         the tier is down), handling the replies that arrive meanwhile; the next `lookup` then has
         the answers.
 
-        The one bounded wait on the scheduler thread: a new prompt's first lookup costs one round
-        trip to the tier process instead of a whole engine step of "ask again". A question older
-        than `timeout_s` already had its wait: a slow tier costs each question one wait, not one
-        per engine step until it answers.
+        A bounded wait on the scheduler thread: a new prompt's first lookup costs one round trip
+        to the tier process instead of a whole engine step of "ask again". A question older than
+        `timeout_s` already had its wait: a slow tier costs each question one wait, not one per
+        engine step until it answers.
         """
         start = time.monotonic()
-        deadline = start + timeout_s
-        while self.is_up and any(start - asked < timeout_s for _, asked in self._asked.values()):
+        self._await(lambda: any(start - asked < timeout_s for _, asked in self._asked.values()),
+                    timeout_s)
+
+    def await_jobs(self, job_ids: Collection[int], timeout_s: float) -> None:
+        """Block up to `timeout_s` until none of `job_ids` is in flight (or the tier is down),
+        handling the replies that arrive meanwhile; the next `get_finished_jobs` has them."""
+        self._await(lambda: any(j in self._jobs for j in job_ids), timeout_s)
+
+    def _await(self, waiting: Callable[[], bool], timeout_s: float) -> None:
+        deadline = time.monotonic() + timeout_s
+        while self.is_up and waiting():
             left = deadline - time.monotonic()
             if left <= 0:
                 return

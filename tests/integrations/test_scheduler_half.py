@@ -21,6 +21,7 @@ from tests.integrations.halves import (
     FakeSchedulerOutput,
     geometry,
 )
+from tests.integrations.shared_helpers import settle
 
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4
 
@@ -419,3 +420,34 @@ def test_operator_signals_each_step(tmp_path: Path) -> None:
     finally:
         s.shutdown()
     assert not list((tmp_path / "ctl").glob("*.sock"))  # the socket goes with the engine
+
+
+@pytest.mark.parametrize("wait_s", [0.0, 10.0])
+def test_a_promotion_waited_for_loads_in_the_step_of_its_lookup(wait_s: float) -> None:
+    """With `promotion_wait_s`, a prefix only a secondary tier holds is promoted and offered in the
+    step of its first lookup; without, that lookup says "ask again" (None) and the next offers it."""
+    config = KVTierConfig.from_dict({
+        "cpu_bytes_to_use": 8 * ROW_BYTES, "secondary_tiers": [{"type": "memory", "name": "mem"}],
+        "promotion_wait_s": wait_s})
+    s = KVTierScheduler(config, geometry(), 1)
+    blocks: dict[str, list[int]] = {}
+    s.bind_block_ids(lambda req_id: (blocks[req_id],))
+    s.test_blocks = blocks  # type: ignore[attr-defined]
+    try:
+        compute_prompt(s, FakeRequest("a", PROMPT), [4, 1, 2, 3])
+        settle(s)
+        assert s.reset_cache() and s.manager.host.stats().ready == 0
+        req = FakeRequest("b", PROMPT)
+        first = s.get_num_new_matched_tokens(req, 0)  # type: ignore[arg-type]
+        if wait_s:
+            assert first == (12, True)
+        else:
+            assert first == (None, False)
+            settle(s)
+            assert s.get_num_new_matched_tokens(req, 0) == (12, True)  # type: ignore[arg-type]
+        s.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
+        (load,) = s.build_connector_meta(FakeSchedulerOutput({})).loads
+        assert list(load.keys) == s.hasher.keys(PROMPT)
+        assert s.hit_sources(req) == {"mem": 12}  # type: ignore[arg-type]
+    finally:
+        s.shutdown()

@@ -39,6 +39,7 @@ from kvtier.engine.operations import Operations
 from kvtier.engine.request_state import RequestState, mark_load_failed
 from kvtier.engine.streamed_loads import LoadStreams, Part
 from kvtier.engine.tails import Tails
+from kvtier.engine.tiering_start import start_manager
 from kvtier.format.chunks import HOST
 from kvtier.format.keys import ChunkHasher
 from kvtier.integrations.vllm.kv_events import make_translator
@@ -46,7 +47,6 @@ from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetada
 from kvtier.integrations.vllm.model.geometry import EngineGeometry
 from kvtier.integrations.vllm.model.groups import load_blocks, store_blocks
 from kvtier.integrations.vllm.tracing import RequestTracer
-from kvtier.manager import TieringManager
 
 if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks
@@ -71,7 +71,7 @@ class KVTierScheduler:
         workers copy synchronously and take failed loads by block (see the module docstring)."""
         layout = geometry.layout
         self.geometry = geometry
-        self.manager = TieringManager.from_config(config, layout.row_bytes, layout.fingerprint)
+        self.manager = start_manager(config, layout.row_bytes, layout.fingerprint)
         self.accounting = Accounting(self.manager, geometry.chunk_tokens)
         self.tier_types = {t.name: t.type for t in config.secondary_tiers}
         self.events = make_translator(config, geometry.block_size, layout.fingerprint,
@@ -88,6 +88,7 @@ class KVTierScheduler:
         self._loads: dict[int, LoadCopy] = {}
         self._job_ids = itertools.count(1)
         self.stream_promotions = config.stream_promotions
+        self.promotion_wait_s = config.promotion_wait_s
         self.sync_loads = sync_loads
         self.streams = LoadStreams(self.manager, self._job_ids)
         self.tails = Tails(geometry.chunk_tokens)
@@ -144,6 +145,9 @@ class KVTierScheduler:
         if found.beyond:
             at = start + found.ready + len(found.promoting)
             state.streamed = range(at, at + len(found.beyond))
+        elif found.pending and found.promoting and self.promotion_wait_s:
+            self.manager.await_promotions(keys, self.promotion_wait_s)
+            found = self.manager.lookup_prefix(keys, state.options.load_tiers, promote=False)
         self.tracer.looked_up(request.request_id, found.pending)
         self.ops.lookup_answered(request.request_id, found.pending, state.promoted_from.values())
         if found.pending:
@@ -249,7 +253,9 @@ class KVTierScheduler:
             # Draft tokens may be rejected: their KV is not final, so it is not stored.
             computed = state.request.num_computed_tokens + num_new - len(speculative.get(req_id, ()))
             self.tracer.scheduled(req_id, computed, state.request.num_prompt_tokens)
-            self._extend_keys(state, computed)
+            first = state.extend_keys(computed, self.hasher)
+            if first is not None and self.events is not None:
+                self.events.remember(state.request, state.keys, first)
             store = self._plan_store(state, computed)
             if store is not None:
                 stores.append(store)
@@ -257,17 +263,6 @@ class KVTierScheduler:
         loads, self._loads_to_send = tuple(self._loads_to_send), []
         return KVTierMetadata(self.region_name, self.shm_dir, loads, (*stores, *tail_stores),
                               releases=tuple(released))
-
-    def _extend_keys(self, state: RequestState, computed: int) -> None:
-        """Key the full chunks that decode filled up to `computed` tokens."""
-        if computed // self.geometry.chunk_tokens <= len(state.keys):
-            return
-        request = state.request
-        tokens = request.all_token_ids[:computed]
-        first = len(state.keys)
-        state.keys += self.hasher.extend(state.keys, tokens, cache_salt=request.cache_salt, lora=state.lora)
-        if self.events is not None:
-            self.events.remember(request, state.keys, first)
 
     def _plan_store(self, state: RequestState, computed: int) -> ChunkCopy | None:
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
