@@ -15,6 +15,8 @@ or neither (vLLM alone).
 - `admission`: host + fs with the admission policy named by `--admission-policy`.
 - `host+fs-frequency`, `host+fs-priority`: host + fs with that admission policy at both gates
   (`host+fs` is the same with `all`), so `--configs host+fs,host+fs-frequency` compares them.
+- `host+fs-wait`: host + fs with `promotion_wait_s` 0.05 (a request whose prefix comes from fs
+  loads in the step of its lookup).
 
 With `--blocks-per-chunk N` (option `blocks_per_chunk`) every kvtier configuration offloads in
 chunks of N engine blocks (the host tier keeps its bytes); the others are unchanged.
@@ -126,6 +128,12 @@ def _host_fs(ctx: BenchContext) -> EngineConfig:
     return EngineConfig("host+fs", ctx.device_blocks, {**_host(ctx), "secondary_tiers": tiers})
 
 
+def _host_fs_wait(ctx: BenchContext) -> EngineConfig:
+    tiers = [{"type": "fs", "root_dir": str(_fs_dir(ctx, "host+fs-wait"))}]
+    raw = {**_host(ctx), "secondary_tiers": tiers, "promotion_wait_s": 0.05}
+    return EngineConfig("host+fs-wait", ctx.device_blocks, raw)
+
+
 def _native(ctx: BenchContext) -> EngineConfig:
     return EngineConfig("vllm-native", ctx.device_blocks, None, {**NATIVE_SPEC, **_host(ctx)})
 
@@ -177,6 +185,7 @@ CONFIGS: dict[str, Callable[[BenchContext], EngineConfig]] = {
     "admission": _admission,
     "host+fs-frequency": _host_fs_policy("frequency"),
     "host+fs-priority": _host_fs_policy("priority"),
+    "host+fs-wait": _host_fs_wait,
 }
 
 
