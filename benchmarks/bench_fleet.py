@@ -36,6 +36,7 @@ import dataclasses
 import json
 import os
 import secrets
+import shlex
 import subprocess
 import sys
 import tempfile
@@ -164,7 +165,7 @@ def main() -> None:
     redis = start_server("redis-server") if any(c.endswith(" redis") for c in configs) else None
     points: list[dict[str, Any]] = []
     meta = {"label": "fleet", "title": f"2 instances, {args.conversations} conversations (cpu preset)",
-            "command": " ".join(["python -m benchmarks.bench_fleet", *sys.argv[1:]]),
+            "command": shlex.join(["python", "-m", "benchmarks.bench_fleet", *sys.argv[1:]]),
             "conversations": args.conversations, "rounds": args.rounds, "configs": configs,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count()}
     try:
