@@ -79,6 +79,6 @@ def test_without_a_rotation_every_tier_may_serve() -> None:
 def test_the_full_campaign_rotates_and_the_smoke_does_not() -> None:
     full = PRESETS["full"]
     assert set(full.load_rotation) == set(full.tiers) == {"fs", "obj", "redis", "cluster", "p2p"}
-    assert all(full.load_rotation.count(t) == 2 for t in full.detect_tiers)
+    assert all(full.load_rotation.count(t) >= 2 * full.load_rotation.count("fs") for t in full.detect_tiers)
     assert full.min_detected >= 300
     assert not PRESETS["smoke"].load_rotation

@@ -1,7 +1,8 @@
 """`kvtier bench chaos --preset smoke` end to end (slow): a real in-process vLLM engine with host
-+ fs + obj (SeaweedFS) + redis tiers serves conversations while stored chunks are corrupted in
-every way the campaign knows and tier processes, redis-server and SeaweedFS are killed, stopped
-and restarted, and the fs tier's disk is filled. No reply may differ from vLLM alone's, no request
++ fs + obj (SeaweedFS) + redis + cluster (a three-master Valkey Cluster) + p2p (a peer process)
+tiers serves conversations while stored chunks are corrupted in every way the campaign knows and
+tier processes, redis-server, SeaweedFS, a cluster node and the peer are killed, stopped and
+restarted, and the fs tier's disk is filled. No reply may differ from vLLM alone's, no request
 may fail or hang, no corruption may be served, every corruption a tier read must be counted by
 kvtier's own metric, and nothing the run started may outlive it."""
 
@@ -50,6 +51,11 @@ def test_chaos_smoke_serves_nothing_wrong(tmp_path: Path) -> None:
                                  "stale_layout"}
     ran = summary["faults"]
     assert all(ran.get(kind, {}).get("survived", 0) >= 1 for kind in FAULTS), ran
+    tiers = summary["tiers"]
+    assert set(tiers) == {"fs", "obj", "redis", "cluster", "p2p"}
+    assert all(t["served"] == 0 and t["wrong_replies"] == 0 and t["detected"] <= t["counted"]
+               for t in tiers.values()), tiers
+    assert tiers["cluster"]["injected"] > 0 and tiers["p2p"]["injected"] > 0, tiers
     assert summary["host"] == {"pinned": 0, "check": "clean"}
     assert summary["temps"]["left"] > 0 and summary["temps"]["remaining"] == 0
     assert sum(v for k, v in summary["prompt_tokens"].items() if k not in ("device", "recomputed")) > 0

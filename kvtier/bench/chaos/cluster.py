@@ -81,8 +81,9 @@ class Cluster:
     def node_of_slot(self, slot: int) -> int:
         return slot // self._share
 
-    def start(self) -> None:
-        """Start the nodes, split the slots, join them, wait until the cluster is whole."""
+    def start(self, wait: bool = True) -> None:
+        """Start the nodes, split the slots, join them; with `wait`, wait until the cluster is whole
+        (else call `wait_ready`: the join takes about 2 s, which other start-ups can overlap)."""
         try:
             for node in self.nodes:
                 node.start()
@@ -94,7 +95,8 @@ class Cluster:
             with self.nodes[0].client() as c:
                 for node in self.nodes[1:]:
                     c.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, node.bus_port)
-            self.wait_ready()
+            if wait:
+                self.wait_ready()
         except BaseException:
             self.stop()
             raise

@@ -35,18 +35,21 @@ def _p99(values: list[float]) -> float | None:
 
 def per_tier(raw: dict[str, Any], outcomes: list[Outcome]) -> dict[str, dict[str, Any]]:
     """Per secondary tier: injected, detected (ledger), counted (metric), served, wrong replies of
-    requests that loaded from it, requests that did, and its outages by kind."""
+    requests that loaded from it, requests that did, its outages by kind, and its successful loads
+    while one of them lasted (a cluster node down: the other nodes serve)."""
     ledger = raw["ledger"]
     by_tier = ledger.get("outcomes_by_tier", {})
     out: dict[str, dict[str, Any]] = {}
     for tier in raw["detected_metric"]:
         loaded = [o for o in outcomes if o.tokens.get(tier, 0) > 0 and not o.hung and o.failed is None]
-        outages = Counter(w["kind"] for w in raw["windows"] if w["target"] == tier)
+        windows = [w for w in raw["windows"] if w["target"] == tier]
+        outages = Counter(w["kind"] for w in windows)
+        during = sum(any(w["start"] <= t <= w["end"] for w in windows) for t in raw["loads_ok"].get(tier, ()))
         out[tier] = {
             "injected": ledger["by_tier"].get(tier, 0), "detected": by_tier.get(tier, {}).get("detected", 0),
             "counted": raw["detected_metric"][tier], "served": by_tier.get(tier, {}).get("served", 0),
             "requests_loading": len(loaded), "wrong_replies": sum(not o.ok for o in loaded),
-            "outages": dict(outages),
+            "outages": dict(outages), "loads_during_outages": during,
         }
     return out
 
@@ -147,9 +150,10 @@ def table(s: dict[str, Any]) -> str:
     width = max(len(str(k)) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     if s.get("tiers"):
-        lines += ["", "tier      injected  detected  counted  served  wrong/loading  outages"]
+        lines += ["", "tier      injected  detected  counted  served  wrong/loading  outages (loads during)"]
         for tier, t in s["tiers"].items():
             outages = ", ".join(f"{k} {v}" for k, v in sorted(t["outages"].items())) or "-"
             lines.append(f"{tier:<8}  {t['injected']:>8}  {t['detected']:>8}  {t['counted']:>7}  "
-                         f"{t['served']:>6}  {t['wrong_replies']:>5}/{t['requests_loading']:<7}  {outages}")
+                         f"{t['served']:>6}  {t['wrong_replies']:>5}/{t['requests_loading']:<7}  {outages}"
+                         f" ({t['loads_during_outages']})")
     return "\n".join(lines)

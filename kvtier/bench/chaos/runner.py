@@ -92,14 +92,16 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
         redis = Redis(work / "redis")
         redis.start()
         stack.callback(redis.kill)
-        seaweed = Seaweed(work / "seaweedfs")
-        seaweed.start()
-        stack.callback(seaweed.kill)
         cluster = None
         if "cluster" in preset.tiers:
             cluster = Cluster(work / "cluster")
-            cluster.start()
             stack.callback(cluster.stop)
+            cluster.start(wait=False)
+        seaweed = Seaweed(work / "seaweedfs")
+        seaweed.start()
+        stack.callback(seaweed.kill)
+        if cluster is not None:
+            cluster.wait_ready()
         mount = work / "fs-mnt"
         mounted = stack.enter_context(tmpfs(mount, preset.fs_mib))
         if not mounted:
