@@ -6,14 +6,15 @@
 Python >= 3.10 and torch, nothing else (no vLLM): kvtier is imported from this checkout. Checks:
 
 1. `pin`: the host region (a /dev/shm segment) pins with `cudaHostRegister`, torch sees it pinned;
-2. `queue`: a store queued while the compute stream is busy returns at once, and is reported by
-   `poll` only after the busy work and its copy ran;
+2. `queue`: a store (chunks, then a state segment) queued while the compute stream is busy returns
+   at once, and is reported by `poll` only after the busy work and its copy ran;
 3. `identity`: for each kind, a store writes the rows the CPU path (`CopyPlan` on CPU copies of the
    tensors) writes, byte for byte, and a load of random rows writes the blocks the CPU path writes
    and no other. Kinds: vLLM 0.32's CUDA layout `[B, H, N, 2D]` in HND, NHD and cross-layer memory
    orders, older vLLM's stacked `[2, B, N, H, D]`, a TP=2 rank's shard, several KV cache groups
    (a load leaving sliding-window blocks out), MLA latents `[B, N, 576]`, fp8 held as uint8, and
-   gated delta net and Mamba2 states in vLLM's shapes (whole, and a TP=2 rank's shard);
+   gated delta net and Mamba2 states in vLLM's shapes (whole, and a TP=2 rank's shard), stored and
+   loaded through the same stream transfer as the chunks (`add_states`), on its copy streams;
 4. `bandwidth`: kvtier's stores (D2H) and loads (H2D) against a plain non-blocking `copy_` of the
    same bytes between the device and a `pin_memory()` buffer; on CUDA a ratio under `--min-ratio`
    (0.8) fails.
@@ -44,6 +45,8 @@ from kvtier.transfer.state_copier import StateCopier
 from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer
 
 GIB = 1 << 30
+STATE_REGION_BYTES = 16 << 20
+"""The state checks' host region: a state segment of `cuda_check_kinds.state_case` is about 6 MiB."""
 
 
 class _Done:
@@ -160,25 +163,79 @@ def check_kind(kind: str, a: argparse.Namespace, region: HostRegion, table: Tabl
     )
 
 
-def check_states(kind: str, a: argparse.Namespace, table: Table) -> None:
-    """Store and load one state segment with the state copier on the device; compare with the CPU's."""
-    layout, shard, src = state_case(kind, a.device, torch.Generator().manual_seed(5), 8)
-    block_ids = (3, 5, 1)
-    slots = list(range(layout.rows))
-    rows = torch.zeros((layout.rows, layout.row_bytes), dtype=torch.uint8)
-    StateCopier(layout, src, shard).engine_to_host(block_ids, rows, slots)
+def state_paths(
+    kind: str, a: argparse.Namespace, region: HostRegion, src: list[list[torch.Tensor]] | None = None
+) -> tuple[StreamTransfer, StateCopier, list[list[torch.Tensor]]]:
+    """The stream transfer of a small attention case carrying `kind`'s states (`src`, or new random
+    ones), attached to `region`; its copier and state tensors."""
+    plan, kv = kv_case("flash_nhd", a, seed=0)
+    gen = torch.Generator().manual_seed(5)
+    layout, shard, made = state_case(kind, a.device, gen, 8, plan.layout.row_bytes)
+    tensors = made if src is None else src
+    transfer = transfer_for(plan, kv)
+    copier = StateCopier(layout, tensors, shard)
+    transfer.add_states(copier)
+    transfer.attach(region.name, a.shm_dir)
+    if transfer.rows is None or len(transfer.rows) < layout.rows:
+        raise ValueError(f"{kind}: a segment of {layout.rows} rows does not fit the region")
+    return transfer, copier, tensors
+
+
+def check_states(kind: str, a: argparse.Namespace, region: HostRegion, table: Table) -> None:
+    """Store and load one state segment through the stream path (on its copy streams, as the
+    connector's worker does); compare with the CPU path's bytes."""
+    store, copier, src = state_paths(kind, a, region)
+    layout, shard = copier.layout, copier.shard
+    assert store.rows is not None
+    rows = store.rows
+    rows.zero_()
+    block_ids, slots = (3, 5, 1), list(range(layout.rows))[::-1]
+    store.forward_done()
+    store.submit_state_store(1, block_ids, slots)
+    _, _, ok_store = wait_all(store, 1)
     expected = torch.zeros_like(rows)
     cpu_src = [[t.cpu() for t in parts] for parts in src]
     StateCopier(layout, cpu_src, shard).engine_to_host(block_ids, expected, slots)
-    stored = same(rows, expected) and bool(rows.any())
-    rows.copy_(random_bytes(tuple(rows.shape), torch.uint8, torch.Generator().manual_seed(6), "cpu"))
+    stored = ok_store and same(rows, expected) and bool(rows.any())
+    store.close()
+
     dst = [[torch.zeros_like(t) for t in parts] for parts in src]
+    load, _, _ = state_paths(kind, a, region, dst)
+    assert load.rows is not None
+    rows = load.rows
+    rows.copy_(random_bytes(tuple(rows.shape), torch.uint8, torch.Generator().manual_seed(6), "cpu"))
+    load.submit_state_load(2, block_ids, slots)
+    _, _, ok_load = wait_all(load, 1)
     want = [[torch.zeros_like(t, device="cpu") for t in parts] for parts in src]
-    StateCopier(layout, dst, shard).host_to_engine(block_ids, rows, slots)
     StateCopier(layout, want, shard).host_to_engine(block_ids, rows, slots)
-    loaded = all(same(g, w) for gs, ws in zip(dst, want, strict=True) for g, w in zip(gs, ws, strict=True))
+    loaded = ok_load and all(
+        same(g, w) for gs, ws in zip(dst, want, strict=True) for g, w in zip(gs, ws, strict=True)
+    )
+    load.close()
     segment = f"{layout.segment_bytes / 2**20:.1f} MiB segment in {layout.rows} rows"
     table.row("identity", kind, stored and loaded, f"{segment}; {verdict(stored, loaded)}")
+
+
+def check_state_queue(a: argparse.Namespace, region: HostRegion, table: Table) -> None:
+    """A state store behind ~0.5 s of compute is queued at once and reported after it (CUDA)."""
+    if a.device != "cuda":
+        table.row("queue", "gdn state", None, "CUDA only")
+        return
+    transfer, copier, _ = state_paths("gdn", a, region)
+    slots = list(range(copier.layout.rows))
+    transfer.forward_done()
+    transfer.submit_state_store(0, (0, 1, 2), slots)  # warm-up: allocators
+    wait_all(transfer, 1)
+    torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]  # about 0.5 s of compute
+    start = time.perf_counter()
+    transfer.forward_done()
+    transfer.submit_state_store(1, (3, 4, 5), slots)
+    queued = time.perf_counter() - start
+    not_yet = transfer.poll() == []
+    wall, _, ok = wait_all(transfer, 1)
+    detail = f"queued in {queued * 1e3:.2f} ms behind ~0.5 s of compute, reported after {wall:.2f} s"
+    table.row("queue", "gdn state", queued < 0.05 and not_yet and ok and wall > 0.1, detail)
+    transfer.close()
 
 
 def check_pin_and_queue(a: argparse.Namespace, region: HostRegion, table: Table) -> None:
@@ -315,14 +372,17 @@ def main() -> int:
     region = HostRegion.create(
         a.identity_chunks << 20, shm_dir=a.shm_dir, key="--identity-chunks", pretouch=False
     )
+    states = HostRegion.create(STATE_REGION_BYTES, shm_dir=a.shm_dir, key="--shm-dir", pretouch=False)
     try:
         guarded(table, "pin/queue", "flash_nhd", lambda: check_pin_and_queue(a, region, table))
         for kind in KINDS:
             guarded(table, "identity", kind, partial(check_kind, kind, a, region, table))
+        guarded(table, "queue", "gdn state", lambda: check_state_queue(a, states, table))
         for kind in STATE_KINDS:
-            guarded(table, "identity", kind, partial(check_states, kind, a, table))
+            guarded(table, "identity", kind, partial(check_states, kind, a, states, table))
     finally:
         region.close()
+        states.close()
     guarded(table, "bandwidth", "flash_nhd", lambda: check_bandwidth(a, table))
     print("all checks passed" if not table.failed else f"{table.failed} check(s) failed")
     return 1 if table.failed else 0

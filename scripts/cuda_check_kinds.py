@@ -97,10 +97,11 @@ def job(
 
 
 def state_case(
-    kind: str, device: str, gen: torch.Generator, blocks: int
+    kind: str, device: str, gen: torch.Generator, blocks: int, row_bytes: int
 ) -> tuple[StateLayout, StateShard, list[list[torch.Tensor]]]:
     """State tensors in vLLM's per-layer shapes (conv state kept `[kernel - 1, conv_dim]`, the SSM
-    state fp32), whole or a TP=2 rank's shard, for 3 recurrent layers."""
+    state fp32), whole or a TP=2 rank's shard, for 3 recurrent layers; segments in rows of
+    `row_bytes` (the attention rows')."""
     if kind.startswith("gdn"):  # Qwen3-Next-like: conv over q, k, v channels; [heads, v_dim, k_dim]
         conv, ssm = (2 * 16 * 128 + 32 * 128, 3), (32, 128, 128)
         sections = ((Section(16 * 128), Section(16 * 128), Section(32 * 128)), (Section(32),))
@@ -108,7 +109,7 @@ def state_case(
         conv, ssm = (64 * 64 + 2 * 8 * 128, 3), (64, 64, 128)
         sections = ((Section(64 * 64), Section(8 * 128), Section(8 * 128)), (Section(64),))
     parts = (StatePart(conv, torch.bfloat16, transposed=True), StatePart(ssm, torch.float32))
-    layout = StateLayout(kind.split("_")[0], (1, 2, 4), parts, 1 << 20)
+    layout = StateLayout(kind.split("_")[0], (1, 2, 4), parts, row_bytes)
     whole = StateShard.whole([conv[0], ssm[0]])
     shard = StateShard(sections, 2, 1) if kind.endswith("tp2_rank1") else whole
     tensors = [

@@ -2,7 +2,10 @@
 KV cache groups (a full-attention layer and a sliding-window layer) stores and reloads through
 `StreamTransfer`, a load leaving a sliding-window block out; its request is finished only once the
 device ran the copy; a load that fails on the device fails its request (vLLM takes no block-level
-errors with several groups), reported when its event completed."""
+errors with several groups), reported when its event completed. A model with a recurrent layer
+stores and loads its state segments through the same transfer: a state store in a step without
+chunk stores still waits for the step's forward pass, a state load is reported only once the device
+ran it, and one that fails there fails its request's load."""
 
 from __future__ import annotations
 
@@ -12,16 +15,19 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
-from kvtier.engine.copies import ChunkCopy
-from kvtier.format.layout import SKIP_BLOCK
+from kvtier.engine.copies import ChunkCopy, StateCopy
+from kvtier.format.layout import SKIP_BLOCK, host_rows
+from kvtier.format.state_rows import StateLayout, StatePart
 from kvtier.host.region import HostRegion
 from kvtier.integrations.vllm.metadata import KVTierMetadata
+from kvtier.integrations.vllm.model.state_groups import StateGroups
 from kvtier.integrations.vllm.worker_half import KVTierWorker
 from kvtier.transfer import Transfer
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.stream import StreamTransfer
+from tests.format.helpers import random_kv, same
 from tests.integrations.halves import ROW_BYTES, geometry, kv_caches
-from tests.transfer.emulated_device import COMPUTE_FIRST, EmulatedDevice
+from tests.transfer.emulated_device import COMPUTE_FIRST, COPIES_FIRST, EmulatedDevice
 
 KEYS = (b"a" * 32, b"b" * 32)
 
@@ -76,4 +82,86 @@ def test_a_load_failing_on_the_device_fails_its_request_after_its_event(region: 
     device.run()
     assert worker.take_finished_loads() == {"r3"} and worker.take_failed_loads() == {"r3"}
     assert worker.take_load_errors() == set()
+    worker.shutdown()
+
+
+STATE_LAYER = "model.layers.2.linear_attn"
+STATES = StateLayout(
+    "gdn", (2,), (StatePart((64, 3), torch.bfloat16, transposed=True), StatePart((4, 16, 16), torch.float32)),
+    ROW_BYTES,
+)
+
+
+def hybrid_worker(device: EmulatedDevice, caches: dict[str, torch.Tensor]) -> KVTierWorker:
+    """Two attention layers and one gated-delta-net layer (its KV cache group is vLLM's group 1)."""
+
+    def factory(plan: CopyPlan, tensors: Sequence[torch.Tensor]) -> Transfer:
+        return StreamTransfer(plan, tensors, device)
+
+    states = StateGroups(STATES, (STATE_LAYER,), (1,), 4)
+    worker = KVTierWorker(dataclasses.replace(geometry(), states=states), 0, factory)
+    worker.register_kv_caches(caches)
+    return worker
+
+
+def hybrid_caches(seed: int) -> dict[str, torch.Tensor]:
+    """Attention tensors, and the state layer's raw pages as vLLM hands them (`[blocks, 1, 1, bytes]`
+    int8, the parts end to end)."""
+    pages = random_kv((16, 1, 1, STATES.layer_bytes), torch.int8, torch.Generator().manual_seed(seed))
+    return {**kv_caches(16, seed), STATE_LAYER: pages}
+
+
+def test_a_hybrid_model_stores_and_loads_its_states_through_the_stream_path(region: HostRegion) -> None:
+    device, caches = EmulatedDevice(), hybrid_caches(1)
+    assert STATES.rows == 2
+    worker = hybrid_worker(device, caches)
+    assert worker.states is not None and worker.transfer is not None
+    assert worker.transfer.states is worker.states.copier
+    state = worker.states.copier.tensors[0]
+    gen = torch.Generator().manual_seed(7)
+    stored = [random_kv(tuple(t[5].shape), t.dtype, gen) for t in state]
+
+    def forward_pass() -> None:  # the step's pass, launched before `wait_for_save`: it writes block 5
+        for t, new in zip(state, stored, strict=True):
+            t[5] = new
+
+    device.compute(forward_pass)
+    stores = (StateCopy(1, "r1", KEYS, (5,), (2, 6)),)
+    worker.save(KVTierMetadata(region.name, "/dev/shm", state_stores=stores))
+    assert worker.take_worker_meta() is None and worker.copies_running == 1
+    device.run(COPIES_FIRST)
+    out = worker.take_worker_meta()
+    assert out is not None and out.stores == {1: (1, True)} and out.loads == {}
+
+    loaded = hybrid_worker(device, hybrid_caches(2))
+    assert loaded.states is not None
+    loads = (ChunkCopy(3, "r2", KEYS[:1], ((9,),), (0,)),)
+    state_loads = (StateCopy(2, "r2", KEYS, (11,), (2, 6)),)
+    loaded.start_load(KVTierMetadata(region.name, "/dev/shm", loads=loads, state_loads=state_loads))
+    assert loaded.take_finished_loads() == set() and loaded.copies_running == 2
+    device.run()
+    assert loaded.take_finished_loads() == {"r2"} and loaded.take_failed_loads() == set()
+    out = loaded.take_worker_meta()
+    assert out is not None and out.loads == {2: (1, True), 3: (1, True)}
+    assert all(same(t[11], s) for t, s in zip(loaded.states.copier.tensors[0], stored, strict=True))
+    rows = host_rows(region.buf, ROW_BYTES, 8)
+    assert rows[[2, 6]].any()
+    worker.shutdown()
+    loaded.shutdown()
+
+
+def test_a_state_load_failing_on_the_device_fails_its_request(region: HostRegion) -> None:
+    device = EmulatedDevice()
+    worker = hybrid_worker(device, hybrid_caches(3))
+    loads = (ChunkCopy(5, "r3", KEYS[:1], ((4,),), (1,)),)
+    state_loads = (
+        StateCopy(4, "r3", KEYS, (99,), (2, 6)),  # block 99 does not exist
+        StateCopy(6, "r4", KEYS, (3,), ()),  # its rows could not be pinned
+    )
+    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=loads, state_loads=state_loads))
+    assert worker.take_finished_loads() == set()
+    device.run()
+    assert worker.take_finished_loads() == {"r3"} and worker.take_failed_loads() == {"r3"}
+    out = worker.take_worker_meta()
+    assert out is not None and out.loads == {4: (1, False), 5: (1, True), 6: (1, False)}
     worker.shutdown()

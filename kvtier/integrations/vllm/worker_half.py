@@ -10,7 +10,8 @@ calls it after launching the pass, and the loading requests are not in it), `sav
 device → host), then `take_finished_loads`, `take_load_errors` and `take_worker_meta` report the
 copies that ended.
 
-The copies themselves are `kvtier.transfer`'s, picked by the device of the KV tensors: on the CPU
+The copies themselves are `kvtier.transfer`'s, picked by the device of the KV tensors (recurrent-state
+segments go through the same transfer, handed its `StateCopier`): on the CPU
 they run synchronously, so every job of a step is reported in that step; on CUDA they are queued on
 copy streams and each job is reported in the first report that finds it ended. A failed load's
 blocks are reported no later than its request: vLLM asks for finished requests, then for load
@@ -20,7 +21,6 @@ errors, in each step, and a load found ended in between has its blocks reported 
 from __future__ import annotations
 
 import logging
-import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
@@ -90,6 +90,7 @@ class KVTierWorker:
         self.transfer = self._transfer_factory(plan, tensors)
         if geometry.states is not None:
             self.states = StateWorker(geometry.states, kv_caches, self.shard.rank)
+            self.transfer.add_states(self.states.copier)
 
     def _check(self, name: str, plan: CopyPlan, kv: torch.Tensor) -> None:
         if not holds(kv.dtype, self.geometry.layout.dtype):
@@ -122,14 +123,13 @@ class KVTierWorker:
         self._collect()
 
     def save(self, meta: KVTierMetadata) -> None:
-        """Queue every store of `meta` device → host. Called once per step by vLLM's
-        `wait_for_save`, after the forward pass that writes the blocks was launched."""
-        if meta.stores:
-            transfer = self._transfer(meta)
-            transfer.forward_done()
-            for job in meta.stores:
-                self._jobs[job.job_id] = _Job(False, job.req_id, ())
-                transfer.submit_store(job.job_id, job.block_ids, job.slots)
+        """Queue every store of `meta` device → host, state segments after chunks. Called once per
+        step by vLLM's `wait_for_save`, after the forward pass that writes the blocks was launched."""
+        if meta.stores or meta.state_stores:
+            self._transfer(meta).forward_done()
+        for job in meta.stores:
+            self._jobs[job.job_id] = _Job(False, job.req_id, ())
+            self._transfer(meta).submit_store(job.job_id, job.block_ids, job.slots)
         self._copy_states(meta, load=False)
         for req_id in meta.releases:
             self._releasing[req_id] = sum(1 for j in self._jobs.values() if not j.load and j.req_id == req_id)
@@ -139,18 +139,21 @@ class KVTierWorker:
         self._collect()
 
     def _copy_states(self, meta: KVTierMetadata, load: bool) -> None:
-        """Run the step's state copies now (a load before the request's chunk loads end, so a
-        failed one fails the request's load)."""
+        """Queue the step's state copies through the transfer, as chunks are (a load before the
+        request's chunk loads, on the same stream: a failed one is reported first and fails the
+        request's load); a load without pinned rows fails at once."""
         jobs = meta.state_loads if load else meta.state_stores
         if self.states is None or not jobs:
             return
+        transfer = self._transfer(meta)
         for job in jobs:
-            start = time.perf_counter()
-            ok = bool(job.slots) and self.states.copy(meta.region_name, meta.shm_dir, job, load)
-            (self._loads if load else self._stores)[job.job_id] = (1, ok)
-            self._seconds[job.job_id] = time.perf_counter() - start
-            if load and not ok:
-                self._failing.add(job.req_id)
+            self._jobs[job.job_id] = _Job(load, job.req_id, (), last=False)
+            if not job.slots:
+                self._ended(job.job_id, False, 0.0)
+            elif load:
+                transfer.submit_state_load(job.job_id, job.block_ids, job.slots)
+            else:
+                transfer.submit_state_store(job.job_id, job.block_ids, job.slots)
 
     def _transfer(self, meta: KVTierMetadata) -> Transfer:
         if self.transfer is None:
@@ -236,5 +239,3 @@ class KVTierWorker:
         """Wait for the copies still running, then unmap the host region. Idempotent."""
         if self.transfer is not None:
             self.transfer.close()
-        if self.states is not None:
-            self.states.close()

@@ -21,7 +21,6 @@ in-process, and say so).
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -29,20 +28,15 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from kvtier.engine.copies import StateCopy
 from kvtier.errors import ConfigError
-from kvtier.format.layout import host_rows
 from kvtier.format.state_rows import StateLayout, StatePart
 from kvtier.format.state_shards import Section, StateShard
-from kvtier.host.region import HostRegion
 from kvtier.integrations.vllm.model.state_tp import state_sections, whole_model_state_shapes
 from kvtier.transfer.state_copier import StateCopier
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec, MambaSpec
-
-log = logging.getLogger("kvtier.vllm.states")
 
 HELD_STATE_TYPES = {"GDN_ATTN": "gdn", "MAMBA2": "mamba2"}
 """vLLM's `MambaAttentionBackendEnum` names whose states kvtier holds → kvtier's kind name."""
@@ -165,7 +159,8 @@ def state_views(layout: StateLayout, shard: StateShard, pages: torch.Tensor) -> 
 
 
 class StateWorker:
-    """One rank's state copies: run synchronously in the step that plans them."""
+    """One rank's state tensors and their copier; the worker half hands the copier to its transfer,
+    which runs the state copies as it runs the chunks'."""
 
     def __init__(self, groups: StateGroups, kv_caches: dict[str, Any], tp_rank: int = 0) -> None:
         """`kv_caches`: vLLM's layer name → KV cache, on TP rank `tp_rank`. Raises ValueError when
@@ -176,34 +171,3 @@ class StateWorker:
         shard = groups.shard(tp_rank)
         tensors = [state_views(groups.layout, shard, kv_caches[name]) for name in groups.layer_names]
         self.copier = StateCopier(groups.layout, tensors, shard)
-        self._region: HostRegion | None = None
-        self._rows: torch.Tensor | None = None
-
-    def copy(self, region_name: str, shm_dir: str, job: StateCopy, load: bool) -> bool:
-        """Run one state copy now: True once done, False (logged) on failure."""
-        try:
-            rows = self.attach(region_name, shm_dir)
-            if load:
-                self.copier.host_to_engine(job.block_ids, rows, job.slots)
-            else:
-                self.copier.engine_to_host(job.block_ids, rows, job.slots)
-        except Exception:
-            log.exception("kvtier: state %s for request %s failed", "load" if load else "store", job.req_id)
-            return False
-        return True
-
-    def attach(self, region_name: str, shm_dir: str) -> torch.Tensor:
-        """The host region's rows (mapped on first use, or when the region changed)."""
-        if self._region is None or self._region.name != region_name:
-            self.close()
-            self._region = HostRegion.attach(region_name, shm_dir=shm_dir)
-            row_bytes = self.copier.layout.row_bytes
-            self._rows = host_rows(self._region.buf, row_bytes, self._region.size // row_bytes)
-        return cast("torch.Tensor", self._rows)
-
-    def close(self) -> None:
-        """Unmap the host region. Idempotent."""
-        self._rows = None
-        if self._region is not None:
-            self._region.close()
-            self._region = None
