@@ -14,11 +14,11 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvtier.bench.chaos.cluster import Cluster
 from kvtier.bench.chaos.corrupt import CORRUPTIONS
 from kvtier.bench.chaos.ledger import Ledger, TierSpy
 from kvtier.bench.chaos.media import ClusterMedium, FsMedium
 from kvtier.bench.chaos.peer import KINDS, Peer, PeerMedium, peer_address, tier_options
+from kvtier.bench.chaos.valkey_cluster import Cluster
 from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult

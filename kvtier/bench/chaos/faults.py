@@ -37,12 +37,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.chaos.cluster import Cluster
 from kvtier.bench.chaos.corrupt import CORRUPTIONS
 from kvtier.bench.chaos.ledger import Ledger
 from kvtier.bench.chaos.media import ClusterMedium, FsMedium, Medium
 from kvtier.bench.chaos.peer import PeerMedium
 from kvtier.bench.chaos.services import Redis, Seaweed
+from kvtier.bench.chaos.valkey_cluster import Cluster
 
 log = logging.getLogger("kvtier.bench.chaos")
 FAULTS = ("tier_kill", "tier_stop", "redis_restart", "seaweed_restart", "enospc", "temp_files",

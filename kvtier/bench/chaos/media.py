@@ -17,7 +17,7 @@ from abc import ABC, abstractmethod
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.chaos.cluster import Cluster
+from kvtier.bench.chaos.valkey_cluster import Cluster
 from kvtier.tiers.common import chunkfmt
 
 

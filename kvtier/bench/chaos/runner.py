@@ -23,7 +23,6 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
-from kvtier.bench.chaos.cluster import Cluster
 from kvtier.bench.chaos.driver import Outcome, drive
 from kvtier.bench.chaos.faults import Injectors, Targets
 from kvtier.bench.chaos.ledger import Ledger, TierSpy
@@ -34,6 +33,7 @@ from kvtier.bench.chaos.presets import ChaosPreset
 from kvtier.bench.chaos.reference import Reference
 from kvtier.bench.chaos.sampler import Sampler, as_json, growth
 from kvtier.bench.chaos.services import Redis, Seaweed
+from kvtier.bench.chaos.valkey_cluster import Cluster
 from kvtier.bench.multiturn.presets import kv_bytes_per_token
 
 BLOCK = 32
