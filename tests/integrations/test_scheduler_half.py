@@ -398,14 +398,20 @@ def test_reset_cache_empties_the_host_tier(sched: KVTierScheduler) -> None:
     assert sched.get_num_new_matched_tokens(FakeRequest("b", PROMPT), 0) == (0, False)  # type: ignore[arg-type]
 
 
-def test_operator_signals_each_step(tmp_path: Path) -> None:
+def memory_tier_scheduler(**extra: object) -> KVTierScheduler:
+    """A scheduler half over a host tier of 8 rows and a real memory tier process named "mem"."""
     config = KVTierConfig.from_dict({
         "cpu_bytes_to_use": 8 * ROW_BYTES, "secondary_tiers": [{"type": "memory", "name": "mem"}],
-        "control_dir": str(tmp_path / "ctl")})
+        **extra})
     s = KVTierScheduler(config, geometry(), 1)
     blocks: dict[str, list[int]] = {}
     s.bind_block_ids(lambda req_id: (blocks[req_id],))
     s.test_blocks = blocks  # type: ignore[attr-defined]
+    return s
+
+
+def test_operator_signals_each_step(tmp_path: Path) -> None:
+    s = memory_tier_scheduler(control_dir=str(tmp_path / "ctl"))
     try:
         compute_prompt(s, FakeRequest("a", PROMPT), [4, 1, 2, 3])
         s.build_connector_meta(FakeSchedulerOutput({}))
@@ -426,13 +432,7 @@ def test_operator_signals_each_step(tmp_path: Path) -> None:
 def test_a_promotion_waited_for_loads_in_the_step_of_its_lookup(wait_s: float) -> None:
     """With `promotion_wait_s`, a prefix only a secondary tier holds is promoted and offered in the
     step of its first lookup; without, that lookup says "ask again" (None) and the next offers it."""
-    config = KVTierConfig.from_dict({
-        "cpu_bytes_to_use": 8 * ROW_BYTES, "secondary_tiers": [{"type": "memory", "name": "mem"}],
-        "promotion_wait_s": wait_s})
-    s = KVTierScheduler(config, geometry(), 1)
-    blocks: dict[str, list[int]] = {}
-    s.bind_block_ids(lambda req_id: (blocks[req_id],))
-    s.test_blocks = blocks  # type: ignore[attr-defined]
+    s = memory_tier_scheduler(promotion_wait_s=wait_s)
     try:
         compute_prompt(s, FakeRequest("a", PROMPT), [4, 1, 2, 3])
         settle(s)
