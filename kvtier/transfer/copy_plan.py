@@ -13,15 +13,20 @@ Copy plans hold no state: concurrent calls are safe when their slots and blocks 
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from typing import ClassVar
+from typing import TYPE_CHECKING, ClassVar
 
 import torch
 
 from kvtier.errors import ConfigError
 from kvtier.format.layout import SKIP_BLOCK, CanonicalLayout, TPShard, check_rows
-from kvtier.transfer.native_copy import NativeCopies, kernel
+
+if TYPE_CHECKING:
+    from kvtier.transfer.native_copy import NativeCopies
+
+log = logging.getLogger("kvtier.transfer")
 
 
 class EngineLayout(ABC):
@@ -75,8 +80,7 @@ class CopyPlan:
         self.blocks_per_chunk = layout.chunk_tokens // block_size
         self.layer_groups = groups
         self.num_groups = max(groups) + 1
-        found = kernel() if native else None
-        self.native = NativeCopies(found) if found is not None else None
+        self.native = _native_copies() if native else None
 
     def engine_to_host(
         self,
@@ -206,3 +210,16 @@ class CopyPlan:
         if not to_host and any(len({b for _, _, b in group}) != len(group) for group in pairs):
             raise ValueError("destination block ids must be distinct")
         return pairs
+
+
+def _native_copies() -> NativeCopies | None:
+    """Our C kernel's copies, or None where they cannot run: without numpy (the address tables'
+    arrays; a CUDA machine may lack it, and its copies never take this path) or without the kernel
+    (`native_copy.kernel`)."""
+    try:
+        from kvtier.transfer.native_copy import NativeCopies, kernel
+    except ImportError as e:
+        log.info("kvtier: no native copy kernel (%s); copies run through torch", e)
+        return None
+    found = kernel()
+    return NativeCopies(found) if found is not None else None
