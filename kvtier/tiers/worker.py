@@ -16,8 +16,8 @@ processes of the same instance):
        | ("events", [(kind, [key, ...]), ...])
        | ("stats", TierCounts, (bytes_used, chunks, capacity_bytes) | None)
 
-A stats report goes out every STATS_INTERVAL_S, on request, and right after a job that made the
-tier count a bad chunk.
+A stats report goes out every STATS_INTERVAL_S, on request, and as soon as the tier counts a bad
+chunk (the tier wakes the dispatch loop: `TierBook.bad`).
 """
 
 from __future__ import annotations

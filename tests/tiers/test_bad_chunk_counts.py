@@ -1,22 +1,29 @@
 """What a tier counts reaches kvtier's metrics: a tier process reports each chunk it rejects, by
-reason, right after the load that found it, and the engine side adds the counts up in its metrics
-over every generation of the process (a restarted process counts from zero again). Every count a
-real tier makes, not only bad chunks, is in the metrics the same way."""
+reason, as soon as it found it (after the load, or the fs tier's directory scan, that found it), and
+the engine side adds the counts up in its metrics over every generation of the process (a restarted
+process counts from zero again). A bad chunk is counted once, however many of the tier's threads
+come across it. Every count a real tier makes, not only bad chunks, is in the metrics the same way."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import time
 from pathlib import Path
 
+import pytest
+
 from kvtier.format.chunks import ChunkError
 from kvtier.host.region import HostRegion
 from kvtier.ops.metrics import TierCounter, TierCounts, TierGauge, TierStat
 from kvtier.tiers.base import Job, JobKind, TierContext
+from kvtier.tiers.fs import tier as fs_tier
+from kvtier.tiers.fs.index import scan_layout_dir
 from kvtier.tiers.fs.tier import FsTier
 from kvtier.tiers.process import TierProcess
 from tests.conftest import LAYOUT_FP, fill_slot, random_key, wait_jobs
+from tests.tiers.fs_helpers import chunk_path, load_keys, make_ctx, store_keys
 from tests.tiers.process_helpers import make_proc, reported_counts
 
 
@@ -120,3 +127,57 @@ def test_every_count_of_a_real_tier_reaches_the_metrics(
 
 def _nonzero(counts: TierCounts) -> dict[TierStat, float]:
     return {stat: value for stat, value in counts.values.items() if value}
+
+
+def test_a_bad_chunk_a_scan_removes_is_reported_at_once(tmp_path: Path) -> None:
+    """The directory scan removes a file of the wrong size with no job waiting for it; the count
+    must still go out at once (it wakes the tier process's dispatch loop), not with the next
+    periodic report: a tier process killed in between would lose a detection whose file is gone."""
+    counted_at_wakeups: list[float] = []
+    tier: FsTier | None = None
+
+    def wakeup() -> None:
+        if tier is not None:
+            counted_at_wakeups.append(tier.counts()[ChunkError.LENGTH])
+
+    ctx = dataclasses.replace(make_ctx(4096, 2), wakeup=wakeup)
+    tier = FsTier(ctx, root_dir=str(tmp_path), rescan_interval_s=0.05)
+    try:
+        key = random_key()
+        assert store_keys(tier, ctx, [key]).success
+        path = chunk_path(tmp_path, key)
+        os.truncate(path, 100)
+        deadline = time.monotonic() + 10
+        while 1.0 not in counted_at_wakeups:
+            assert time.monotonic() < deadline, "the scan's bad chunk woke no one"
+            time.sleep(0.01)
+        assert not path.exists()
+    finally:
+        tier.shutdown()
+
+
+def test_a_file_a_load_removed_is_not_counted_again_by_a_scan_that_saw_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A scan lists a truncated file; before it removes it, a load finds the file bad, removes and
+    counts it. The scan then finds nothing to remove: one bad chunk, counted once. (The scan's
+    listing from before the load is replayed: the interleaving cannot be forced for real.)"""
+    ctx = make_ctx(4096, 2)
+    loader = FsTier(ctx, root_dir=str(tmp_path), rescan_interval_s=None)
+    try:
+        key = random_key()
+        assert store_keys(loader, ctx, [key]).success
+        path = chunk_path(tmp_path, key)
+        os.truncate(path, 100)
+        seen = scan_layout_dir(str(path.parent.parent), loader.file_bytes, 600.0, time.time())
+        assert seen.wrong_size == [str(path)]
+        assert not load_keys(loader, ctx, [key]).success
+        assert loader.counts().bad_chunks == 1 and not path.exists()
+    finally:
+        loader.shutdown()
+    monkeypatch.setattr(fs_tier, "scan_layout_dir", lambda *args: seen)
+    scanner = FsTier(make_ctx(4096, 2), root_dir=str(tmp_path), rescan_interval_s=None)
+    try:
+        assert scanner.counts().bad_chunks == 0
+    finally:
+        scanner.shutdown()

@@ -72,9 +72,12 @@ class TierBook:
             self._counts[counter] += n
 
     def bad(self, reason: ChunkError, n: int = 1) -> None:
-        """Count `n` stored chunks rejected for `reason`."""
+        """Count `n` stored chunks rejected for `reason`, and wake the dispatch thread: a tier
+        process reports the count at once, whichever thread found the chunks (a load, or a scan
+        that no job waits for), so a process killed soon after loses none of it."""
         with self._lock:
             self._counts[reason] += n
+        self.ctx.wakeup()
 
     def counts(self, gauges: Mapping[TierGauge, float] | None = None) -> TierCounts:
         """A snapshot of every count, with the tier's `gauges` of now."""

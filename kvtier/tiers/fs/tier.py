@@ -277,14 +277,21 @@ class FsTier(PerKeyTier):
     # ---- bookkeeping -------------------------------------------------------------------------
 
     def _rescan(self, initial: bool = False) -> None:
-        """Reconcile the index with the directory (stat only); drop stale temps and wrong sizes."""
+        """Reconcile the index with the directory (stat only); drop stale temps and wrong sizes,
+        counting each wrong size this scan removed as a bad chunk (reported at once)."""
         marker = self._index.start_scan()
         found = scan_layout_dir(self.layout_dir, self.file_bytes, self.temp_grace_s, time.time())
-        for path in found.stale_temps + found.wrong_size:
+        for path in found.stale_temps:
             with contextlib.suppress(OSError):
                 os.unlink(path)
-        if found.wrong_size:
-            self._book.bad(ChunkError.LENGTH, len(found.wrong_size))
+        removed = 0
+        for path in found.wrong_size:
+            # A load may have found the file bad and removed it since the scan: counted once.
+            with contextlib.suppress(OSError):
+                os.unlink(path)
+                removed += 1
+        if removed:
+            self._book.bad(ChunkError.LENGTH, removed)
         appeared, vanished = self._index.merge_scan(marker, found.files)
         self._book.count(TierCounter.RESCANS)
         if not initial:
