@@ -1,7 +1,8 @@
 """The campaign's shared tiers beyond one server: its Valkey Cluster (a node killed then restarted
 empty while the others keep their values) and its p2p peer (a real p2p tier process serving bad
 rows to a real requesting p2p tier: refused, counted, detected by the ledger and repaired; killed,
-its loads fail; restarted, it serves again), and the ledger's blind spans."""
+its loads fail; restarted, it serves again), the ledger's blind spans, and injections that never
+race a load of their key."""
 
 from __future__ import annotations
 
@@ -108,9 +109,9 @@ def test_a_peer_serving_bad_rows_is_refused_detected_and_repaired(peer_and_reque
     rng = random.Random(0)
     for n, kind in enumerate(KINDS):
         key, other = keys[n], keys[-1]
-        good = medium.read(key)
+        good, start = medium.read(key), time.monotonic()
         medium.write(key, CORRUPTIONS[kind](medium.read(key) or b"", medium.read(other) or b"", rng))
-        ledger.injected("p2p", key, kind)
+        ledger.injected("p2p", key, kind, start)
         assert medium.verify(key) is False
         assert settle_lookup(spy, [key]) == [LookupResult.HIT]
         assert _load(spy, [key, other], 10 + n) == {other}
@@ -128,7 +129,7 @@ def test_a_killed_peer_fails_loads_as_values_then_serves_again(peer_and_requeste
     keys = fs.keys()
     assert settle_lookup(spy, keys) == [LookupResult.HIT] * 4
     medium.write(keys[0], medium.read(keys[1]) or b"")
-    ledger.injected("p2p", keys[0], "swap")
+    ledger.injected("p2p", keys[0], "swap", time.monotonic())
     ledger.blind("p2p", time.monotonic())
     medium.kill_peer()
     ledger.lose_tier("p2p")
@@ -148,7 +149,7 @@ def test_a_killed_peer_fails_loads_as_values_then_serves_again(peer_and_requeste
 def test_refusals_in_a_blind_span_detect_nothing() -> None:
     ledger = Ledger(lambda tier, key: False)
     key = os.urandom(32)
-    ledger.injected("p2p", key, "swap")
+    ledger.injected("p2p", key, "swap", time.monotonic())
     now = time.monotonic()
     ledger.blind("p2p", now - 1.0, now + 5.0)
     assert ledger.blinded("p2p")
@@ -157,3 +158,25 @@ def test_refusals_in_a_blind_span_detect_nothing() -> None:
     ledger.blind("p2p", now - 1.0, now)
     ledger.refused("p2p", [key], now + 0.1)
     assert ledger.counts()["outcomes"]["detected"] == 1
+
+
+def test_an_injection_never_races_a_load_and_a_load_during_one_is_counted_once(peer_and_requester) -> None:
+    """A key whose load is in flight is not offered for corruption (a load that read the bytes as
+    they changed would be counted by kvtier and not by the ledger). A load submitted after an
+    injection began, before the ledger recorded the bad bytes in place, reads them: the ledger
+    counts that read, as kvtier's metric does, once."""
+    medium, fs, spy, ledger, requester = peer_and_requester
+    keys = fs.keys()
+    assert settle_lookup(spy, keys) == [LookupResult.HIT] * 4
+    spy.submit_load(Job(1, JobKind.LOAD, (keys[0],), (0,)))
+    assert keys[0] not in ledger.free("p2p", keys)
+    wait_jobs(spy, 1)
+    start = time.monotonic()
+    assert keys[0] in ledger.free("p2p", keys)
+    medium.write(keys[0], medium.read(keys[1]) or b"")
+    spy.submit_load(Job(2, JobKind.LOAD, (keys[0],), (0,)))
+    ledger.injected("p2p", keys[0], "swap", start)
+    [result] = wait_jobs(spy, 1)
+    assert not result.success
+    assert ledger.counts()["outcomes"]["detected"] == 1 == _bad_chunks(requester)
+    assert medium.verify(keys[0]) is True  # repaired

@@ -158,6 +158,7 @@ class Injectors:
     def _corrupt(self, medium: Medium, kind: str) -> bool:
         if self.ledger.blinded(medium.tier):
             return False
+        start = time.monotonic()
         stored = medium.keys()
         if self.ledger.open_count(medium.tier) >= self.pace.max_open * len(stored):
             return False
@@ -169,7 +170,7 @@ class Injectors:
         if data is None or other_data is None:
             return False
         medium.write(key, CORRUPTIONS[kind](data, other_data, self._rng))
-        self.ledger.injected(medium.tier, key, kind)
+        self.ledger.injected(medium.tier, key, kind, start)
         return True
 
     # -- process faults ------------------------------------------------------------------------

@@ -6,8 +6,8 @@ A corruption of chunk K in tier T is open from the moment its bytes are in place
 - `detected`: the tier removed the bad copy (a REMOVED event for K from T, or, at the end, the copy
   is gone: nothing else deletes in a campaign, whose tiers are sized never to evict); for a tier
   that cannot remove what it refuses (p2p: the copy is another instance's), a load of K submitted
-  after the injection that failed K while the tier process and its peer stayed up, after which the
-  copy is repaired (`repair`) so that the next corruption of K is a new one;
+  after the injection began that failed K while the tier process and its peer stayed up, after
+  which the copy is repaired (`repair`) so that the next corruption of K is a new one;
 - `served`: a load of K from T that was submitted after the injection reported success: the bad
   copy was accepted (must never happen);
 - `overwritten`: a store of K into T that completed after the injection replaced it unread (a
@@ -15,6 +15,12 @@ A corruption of chunk K in tier T is open from the moment its bytes are in place
 - `lost`: its server was restarted without persistence (redis, a cluster node), or the peer
   holding it was killed (p2p);
 - `unread`: still in place, still bad, at the end of the run.
+
+An injection never races a job of its key: `free` offers only keys that no store or load of the
+tier has in flight, and an injection begins (`Corruption.start`) before the injector asks `free`.
+So every load of K that may read the bad copy was submitted after `start`, and every load
+submitted after the bytes were in place (`Corruption.at`) reads it: a load in between may read
+either, so it can be counted as a read when it fails, never as `served` when it succeeds.
 
 `TierSpy` wraps one tier handle of the engine's tiering manager and reports its loads, stores and
 events to the ledger; everything else is the wrapped handle's. It runs on the scheduler thread; the
@@ -41,12 +47,15 @@ class Corruption:
     tier: str
     key: bytes
     kind: str
+    start: float
+    """When the injection began (before its key was found free)."""
     at: float
+    """When the bad bytes were in place."""
     outcome: str | None = None
 
 
 class Ledger:
-    """Open and settled corruptions, and the store jobs in flight per tier (not to be raced).
+    """Open and settled corruptions, and the jobs in flight per tier and key (not to be raced).
     `verify(tier, key)` looks at the medium: None absent, True a valid copy, False a bad one."""
 
     def __init__(self, verify: Callable[[str, bytes], bool | None],
@@ -59,18 +68,20 @@ class Ledger:
         say nothing of its copies (its peer being restarted)."""
         self._open: dict[tuple[str, bytes], Corruption] = {}
         self.settled: list[Corruption] = []
-        self._storing: Counter[tuple[str, bytes]] = Counter()
+        self._busy: Counter[tuple[str, bytes]] = Counter()
+        """Stores and loads in flight per (tier, key)."""
         self.loads_ok: dict[str, list[float]] = {}
         """Per tier, when each successful load finished (the recovery measure)."""
 
     def free(self, tier: str, keys: list[bytes]) -> list[bytes]:
-        """`keys` of `tier` that are neither corrupted already nor being stored now."""
+        """`keys` of `tier` that are neither corrupted already nor being stored or loaded now."""
         with self._lock:
-            return [k for k in keys if (tier, k) not in self._open and not self._storing[(tier, k)]]
+            return [k for k in keys if (tier, k) not in self._open and not self._busy[(tier, k)]]
 
-    def injected(self, tier: str, key: bytes, kind: str) -> None:
+    def injected(self, tier: str, key: bytes, kind: str, start: float) -> None:
+        """The bad bytes of `key` are in place; the injection began at `start` (before `free`)."""
         with self._lock:
-            self._open[(tier, key)] = Corruption(tier, key, kind, time.monotonic())
+            self._open[(tier, key)] = Corruption(tier, key, kind, start, time.monotonic())
 
     def _settle(self, tier: str, key: bytes, outcome: str, after: float | None = None) -> None:
         c = self._open.get((tier, key))
@@ -79,16 +90,20 @@ class Ledger:
             c.outcome = outcome
             self.settled.append(c)
 
-    def store_started(self, tier: str, keys: tuple[bytes, ...]) -> None:
+    def job_started(self, tier: str, keys: tuple[bytes, ...]) -> None:
+        """A store or load of `keys` was submitted to `tier`."""
         with self._lock:
-            self._storing.update((tier, k) for k in keys)
+            self._busy.update((tier, k) for k in keys)
+
+    def job_finished(self, tier: str, keys: tuple[bytes, ...]) -> None:
+        with self._lock:
+            for k in keys:
+                self._busy[(tier, k)] -= 1
+                if self._busy[(tier, k)] <= 0:
+                    del self._busy[(tier, k)]
 
     def store_finished(self, tier: str, keys: tuple[bytes, ...], ok: set[bytes]) -> None:
         with self._lock:
-            for k in keys:
-                self._storing[(tier, k)] -= 1
-                if self._storing[(tier, k)] <= 0:
-                    del self._storing[(tier, k)]
             stored = [(k, self._open[(tier, k)]) for k in keys if k in ok and (tier, k) in self._open]
         for k, c in stored:
             try:
@@ -107,17 +122,19 @@ class Ledger:
 
     def refused(self, tier: str, keys: list[bytes], submitted: float) -> None:
         """A load of `keys` submitted at `submitted` failed them, the tier process up throughout:
-        each corruption injected before is detected, its copy repaired first (see the module
-        docstring). Nothing when the load overlapped a blind span of the tier."""
+        each corruption whose injection began before is detected, its copy repaired first (see the
+        module docstring). Nothing when the load overlapped a blind span of the tier."""
         start, end = self._blind.get(tier, (0.0, 0.0))
         if start <= time.monotonic() and submitted <= end:
             return
         with self._lock:
-            found = [k for k in keys if (c := self._open.get((tier, k))) is not None and c.at < submitted]
-        for k in found:
+            found = [(k, c) for k in keys
+                     if (c := self._open.get((tier, k))) is not None and c.start < submitted]
+        for k, c in found:
             self._repair(tier, k)
             with self._lock:
-                self._settle(tier, k, "detected", after=submitted)
+                if self._open.get((tier, k)) is c:
+                    self._settle(tier, k, "detected")
 
     def blind(self, tier: str, start: float, end: float = float("inf")) -> None:
         """From `start` to `end`, failed loads of `tier` (submitted before `end`) detect nothing."""
@@ -201,11 +218,12 @@ class TierSpy:
 
     def submit_load(self, job: Job) -> None:
         self._jobs[job.job_id] = (job, time.monotonic(), self._inner.pid)
+        self._ledger.job_started(self.name, job.keys)
         self._inner.submit_load(job)
 
     def submit_store(self, job: Job) -> None:
         self._jobs[job.job_id] = (job, time.monotonic(), self._inner.pid)
-        self._ledger.store_started(self.name, job.keys)
+        self._ledger.job_started(self.name, job.keys)
         self._inner.submit_store(job)
 
     def get_finished_jobs(self) -> list[JobResult]:
@@ -221,6 +239,7 @@ class TierSpy:
             if entry is None:
                 continue
             job, submitted, pid = entry
+            self._ledger.job_finished(self.name, job.keys)
             if job.kind is JobKind.STORE:
                 self._ledger.store_finished(self.name, job.keys, set(r.successful_keys))
                 continue
