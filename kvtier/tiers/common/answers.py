@@ -57,6 +57,10 @@ class AnswerCache:
         self._answers[key] = (result, now, source)
         self._answers.move_to_end(key)
 
+    def drop(self, key: bytes) -> None:
+        """Forget the answer about `key` (a job proved it wrong or stale): the next lookup asks."""
+        self._answers.pop(key, None)
+
     def unask(self, key: bytes) -> None:
         """The question about `key` got its reply: a later lookup may ask again."""
         self._asking.discard(key)

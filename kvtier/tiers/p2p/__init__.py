@@ -15,7 +15,8 @@ also drops whatever key the slot held before. The tier needs a region with slot 
 Lookups (`lookup.PeerLookup`): keys not known yet answer RETRY and are asked of every peer at once
 over ZMQ (DEALER -> ROUTER), in batches; a peer silent for `lookup_timeout_s` counts as holding
 nothing; answers (and which peer holds each key) are cached for `lookup_ttl_s`. A LOAD job also
-asks at once about its keys whose holder is not known yet.
+asks at once about its keys whose holder is not known yet; a key it fails to load is forgotten,
+so the next lookup asks the peers again.
 
 Loads (`fetch.Fetcher`, `tier.P2PTier._drain_loads`): the keys of all pending LOAD jobs form one
 queue; each of `io_threads` load threads takes its share (about 16 MiB of rows at most), asks each

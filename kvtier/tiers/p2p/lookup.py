@@ -7,8 +7,12 @@ it sends each batch of queued keys (at most MAX_LOOKUP_KEYS) to every peer at on
 answers until all peers answered or `lookup_timeout_s` passed. A key is HIT when some peer holds it
 (the first such peer is remembered as its holder, for loads), else MISS; a peer that did not answer
 counts as holding nothing. Answers are cached for `lookup_ttl_s`, then asked again. A load's
-outcome also updates the cache (`remember`); a load whose key has no cached answer (it expired, or
-the engine's own cache answered) asks and waits for the answer on its I/O thread (`locate`).
+outcome also updates the cache: a key loaded is held by its holder (`remember`); a key that failed
+is forgotten (`forget`), whether its cached holder failed to give it or a cached "nobody" made the
+load fail without asking, so the next lookup or load asks the peers again rather than trusting an
+answer the failure proved stale (a failed load never makes a "nobody" outlive its `lookup_ttl_s`).
+A load whose key has no cached answer (it expired, was forgotten, or the engine's own cache
+answered) asks and waits for the answer on its I/O thread (`locate`).
 
 The peer set can change at any time (`set_peers`, from discovery); the lookup thread applies it
 before its next batch. Peers whose instance id is ours (our own address in a shared list) are
@@ -99,10 +103,15 @@ class PeerLookup:
                 self._answered.wait(left)
             return answer[1]
 
-    def remember(self, key: bytes, holder: str | None) -> None:
-        """What a load proved: `holder` had the key, or (None) nobody gave it."""
+    def remember(self, key: bytes, holder: str) -> None:
+        """What a load proved: `holder` had the key."""
         with self._lock:
             self._put(key, holder, time.monotonic())
+
+    def forget(self, key: bytes) -> None:
+        """A load of `key` failed: whatever was cached about it is stale; the next use asks."""
+        with self._lock:
+            self._answers.drop(key)
 
     def _put(self, key: bytes, holder: str | None, now: float) -> None:
         """Remember who holds `key` (None: nobody). Lock held."""

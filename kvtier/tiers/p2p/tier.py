@@ -277,6 +277,9 @@ class P2PTier(BookedTier):
     def _complete(self, sent: _Sent) -> None:
         oks = [False] * len(sent.entries) if sent.request is None else self._fetcher.complete(sent.request)
         for (tracker, i), ok in zip(sent.entries, oks, strict=True):
-            self._lookup.remember(tracker.job.keys[i], sent.holder if ok else None)
+            if ok and sent.holder is not None:
+                self._lookup.remember(tracker.job.keys[i], sent.holder)
+            else:
+                self._lookup.forget(tracker.job.keys[i])
             self._book.count(TierCounter.LOADED if ok else TierCounter.LOAD_FAILURES)
             self._book.finish_key(tracker, i, ok)
