@@ -4,34 +4,17 @@ Then, over real tier processes, a promoted chunk keeps the priority it was casca
 
 from __future__ import annotations
 
-import mmap
 import time
-from collections.abc import Iterator
 
 import pytest
 
 from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.manager import PrefixLookup, TieringManager
 from kvtier.policies.base import DEFAULT_PRIORITY
-from kvtier.policies.registry import BUILTIN_EVICTION
 from kvtier.policies.remembered import RememberedPriorities
 from tests.conftest import random_key
-from tests.host.helpers import ROW, evicted, k, make_tier, put
+from tests.host.helpers import evicted, k, make_tier, put
 from tests.manager_helpers import HOST_SLOTS, drain, start
-
-
-@pytest.fixture
-def buf() -> Iterator[memoryview]:
-    m = mmap.mmap(-1, ROW * 8)
-    view = memoryview(m)
-    yield view
-    view.release()
-    m.close()
-
-
-@pytest.fixture(params=sorted(BUILTIN_EVICTION))
-def policy_name(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def test_lower_priorities_leave_first_whatever_their_recency(buf: memoryview, policy_name: str) -> None:

@@ -4,32 +4,12 @@ tier process, the manager cascades a probation chunk only once it settles, exact
 
 from __future__ import annotations
 
-import mmap
-from collections.abc import Iterator
-
-import pytest
-
 from kvtier.format.chunks import HOST
 from kvtier.host.tier import HostTier
 from kvtier.policies.base import Retention
-from kvtier.policies.registry import BUILTIN_EVICTION
 from tests.conftest import random_key
-from tests.host.helpers import ROW, evicted, k, make_tier, put
+from tests.host.helpers import evicted, k, make_tier, put
 from tests.manager_helpers import drain, start
-
-
-@pytest.fixture
-def buf() -> Iterator[memoryview]:
-    m = mmap.mmap(-1, ROW * 8)
-    view = memoryview(m)
-    yield view
-    view.release()
-    m.close()
-
-
-@pytest.fixture(params=sorted(BUILTIN_EVICTION))
-def policy_name(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
 
 
 def put_on(tier: HostTier, keys: list[int], retention: Retention, priority: int = 50) -> None:

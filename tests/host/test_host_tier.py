@@ -2,9 +2,8 @@
 
 from __future__ import annotations
 
-import mmap
 import random
-from collections.abc import Container, Iterator
+from collections.abc import Container
 
 import numpy as np
 import pytest
@@ -13,7 +12,6 @@ from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.host.tier import HostTier, HostTierError
 from kvtier.policies.base import EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
-from kvtier.policies.registry import BUILTIN_EVICTION
 from tests.host.helpers import ROW, make_tier
 
 STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED
@@ -25,20 +23,6 @@ def k(i: int) -> bytes:
 
 def ks(*ids: int) -> list[bytes]:
     return [k(i) for i in ids]
-
-
-@pytest.fixture(params=sorted(BUILTIN_EVICTION))
-def policy_name(request: pytest.FixtureRequest) -> str:
-    return str(request.param)
-
-
-@pytest.fixture
-def buf() -> Iterator[memoryview]:
-    m = mmap.mmap(-1, ROW * 64)
-    view = memoryview(m)
-    yield view
-    view.release()
-    m.close()
 
 
 def store(tier: HostTier, keys: list[bytes]) -> dict[bytes, int]:
