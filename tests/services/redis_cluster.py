@@ -1,98 +1,37 @@
-"""A real Redis/Valkey Cluster of three masters, for tests and benchmarks.
+"""A real Redis/Valkey Cluster of three masters, for tests and benchmarks: the chaos campaign's
+(`kvtier.bench.chaos.valkey_cluster`: start, readiness, `kill(n)` then `restart(n)` empty), in a
+temp directory, each node also on a unix socket, with slot migration for the tier's redirect tests.
 
-`Cluster` starts three `RedisServer`s (`valkey-server` when installed, else `redis-server`) with
-`--cluster-enabled yes`, each with its own directory, ports (client and bus) and nodes.conf; gives
-each a third of the 16384 slots (CLUSTER ADDSLOTSRANGE), joins them (CLUSTER MEET) and waits until
-every node serves the whole map (a master refuses keys for its first 2 s: a start takes 2-3 s).
-`cluster-require-full-coverage no`: while a node is down its slots fail and the other nodes keep
-serving theirs. `kill(n)` then `restart(n)`: the node comes back from its nodes.conf with its id and
-slots, and empty. `move_slot` migrates a slot and its keys to another node as
-`valkey-cli --cluster reshard` does (SETSLOT IMPORTING / MIGRATING, MIGRATE, SETSLOT NODE).
+`move_slot` migrates a slot and its keys to another node as `valkey-cli --cluster reshard` does
+(SETSLOT IMPORTING / MIGRATING, MIGRATE, SETSLOT NODE).
 """
 
 from __future__ import annotations
 
 import shutil
 import tempfile
-import time
 from pathlib import Path
 
 import redis
 
-from tests.services.redis_server import RedisServer, free_port
-
-SLOTS = 16384
-READY_TIMEOUT_S = 10.0
+from kvtier.bench.chaos import valkey_cluster
+from kvtier.bench.chaos.valkey_cluster import SLOTS, cluster_binary
 
 
-def cluster_binary() -> str | None:
-    """The server binary a cluster is started from: valkey-server, else redis-server, else None."""
-    return shutil.which("valkey-server") or shutil.which("redis-server")
+class Cluster(valkey_cluster.Cluster):
+    """Three master nodes, slots split in thirds, no replicas, under a fresh temp directory."""
 
-
-class Cluster:
-    """Three master nodes, slots split in thirds, no replicas."""
-
-    def __init__(self, binary: str, nodes: int = 3) -> None:
-        self.root = Path(tempfile.mkdtemp(prefix="kvtier-cluster-"))
-        self.nodes: list[RedisServer] = []
-        self.bus_ports = [free_port() for _ in range(nodes)]
-        for n in range(nodes):
-            (self.root / str(n)).mkdir()
-            self.nodes.append(RedisServer(
-                binary, self.root / str(n), "--cluster-enabled", "yes", "--cluster-node-timeout", "3000",
-                "--cluster-require-full-coverage", "no", "--cluster-config-file", "nodes.conf",
-                "--cluster-port", str(self.bus_ports[n])))
-
-    @property
-    def urls(self) -> list[str]:
-        return [f"redis://127.0.0.1:{node.port}" for node in self.nodes]
+    def __init__(self, nodes: int = 3) -> None:
+        super().__init__(Path(tempfile.mkdtemp(prefix="kvtier-cluster-")), nodes)
+        for node in self.nodes:
+            node.extra = ("--unixsocket", str(node.root / "redis.sock"), "--unixsocketperm", "700")
 
     def unix_url(self, n: int) -> str:
-        return self.nodes[n].unix_url
+        return f"unix://{self.nodes[n].root / 'redis.sock'}"
 
     def client(self, n: int) -> redis.Redis:
-        return redis.Redis(port=self.nodes[n].port, socket_timeout=5)
-
-    def start(self) -> None:
-        """Start the nodes, split the slots, join them; wait until every node serves every slot."""
-        for node in self.nodes:
-            node.start()
-        share = -(-SLOTS // len(self.nodes))
-        for n in range(len(self.nodes)):
-            with self.client(n) as c:
-                c.execute_command("CLUSTER", "SET-CONFIG-EPOCH", n + 1)
-                c.execute_command("CLUSTER", "ADDSLOTSRANGE", n * share, min(SLOTS, (n + 1) * share) - 1)
-        with self.client(0) as c:
-            for node, bus_port in zip(self.nodes[1:], self.bus_ports[1:], strict=True):
-                c.execute_command("CLUSTER", "MEET", "127.0.0.1", node.port, bus_port)
-        self.wait_ready()
-
-    def wait_ready(self) -> None:
-        """Wait until every live node says cluster_state:ok and maps all slots to live nodes."""
-        deadline = time.monotonic() + READY_TIMEOUT_S
-        while not self._ready():
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"the cluster in {self.root} did not become ready")
-            time.sleep(0.02)
-
-    def _ready(self) -> bool:
-        for n, node in enumerate(self.nodes):
-            if node.proc is None:
-                continue
-            try:
-                with self.client(n) as c:
-                    info = c.execute_command("CLUSTER", "INFO")
-                    served = sum(int(e[1]) - int(e[0]) + 1 for e in c.execute_command("CLUSTER", "SLOTS"))
-                    known = c.execute_command("CLUSTER", "NODES")
-            except redis.RedisError:
-                return False
-            text = info.decode() if isinstance(info, bytes) else str(info)
-            nodes = known.decode() if isinstance(known, bytes) else str(known)
-            if ("cluster_state:ok" not in text or served != SLOTS or "fail" in nodes
-                    or "handshake" in nodes or "noaddr" in nodes):
-                return False
-        return True
+        client: redis.Redis = self.nodes[n].client()
+        return client
 
     def node_id(self, n: int) -> str:
         with self.client(n) as c:
@@ -123,30 +62,17 @@ class Cluster:
                 with self.client(n) as c:
                     c.execute_command("CLUSTER", "SETSLOT", slot, "NODE", dst_id)
 
-    def kill(self, n: int) -> None:
-        self.nodes[n].kill()
-
-    def restart(self, n: int) -> None:
-        """Start node `n` again (same port and nodes.conf) and wait until the cluster is whole."""
-        self.nodes[n].start()
-        self.wait_ready()
-
     def stop(self) -> None:
-        for node in self.nodes:
-            node.kill()
+        """SIGKILL every node and remove the directory. Idempotent."""
+        super().stop()
         shutil.rmtree(self.root, ignore_errors=True)
 
 
 def start_cluster() -> Cluster:
     """A started three-master cluster; the caller stops it. FileNotFoundError when neither
     valkey-server nor redis-server is installed."""
-    binary = cluster_binary()
-    if binary is None:
+    if cluster_binary() is None:
         raise FileNotFoundError("neither valkey-server nor redis-server is installed")
-    cluster = Cluster(binary)
-    try:
-        cluster.start()
-    except BaseException:
-        cluster.stop()
-        raise
+    cluster = Cluster()
+    cluster.start()
     return cluster

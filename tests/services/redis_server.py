@@ -14,7 +14,6 @@ from __future__ import annotations
 import contextlib
 import secrets
 import shutil
-import socket
 import subprocess
 import tempfile
 import time
@@ -23,25 +22,14 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.bench.chaos.services import answers_ping, free_ports
+
 READY_TIMEOUT_S = 10.0
 
 
 def free_port() -> int:
     """A loopback TCP port that was free a moment ago."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def _answers_ping(port: int) -> bool:
-    try:
-        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
-            s.sendall(b"PING\r\n")
-            reply = s.recv(64)
-    except OSError:
-        return False
-    # A server with requirepass answers NOAUTH, which also proves it is up.
-    return reply.startswith((b"+PONG", b"-NOAUTH"))
+    return free_ports(1)[0]
 
 
 class RedisServer:
@@ -74,7 +62,7 @@ class RedisServer:
             self.proc = subprocess.Popen(args, stdout=log, stderr=subprocess.STDOUT,
                                          stdin=subprocess.DEVNULL)
         deadline = time.monotonic() + READY_TIMEOUT_S
-        while not _answers_ping(self.port):
+        while not answers_ping(self.port):
             if self.proc.poll() is not None or time.monotonic() > deadline:
                 self.kill()
                 tail = (self.root / "server.log").read_text(errors="replace")[-2000:]

@@ -6,7 +6,8 @@ from collections.abc import Callable, Iterator
 
 import pytest
 
-from tests.services.redis_cluster import Cluster, cluster_binary, start_cluster
+from kvtier.bench.chaos.valkey_cluster import cluster_binary
+from tests.services.redis_cluster import Cluster, start_cluster
 from tests.services.redis_server import fresh_prefix
 from tests.tiers.p2p_helpers import Peer, peer_maker
 

@@ -5,8 +5,8 @@ value, as a crashed cache would); `Seaweed` runs `weed mini` (S3 gateway, master
 in one process) with its data directory kept across restarts, on ports chosen free at the first
 start and reused by every restart. Both are stopped with SIGKILL (SeaweedFS takes ~30 s to stop on
 SIGTERM once it holds data) and report their process ids for the process-tree sampler. The test
-suite's fixtures (tests/services) start the same servers the same way; these live here because an
-installed kvtier has no tests package.
+suite's fixtures (tests/services) start the same servers the same way, and take `answers_ping` and
+`free_ports` from here (an installed kvtier has no tests package, so the campaign's copy is the one).
 """
 
 from __future__ import annotations
@@ -40,6 +40,17 @@ def free_ports(n: int) -> list[int]:
     finally:
         for s in socks:
             s.close()
+
+
+def answers_ping(port: int) -> bool:
+    """Whether a Redis/Valkey server answers PING on loopback `port` now (NOAUTH, from a server
+    with a password, also proves it is up)."""
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=0.5) as s:
+            s.sendall(b"PING\r\n")
+            return s.recv(64).startswith((b"+PONG", b"-NOAUTH"))
+    except OSError:
+        return False
 
 
 def _wait(ready: Any, proc: subprocess.Popen[bytes], log: Path, what: str, timeout_s: float) -> None:
@@ -114,12 +125,7 @@ class Redis(Server):
                 "--save", "", "--appendonly", "no", "--daemonize", "no"]
 
     def _ready(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return answers_ping(self.port)
 
     def client(self) -> Any:
         import redis

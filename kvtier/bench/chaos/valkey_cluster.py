@@ -1,52 +1,53 @@
 """The chaos campaign's Redis/Valkey Cluster: three masters its injectors kill and restart one at a
-time.
+time; also the cluster of the test suite's tier tests (`tests/services/redis_cluster.py`, which adds
+slot migration), since an installed kvtier has no tests package.
 
-`Cluster` runs three `valkey-server` (else `redis-server`) nodes with `--cluster-enabled yes` on
-free loopback ports, persistence off, `cluster-require-full-coverage no` (while a node is down the
-other nodes keep serving their slots) and a 3 s node timeout; it gives node n the n-th third of the
-16384 slots, joins them (CLUSTER MEET) and waits until every live node serves the whole map. The
-slots never move during a run, so `node_of(key)` is fixed. `kill(n)` SIGKILLs node n; `restart(n)`
-starts it again from its nodes.conf (same id, same slots, no data) and waits until the cluster is
-whole again. The test suite's `tests/services/redis_cluster.py` starts clusters the same way for the
-tier's own tests; this one lives here because an installed kvtier has no tests package.
+`Cluster` runs three `valkey-server` (else `redis-server`: `cluster_binary`) nodes with
+`--cluster-enabled yes` on free loopback ports, persistence off, `cluster-require-full-coverage no`
+(while a node is down the other nodes keep serving their slots) and a 3 s node timeout; it gives node
+n the n-th third of the 16384 slots, joins them (CLUSTER MEET) and waits until every live node serves
+the whole map (a master refuses keys for its first 2 s: a start takes 2-3 s). The slots never move
+during a campaign, so `node_of_slot` is fixed. `kill(n)` SIGKILLs node n; `restart(n)` starts it
+again from its nodes.conf (same id, same slots, no data) and waits until the cluster is whole again.
 """
 
 from __future__ import annotations
 
 import shutil
-import socket
 import time
 from pathlib import Path
 from typing import Any
 
-from kvtier.bench.chaos.services import Server, free_ports
+from kvtier.bench.chaos.services import Server, answers_ping, free_ports
 
 SLOTS = 16384
 READY_TIMEOUT_S = 30.0
 
 
+def cluster_binary() -> str | None:
+    """The server binary a cluster is started from: valkey-server, else redis-server, else None."""
+    return shutil.which("valkey-server") or shutil.which("redis-server")
+
+
 class ClusterNode(Server):
-    """One cluster node: a client port and a bus port, its nodes.conf kept across restarts."""
+    """One cluster node: a client port and a bus port, its nodes.conf kept across restarts; `extra`
+    server options go after the node's own (a unix socket, say)."""
 
     name = "cluster-node"
 
     def __init__(self, binary: str, root: Path, port: int, bus_port: int) -> None:
         super().__init__(root)
         self.binary, self.port, self.bus_port = binary, port, bus_port
+        self.extra: tuple[str, ...] = ()
 
     def _args(self) -> list[str]:
         return [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.root),
                 "--save", "", "--appendonly", "no", "--daemonize", "no", "--cluster-enabled", "yes",
                 "--cluster-port", str(self.bus_port), "--cluster-config-file", "nodes.conf",
-                "--cluster-node-timeout", "3000", "--cluster-require-full-coverage", "no"]
+                "--cluster-node-timeout", "3000", "--cluster-require-full-coverage", "no", *self.extra]
 
     def _ready(self) -> bool:
-        try:
-            with socket.create_connection(("127.0.0.1", self.port), timeout=0.5) as s:
-                s.sendall(b"PING\r\n")
-                return s.recv(16).startswith(b"+PONG")
-        except OSError:
-            return False
+        return answers_ping(self.port)
 
     def client(self) -> Any:
         """A client of this node that fails at once while it is down (no retries)."""
@@ -62,9 +63,10 @@ class Cluster:
     """Three masters, slots in thirds, no replicas; `start`, `kill(n)`, `restart(n)`, `stop`."""
 
     def __init__(self, root: Path, nodes: int = 3) -> None:
-        binary = shutil.which("valkey-server") or shutil.which("redis-server")
+        binary = cluster_binary()
         if binary is None:
             raise RuntimeError("valkey-server (or redis-server) is not installed")
+        self.root = root
         ports = free_ports(2 * nodes)
         self.nodes = [ClusterNode(binary, root / f"node{n}", ports[2 * n], ports[2 * n + 1])
                       for n in range(nodes)]
