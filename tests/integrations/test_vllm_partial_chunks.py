@@ -14,47 +14,15 @@ from collections.abc import Callable
 from typing import Any
 
 import pytest
-import torch
 
-from kvtier.format.layout import SKIP_BLOCK
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
+from tests.integrations.kv_spy import KVSpy
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.shared_helpers import settle
 
 pytestmark = pytest.mark.slow
 
 CHUNK = 2 * BLOCK_SIZE
-
-
-class BlockSpy:
-    """Device KV bytes of each block of each chunk (by key) as the worker stores it, and as its
-    load leaves it (None: a block the load skipped)."""
-
-    def __init__(self, worker: Any, mp: pytest.MonkeyPatch) -> None:
-        self.stored: dict[bytes, list[bytes]] = {}
-        self.loaded: dict[bytes, list[bytes | None]] = {}
-        tensors = worker.transfer.layer_tensors
-        save, start_load = worker.save, worker.start_load
-
-        def blocks(ids: tuple[int, ...]) -> list[bytes | None]:
-            return [None if b == SKIP_BLOCK else
-                    b"".join(t[b].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
-                    for b in ids]
-
-        def spy_save(meta: Any) -> None:
-            for job in meta.stores:
-                for key, ids in zip(job.keys, job.block_ids, strict=True):
-                    self.stored[key] = [b for b in blocks(ids) if b is not None]
-            save(meta)
-
-        def spy_load(meta: Any) -> None:
-            start_load(meta)
-            for job in meta.loads:
-                for key, ids in zip(job.keys, job.block_ids, strict=True):
-                    self.loaded[key] = blocks(ids)
-
-        mp.setattr(worker, "save", spy_save)
-        mp.setattr(worker, "start_load", spy_load)
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +37,7 @@ def test_a_device_hit_inside_a_chunk_is_continued_from_the_host_tier(
 
     scheduler, worker = connector_halves(llm)
     assert scheduler.geometry.chunk_tokens == CHUNK
-    spy = BlockSpy(worker, monkeypatch)
+    spy = KVSpy(worker, monkeypatch)
     ids: list[int] = llm.get_tokenizer().encode(PROMPTS["lighthouse"] + " " + PROMPTS["bread"])
     prompt = ids[: (len(ids) - 1) // CHUNK * CHUNK + 1]  # the device's hit ends on a chunk boundary
     hit = len(prompt) - 1
@@ -100,5 +68,5 @@ def test_a_device_hit_inside_a_chunk_is_continued_from_the_host_tier(
         "kvtier_transfer_chunks_total", tier="host", op="load") - loads == len(keys)
     assert spy.loaded[keys[0]][0] is None  # the block the device held was left alone
     for key in keys:
-        written = [b for b in spy.loaded[key] if b is not None]
+        written = spy.written(key)
         assert written == spy.stored[key][-len(written):]

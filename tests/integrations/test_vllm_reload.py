@@ -23,6 +23,7 @@ import pytest
 import torch
 
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
+from tests.integrations.kv_spy import KVSpy
 from tests.integrations.prompts import PROMPTS
 
 pytestmark = pytest.mark.slow
@@ -37,38 +38,6 @@ class Result:
     prompt: list[int]
     tokens: list[int]
     cached: int
-
-
-class KVSpy:
-    """Device KV bytes of each chunk (by key) when the worker stores it and after it loads it."""
-
-    def __init__(self, worker: Any, mp: pytest.MonkeyPatch) -> None:
-        self.stored: dict[bytes, bytes] = {}
-        self.loaded: dict[bytes, bytes] = {}
-        self.sync: dict[bytes, bool] = {}
-        """Whether each chunk's last load was synchronous (copied before its request's forward)."""
-        tensors = worker.transfer.layer_tensors
-        save, start_load = worker.save, worker.start_load
-
-        def chunk_bytes(block_ids: tuple[int, ...]) -> bytes:
-            ids = list(block_ids)
-            return b"".join(t[ids].contiguous().view(torch.uint8).numpy().tobytes() for t in tensors)
-
-        def spy_save(meta: Any) -> None:
-            for job in meta.stores:
-                for key, ids in zip(job.keys, job.block_ids, strict=True):
-                    self.stored[key] = chunk_bytes(ids)
-            save(meta)
-
-        def spy_load(meta: Any) -> None:
-            start_load(meta)
-            for job in meta.loads:
-                for key, ids in zip(job.keys, job.block_ids, strict=True):
-                    self.loaded[key] = chunk_bytes(ids)
-                    self.sync[key] = job.sync
-
-        mp.setattr(worker, "save", spy_save)
-        mp.setattr(worker, "start_load", spy_load)
 
 
 @pytest.fixture(scope="module")
@@ -246,7 +215,8 @@ def test_the_oracle_catches_a_load_that_copies_nothing(
     pattern = torch.full((1,), POISON, dtype=dtype).view(torch.uint8).numpy().tobytes()
     for key in keys:  # the blocks kept the poison: the byte check fails
         assert spy.loaded[key] != spy.stored[key]
-        assert spy.loaded[key] == pattern * (len(spy.loaded[key]) // len(pattern))
+        written = b"".join(spy.written(key))
+        assert written == pattern * (len(written) // len(pattern))
     assert again.tokens != ref.tokens
 
 
