@@ -266,8 +266,9 @@ def test_a_killed_mid_transfer_b_recomputes(
     llm: Any, instance_a: EngineProcess, computed_by_a: dict[str, Any],
     prompts: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """A is frozen (SIGSTOP) the moment B submits its p2p load, so B's tier is waiting on A's
-    bytes, then SIGKILLed: the load fails and B's request is recomputed."""
+    """A is frozen (SIGSTOP, every thread of its process group stopped) the moment B submits its
+    p2p load, so B's tier is waiting on A's bytes, then SIGKILLed: the load fails and B's request
+    is recomputed."""
     scheduler, _ = connector_halves(llm)
     prompt = prompts[RECOMPUTED["kill"]]
     p2p = scheduler.manager.tiers["p2p"]
@@ -277,7 +278,7 @@ def test_a_killed_mid_transfer_b_recomputes(
 
     def freeze_then_submit(job: Any) -> None:
         if not loads:
-            instance_a.signal(signal.SIGSTOP)
+            instance_a.freeze()
             killer.start()
         loads.append(job)
         submit(job)
