@@ -180,3 +180,30 @@ def test_an_injection_never_races_a_load_and_a_load_during_one_is_counted_once(p
     assert not result.success
     assert ledger.counts()["outcomes"]["detected"] == 1 == _bad_chunks(requester)
     assert medium.verify(keys[0]) is True  # repaired
+
+
+def test_a_store_the_ledger_could_not_check_is_checked_at_the_next_load() -> None:
+    """A store of a corrupted key completes while its server cannot be read (SeaweedFS restarting):
+    whether it replaced the bad copy is unknown then, so the next successful load of the key looks:
+    a valid copy was overwritten unread, a bad one would have been served."""
+    medium: dict[bytes, bool | None] = {}
+    down = False
+
+    def verify(tier: str, key: bytes) -> bool | None:
+        if down:
+            raise ConnectionError("the server is restarting")
+        return medium.get(key)
+
+    ledger = Ledger(verify)
+    replaced, kept = os.urandom(32), os.urandom(32)
+    for key in (replaced, kept):
+        medium[key] = False
+        ledger.injected("obj", key, "swap", time.monotonic())
+    down = True
+    medium[replaced] = True  # rewritten by the store; `kept` was skipped (the tier knew the key)
+    ledger.store_finished("obj", (replaced, kept), {replaced, kept})
+    assert ledger.counts()["outcomes"]["open"] == 2
+    down = False
+    ledger.loaded("obj", [replaced, kept], time.monotonic())
+    outcomes = ledger.counts()["outcomes"]
+    assert (outcomes["overwritten"], outcomes["served"], outcomes["open"]) == (1, 1, 0)

@@ -11,7 +11,9 @@ A corruption of chunk K in tier T is open from the moment its bytes are in place
 - `served`: a load of K from T that was submitted after the injection reported success: the bad
   copy was accepted (must never happen);
 - `overwritten`: a store of K into T that completed after the injection replaced it unread (a
-  tier skips storing a key it holds, so the ledger looks at the medium to tell);
+  tier skips storing a key it holds, so the ledger looks at the medium to tell: when the store
+  completes, or, if the medium could not be read then (its server restarting), when a load of K
+  next succeeds);
 - `lost`: its server was restarted without persistence (redis, a cluster node), or the peer
   holding it was killed (p2p);
 - `unread`: still in place, still bad, at the end of the run.
@@ -29,6 +31,7 @@ injectors run on their own thread: the ledger has one lock.
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections import Counter
@@ -52,6 +55,8 @@ class Corruption:
     at: float
     """When the bad bytes were in place."""
     outcome: str | None = None
+    unchecked_store: bool = False
+    """A store of its key completed after `at` while the medium could not be read."""
 
 
 class Ledger:
@@ -83,9 +88,9 @@ class Ledger:
         with self._lock:
             self._open[(tier, key)] = Corruption(tier, key, kind, start, time.monotonic())
 
-    def _settle(self, tier: str, key: bytes, outcome: str, after: float | None = None) -> None:
+    def _settle(self, tier: str, key: bytes, outcome: str) -> None:
         c = self._open.get((tier, key))
-        if c is not None and (after is None or c.at < after):
+        if c is not None:
             del self._open[(tier, key)]
             c.outcome = outcome
             self.settled.append(c)
@@ -108,17 +113,29 @@ class Ledger:
         for k, c in stored:
             try:
                 valid = self._verify(tier, k)
-            except Exception:  # the server is down: the next look decides
+            except Exception:  # the server is down: the next successful load of `k` looks again
+                c.unchecked_store = True
                 continue
             with self._lock:
                 if valid and self._open.get((tier, k)) is c:
                     self._settle(tier, k, "overwritten")
 
     def loaded(self, tier: str, keys: list[bytes], submitted: float) -> None:
+        """A load of `keys` submitted at `submitted` succeeded: each corruption in place before is
+        served, unless a store replaced it unchecked (`store_finished`) and the medium holds a
+        valid copy now (nothing but a store writes a corrupted key)."""
         with self._lock:
             self.loads_ok.setdefault(tier, []).append(time.monotonic())
-            for k in keys:
-                self._settle(tier, k, "served", after=submitted)
+            found = [(k, c) for k in keys
+                     if (c := self._open.get((tier, k))) is not None and c.at < submitted]
+        for k, c in found:
+            replaced = False
+            if c.unchecked_store:
+                with contextlib.suppress(Exception):  # unreadable still: served
+                    replaced = self._verify(tier, k) is True
+            with self._lock:
+                if self._open.get((tier, k)) is c:
+                    self._settle(tier, k, "overwritten" if replaced else "served")
 
     def refused(self, tier: str, keys: list[bytes], submitted: float) -> None:
         """A load of `keys` submitted at `submitted` failed them, the tier process up throughout:

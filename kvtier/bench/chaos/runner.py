@@ -208,6 +208,8 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
             "failed_injections": dict(injectors.failed_injections) if injectors else {},
             "temps_left": injectors.temps_left if injectors else 0, "temps_remaining": len(temps),
             "ledger": ledger.counts(), "detected_metric": _bad_chunks(manager),
+            "served": [{"tier": c.tier, "key": c.key.hex(), "kind": c.kind, "start": c.start, "at": c.at}
+                       for c in ledger.settled if c.outcome == "served"],
             "loads_ok": ledger.loads_ok, "settled": settled,
             "host": {"pinned": host.pinned, "check": host_error or "clean"},
             "fsck": _fsck_json(fsck_report),
