@@ -89,7 +89,7 @@ def _hook_engines() -> None:
         if not STEPS:
             _install()
         s = self.settings
-        kind = "kvtier" if s.kvtier else "vllm-native" if s.native else "vllm"
+        kind = "kvtier" if s.kvtier else str((s.connector or {}).get("kv_connector", "vllm"))
         STEPS.append({"config": f"{kind}, {s.device_blocks} device blocks",
                       "secondary_tiers": len((s.kvtier or {}).get("secondary_tiers", []))})
         return enter(self)

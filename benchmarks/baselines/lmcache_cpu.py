@@ -54,8 +54,15 @@ def install() -> None:
 
 
 class LMCacheCPUConnector(LMCacheConnectorV1):
-    """vLLM's LMCache connector, with `install` done before LMCache builds its engine."""
+    """vLLM's LMCache connector, with `install` done before LMCache builds its engine, and a
+    `shutdown` that stops LMCache."""
 
     def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any) -> None:
         install()
         super().__init__(vllm_config, role, kv_cache_config)
+
+    def shutdown(self) -> None:
+        """Stop LMCache's servers and destroy its engine (called by vLLM when the scheduler or the
+        worker shuts down). vLLM's `LMCacheConnectorV1` does not pass shutdown on, which leaves
+        LMCache's threads running: a process that ran an engine in it would never exit."""
+        self._lmcache_engine.shutdown()

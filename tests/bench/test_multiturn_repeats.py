@@ -119,15 +119,16 @@ def test_vllm_native_configurations_match_kvtiers_sizes(tmp_path: Path) -> None:
     ctx = configs.BenchContext(1 << 20, 40, 400, 80, tmp_path)
     native, host = configs.resolve("vllm-native", ctx), configs.resolve("host", ctx)
     assert native.kvtier is None and native.device_blocks == host.device_blocks
-    assert native.native == {**configs.NATIVE_SPEC, **(host.kvtier or {})}
+    assert native.connector == configs.native_connector_config({**configs.NATIVE_SPEC, **(host.kvtier or {})})
     native_fs, host_fs = configs.resolve("vllm-native+fs", ctx), configs.resolve("host+fs", ctx)
-    assert native_fs.native is not None and host_fs.kvtier is not None
-    assert native_fs.native["cpu_bytes_to_use"] == host_fs.kvtier["cpu_bytes_to_use"]
-    fs_dir = Path(native_fs.native["secondary_tiers"][0]["root_dir"])
+    assert native_fs.connector is not None and host_fs.kvtier is not None
+    native_extra = native_fs.connector["kv_connector_extra_config"]
+    assert native_extra["cpu_bytes_to_use"] == host_fs.kvtier["cpu_bytes_to_use"]
+    fs_dir = Path(native_extra["secondary_tiers"][0]["root_dir"])
     assert fs_dir.is_dir() and fs_dir != Path(host_fs.kvtier["secondary_tiers"][0]["root_dir"])
-    root = configs.native_root()
+    root = configs.baselines_root()
     assert (root / "benchmarks" / "baselines" / "vllm_native.py").is_file()
-    settings = ServerSettings(tmp_path, "m", 32, 40, 1024, 4, 1 << 20, native=native.native)
+    settings = ServerSettings(tmp_path, "m", 32, 40, 1024, 4, 1 << 20, connector=native.connector)
     transfer = settings.kv_transfer_config()
     assert transfer is not None and transfer["kv_connector"] == "OffloadingConnector"
     assert transfer["kv_connector_extra_config"]["spec_module_path"] == "benchmarks.baselines.vllm_native"
@@ -138,10 +139,41 @@ def test_vllm_native_configurations_match_kvtiers_sizes(tmp_path: Path) -> None:
     assert ServerSettings(tmp_path, "m", 32, 40, 1024, 4, 1 << 20).kv_transfer_config() is None
 
 
-def test_a_missing_shim_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    monkeypatch.setitem(configs.NATIVE_SPEC, "spec_module_path", "benchmarks.baselines.nowhere")
-    with pytest.raises(ValueError, match=r"need the shim benchmarks\.baselines\.nowhere.*PYTHONPATH"):
-        configs.check_names(["host", "vllm-native"])
+def test_lmcache_configurations_match_kvtiers_sizes(tmp_path: Path) -> None:
+    ctx = configs.BenchContext(1 << 20, 40, 400, 80, tmp_path, block_size=32)
+    lmcache, host = configs.resolve("lmcache", ctx), configs.resolve("host", ctx)
+    assert lmcache.kvtier is None and lmcache.device_blocks == host.device_blocks
+    assert lmcache.connector is not None
+    assert lmcache.connector["kv_connector_module_path"] == "benchmarks.baselines.lmcache_cpu"
+    extra = lmcache.connector["kv_connector_extra_config"]
+    assert extra["lmcache.chunk_size"] == 32  # one engine block per LMCache chunk
+    assert extra["lmcache.max_local_cpu_size"] * (1 << 30) == (host.kvtier or {})["cpu_bytes_to_use"]
+    assert extra["lmcache.local_disk"] is None and extra["lmcache.max_local_disk_size"] == 0
+    disk = configs.resolve("lmcache+disk", ctx).connector
+    assert disk is not None
+    disk_extra = disk["kv_connector_extra_config"]
+    assert disk_extra["lmcache.max_local_cpu_size"] == extra["lmcache.max_local_cpu_size"]
+    assert disk_extra["lmcache.max_local_disk_size"] * (1 << 30) == 400 * (1 << 20)
+    assert disk_extra["lmcache.local_disk"].startswith("file://")
+    assert Path(disk_extra["lmcache.local_disk"][len("file://"):]).is_dir()
+    with pytest.raises(ValueError, match="block size"):
+        configs.resolve("lmcache", configs.BenchContext(1 << 20, 40, 400, 80, tmp_path))
+
+
+def test_a_missing_lmcache_is_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    real = configs.importlib.util.find_spec
+    monkeypatch.setattr(configs.importlib.util, "find_spec",
+                        lambda name, *a: None if name == "lmcache" else real(name, *a))
+    with pytest.raises(ValueError, match=r"lmcache\+disk: needs the package lmcache.*install_lmcache\.sh"):
+        configs.check_names(["host", "lmcache+disk"])
+    configs.check_names(["host", "vllm-native"])
+
+
+def test_missing_baselines_are_a_clear_error(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(configs, "BASELINES", "benchmarks.nowhere")
+    for name in ("vllm-native", "lmcache"):
+        with pytest.raises(ValueError, match=r"need the baselines benchmarks\.nowhere.*PYTHONPATH"):
+            configs.check_names(["host", name])
     configs.check_names(["host", "all-fits"])
 
 

@@ -5,8 +5,9 @@ embedded SmolLM2 model, point by point: at each point every configuration runs `
 (default 3; rounds in rotated order), each run on a fresh vLLM server. It shows progress (rich) on
 stderr, and writes results.json, results.csv and results.png to `--out` (default
 `bench-results/multiturn-<preset>-<time>`); the table (median [min-max] over the runs) goes to
-stdout. The vllm-native configurations load our shim of vLLM's own tiering from
-benchmarks/baselines/ (run from kvtier's source tree). Workload and cache sizes
+stdout. The vllm-native and lmcache configurations load our baselines (vLLM's own tiering,
+LMCache) from benchmarks/baselines/ (run from kvtier's source tree; lmcache needs
+scripts/install_lmcache.sh). Workload and cache sizes
 come from the preset unless given; `--endpoint URL` drives a running server instead (one
 configuration, labelled `--label`), and `--endpoints URL,URL[,...]` several running servers as one
 fleet, each request sent where `--route` says (round-robin: each turn of a conversation to the
@@ -215,7 +216,7 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
         args.trace.mkdir(parents=True, exist_ok=True)
         options["trace_dir"] = str(args.trace.resolve())
     context = config_registry.BenchContext(block_bytes, sizes.device_blocks, sizes.all_fits_blocks,
-                                           sizes.host_chunks, work_dir, options)
+                                           sizes.host_chunks, work_dir, options, preset.block_size)
     tokenizer_name = args.tokenizer or (str(model) if model is not None else None)
     if tokenizer_name is None:
         raise KVTierError("--tokenizer: needed with --endpoint (the served model's tokenizer)")

@@ -5,15 +5,16 @@ requests in the engine at once), driven by `engine.step()`: a request's TTFT is 
 `add_request` to the step that returns its first token, its ITL the gaps between later steps
 that return tokens for it. Each request's prompt-token split is its own: kvtier's
 `kv_transfer_params["kvtier"]["tokens"]` with kvtier's connector, vLLM's `num_cached_tokens` as
-device and the rest recomputed with no connector. vLLM's own OffloadingConnector reports no split
-per request: with it the engine keeps its Prometheus counters (`metrics_text`) and the caller
-splits a whole point from their change, as it does for a server. A conversation replaying a script's replies
-(`Conversation.recorded_reply`) asks for one output token per turn (its TTFT) and is answered with
-the recorded reply.
+device and the rest recomputed with no connector. A baseline connector (vLLM's own tiering,
+LMCache) reports no split per request: with it the caller splits a whole point from the change of
+vLLM's Prometheus counters (`metrics_text`), as it does for a server. Every configuration runs with
+the same engine settings, stats logging on included (those counters count only with it). A
+conversation replaying a script's replies (`Conversation.recorded_reply`) asks for one output
+token per turn (its TTFT) and is answered with the recorded reply.
 
 The engine runs in this process: the caller enters `kvtier.integrations.vllm.serving.launch.in_process_env`
-before vLLM is imported. The vLLM-native shim's tree (`configs.native_root`) is added to `sys.path`
-when the configuration loads it.
+before vLLM is imported. The baselines' tree (`configs.baselines_root`) is added to `sys.path`
+when the configuration loads a baseline connector.
 """
 
 from __future__ import annotations
@@ -26,7 +27,7 @@ from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
 
-from kvtier.bench.multiturn.configs import native_root
+from kvtier.bench.multiturn.configs import baselines_root
 from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.bench.multiturn.summary import RequestRecord
 from kvtier.bench.multiturn.vllm_server import ServerSettings
@@ -61,15 +62,15 @@ class InProcessEngine:
             "num_gpu_blocks_override": s.device_blocks,
             "kv_cache_memory_bytes": (s.device_blocks + 1) * s.block_bytes,
             "max_model_len": s.max_model_len, "max_num_seqs": s.max_num_seqs, "seed": 0,
+            "disable_log_stats": False,
         }
         transfer = s.kv_transfer_config()
         if transfer is not None:
             options["kv_transfer_config"] = KVTransferConfig(**transfer)
-        if s.native is not None:
-            root = str(native_root())
+        if s.connector is not None:
+            root = str(baselines_root())
             if root not in sys.path:
                 sys.path.insert(0, root)
-            options["disable_log_stats"] = False
         self._llm = LLM(model=str(s.model), **options)
         return self
 
@@ -80,8 +81,7 @@ class InProcessEngine:
             self._llm = None
 
     def metrics_text(self) -> str:
-        """vLLM's Prometheus counters in this process (text exposition); they count only when the
-        engine keeps stats (with vLLM's own OffloadingConnector)."""
+        """vLLM's Prometheus counters in this process (text exposition)."""
         from prometheus_client import REGISTRY, generate_latest
 
         return generate_latest(REGISTRY).decode()
@@ -157,7 +157,7 @@ class InProcessEngine:
         record.output_tokens = job.tokens
         reply = job.conv.recorded_reply
         job.conv.answer(reply if reply is not None else (out.outputs[0].text if out.outputs else ""))
-        if self.settings.native is not None:
+        if self.settings.connector is not None:
             return
         if self.settings.kvtier is not None:
             split = ((out.kv_transfer_params or {}).get("kvtier") or {}).get("tokens")

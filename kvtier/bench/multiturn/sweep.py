@@ -14,10 +14,10 @@ with streaming; "inprocess" builds an in-process engine per run (`engine_run.InP
 `Plan.route`, see `fleet`) under the label `Plan.configs[0]` and starts nothing.
 
 The hit-quality split: with kvtier, its counters (per request in process, `/metrics` deltas for a
-server); otherwise vLLM's own counters (`native_split`: device prefix cache, and with vLLM's
-OffloadingConnector its reloads from its CPU and disk tiers), from `/metrics` polled until they
-account for every prompt token the client saw, or in process from the engine's registry; vLLM
-alone in process: each request's cached tokens.
+server); otherwise vLLM's own counters (`native_split`: device prefix cache, and with a baseline
+connector its reloads: vLLM's OffloadingConnector's by CPU and disk tier, LMCache's as one
+number), from `/metrics` polled until they account for every prompt token the client saw, or in
+process from the engine's registry; vLLM alone in process: each request's cached tokens.
 
 With a `Mix` (server and endpoint modes) single-use requests are mixed in (`workload`); with a
 `Ramp` a run is several points, one per concurrency step, each with `ramp` {step, concurrency}
@@ -126,9 +126,10 @@ def _counter_change(before: Mapping[scrape.Sample, float], after: Mapping[scrape
 def native_split(before: Mapping[scrape.Sample, float],
                  after: Mapping[scrape.Sample, float]) -> dict[str, int]:
     """Prompt-token sources from vLLM's own counters between two scrapes: `scrape.vllm_split`, with
-    the tokens vLLM's OffloadingConnector reloaded (`external_kv_transfer`) taken out of recomputed
-    and split by the tier that supplied them (`CACHED_BY_SOURCE`): its disk tier as `fs`, the rest
-    (its CPU tier) as `host`. Without reloads it is `scrape.vllm_split`."""
+    the tokens a connector reloaded (`external_kv_transfer`) taken out of recomputed and split by
+    the tier that supplied them (`CACHED_BY_SOURCE`, counted by vLLM's OffloadingConnector): its
+    disk tier as `fs`, the rest as `host` (LMCache counts no tiers: all its reloads are `host`).
+    Without reloads it is `scrape.vllm_split`."""
     split = scrape.vllm_split(before, after)
     reloaded = _counter_change(before, after, scrape.VLLM_TOKENS).get("external_kv_transfer", 0)
     if reloaded <= 0:
@@ -146,7 +147,7 @@ def _settings(plan: Plan, config: config_registry.EngineConfig) -> ServerSetting
         raise ValueError("--model: needed to start an engine")
     return ServerSettings(plan.model, plan.served_name, plan.block_size, config.device_blocks,
                           plan.max_model_len, plan.spec.max_concurrency, plan.block_bytes,
-                          plan.dtype, config.kvtier, plan.vllm_args, config.native)
+                          plan.dtype, config.kvtier, plan.vllm_args, config.connector)
 
 
 def _wait_metrics(url: str, before: dict[scrape.Sample, float], splitter: scrape.Splitter,
@@ -213,10 +214,10 @@ def _inprocess_point(plan: Plan, run: Run, engine: Any, hooks: Hooks, emit: Emit
     engine.warm_up()
     spec = replace(plan.spec, conversations=run.conversations)
     hooks.point_starting(_label(plan, run), run.conversations, run.conversations * spec.turns)
-    native = engine.settings.native is not None
-    before = scrape.parse(engine.metrics_text()) if native else {}
+    baseline = engine.settings.connector is not None
+    before = scrape.parse(engine.metrics_text()) if baseline else {}
     records, client = engine.run_point(spec, run.tag, hooks.request_done)
-    if native:
+    if baseline:
         split, source = native_split(before, scrape.parse(engine.metrics_text())), "vllm_metrics"
     else:
         split, source = sum_splits([r.tokens for r in records if r.tokens and not r.error]), "requests"

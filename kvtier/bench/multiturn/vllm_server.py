@@ -2,10 +2,10 @@
 
 `VLLMServer` is a context manager: it picks a free loopback port, starts
 `python -m vllm.entrypoints.openai.api_server` (with the configuration's `--kv-transfer-config`,
-kvtier's or vLLM's own OffloadingConnector's, when it has one;
+kvtier's or a baseline connector's, when it has one;
 `kvtier.integrations.vllm.serving.serve.vllm_command`) in its own session and process group, isolated in a
-private temp dir (`kvtier.integrations.vllm.serving.launch.isolated_env`), with our vLLM-native shim's tree
-on its `PYTHONPATH` when it loads the shim, with its output in `log_path`, and waits for `/health`.
+private temp dir (`kvtier.integrations.vllm.serving.launch.isolated_env`), with the baselines' tree
+on its `PYTHONPATH` when it loads a baseline, with its output in `log_path`, and waits for `/health`.
 On exit, on an error and on Ctrl-C it stops the whole process group (SIGTERM, then SIGKILL after
 `stop_timeout_s`), so nothing it started is left running.
 """
@@ -28,7 +28,7 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
-from kvtier.bench.multiturn.configs import native_connector_config, native_root
+from kvtier.bench.multiturn.configs import baselines_root
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.serving.launch import connector_config, isolated_env
 from kvtier.integrations.vllm.serving.serve import vllm_command
@@ -36,8 +36,8 @@ from kvtier.integrations.vllm.serving.serve import vllm_command
 
 @dataclass(frozen=True)
 class ServerSettings:
-    """The engine flags of one server (vLLM's names); the connector's extra config is kvtier's
-    (`kvtier`) or vLLM's own OffloadingConnector's (`native`), at most one of them."""
+    """The engine flags of one server (vLLM's names); the connector is kvtier's (its extra config,
+    `kvtier`) or a baseline's (its whole kv-transfer-config, `connector`), at most one of them."""
 
     model: Path
     served_name: str
@@ -49,14 +49,14 @@ class ServerSettings:
     dtype: str = "float32"
     kvtier: dict[str, Any] | None = None
     extra_args: tuple[str, ...] = field(default=())
-    native: dict[str, Any] | None = None
+    connector: dict[str, Any] | None = None
 
     def kv_transfer_config(self) -> dict[str, Any] | None:
         """The engine's whole kv-transfer-config (JSON object), None for vLLM alone."""
         if self.kvtier is not None:
             return connector_config(self.kvtier)
-        if self.native is not None:
-            return native_connector_config(self.native)
+        if self.connector is not None:
+            return dict(self.connector)
         return None
 
     def vllm_args(self, port: int) -> list[str]:
@@ -75,11 +75,12 @@ class ServerSettings:
         return vllm_command(str(self.model), transfer, self.vllm_args(port))
 
     def env(self, tmp_dir: Path) -> dict[str, str]:
-        """The server's environment: ours, isolated under `tmp_dir`, with the shim's tree first on
-        `PYTHONPATH` when the configuration loads it."""
+        """The server's environment: ours, isolated under `tmp_dir`, with the baselines' tree first on
+        `PYTHONPATH` when the configuration loads a baseline connector."""
         env = {**os.environ, **isolated_env(tmp_dir, in_process=False)}
-        if self.native is not None:
-            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(native_root()), env.get("PYTHONPATH")) if p)
+        if self.connector is not None:
+            env["PYTHONPATH"] = os.pathsep.join(p for p in (str(baselines_root()), env.get("PYTHONPATH"))
+                                                if p)
         return env
 
 
