@@ -20,8 +20,12 @@ LMCache reads its settings from the extra config's `lmcache.` keys::
      "kv_connector_extra_config": {"lmcache.chunk_size": 64, "lmcache.local_cpu": true,
                                    "lmcache.max_local_cpu_size": 1.0}}
 
-LMCache is imported only inside `install` (see `lmcache_copy` for why). Install it beside vLLM
-with `scripts/install_lmcache.sh` (a benchmark-only dependency).
+LMCache is imported only inside `install` (see `lmcache_copy` for why). Once it is imported, a
+later engine in the same process would still fail in that scan (vLLM reads `vars()` of every module
+attribute, and llvmlite's `ffi.lib` answers any attribute, `__dict__` included, with a function
+wrapper): `install` makes that object refuse dunder names, so a sweep can start engine after
+engine in one process. Install LMCache beside vLLM with `scripts/install_lmcache.sh` (a
+benchmark-only dependency).
 """
 
 from __future__ import annotations
@@ -43,6 +47,7 @@ def install() -> None:
     create = gpu_connector.CreateGPUConnector
     if getattr(create, "host_paged", False):
         return
+    _hide_llvmlite_dunders()
 
     def create_connector(config: Any, metadata: Any, engine: Any, layout_hints: Any = None) -> Any:
         if engine == EngineType.VLLM and gpu_connector.torch_device_type == "cpu":
@@ -51,6 +56,22 @@ def install() -> None:
 
     create_connector.host_paged = True  # type: ignore[attr-defined]
     gpu_connector.CreateGPUConnector = create_connector
+
+
+def _hide_llvmlite_dunders() -> None:
+    """Make llvmlite's `ffi.lib` raise AttributeError for dunder names instead of answering them
+    with a function wrapper (see the module docstring); its functions are unchanged."""
+    from llvmlite.binding import ffi
+
+    cls = type(ffi.lib)
+    lookup = cls.__getattr__
+
+    def getattr_no_dunders(self: Any, name: str) -> Any:
+        if name.startswith("__") and name.endswith("__"):
+            raise AttributeError(name)
+        return lookup(self, name)
+
+    cls.__getattr__ = getattr_no_dunders
 
 
 class LMCacheCPUConnector(LMCacheConnectorV1):
@@ -62,7 +83,13 @@ class LMCacheCPUConnector(LMCacheConnectorV1):
         super().__init__(vllm_config, role, kv_cache_config)
 
     def shutdown(self) -> None:
-        """Stop LMCache's servers and destroy its engine (called by vLLM when the scheduler or the
-        worker shuts down). vLLM's `LMCacheConnectorV1` does not pass shutdown on, which leaves
-        LMCache's threads running: a process that ran an engine in it would never exit."""
-        self._lmcache_engine.shutdown()
+        """Close LMCache's engine (its storage manager's event loop is the one thread that keeps a
+        process alive) when vLLM shuts the scheduler or the worker down; a no-op for a role with
+        no engine. vLLM's `LMCacheConnectorV1` does not pass shutdown on, so a process that ran an
+        engine in it would never exit; LMCache's own `shutdown` first closes its ZMQ servers'
+        sockets under the threads still receiving on them, which can abort the process (a libzmq
+        assertion), so only the engine is closed: those threads are daemons."""
+        from lmcache.v1.cache_engine import LMCacheEngineBuilder
+
+        factory = self._lmcache_engine._manager._service_factory
+        LMCacheEngineBuilder.destroy(factory.get_engine_instance_id())
