@@ -12,11 +12,6 @@ The address tables come from the same zero-copy views `CopyPlan` copies through 
 are kept between calls while the layer tensors and host rows stay the same. Built for this
 machine's instruction set on first use (`kvtier.clib.build`); without a C compiler, or with
 `KVTIER_NATIVE=0`, `kernel()` is None and `CopyPlan` copies with torch.
-
-A copy of at least `SPLIT_BYTES` is split across as many threads as torch computes with (the
-engine's own, idle while the engine thread copies between its passes): the calling thread and
-helpers of a pool that may run on every core any thread of the process is bound to (vLLM's CPU
-worker binds each of its compute threads, the calling one included, to one core).
 """
 
 from __future__ import annotations
@@ -24,9 +19,7 @@ from __future__ import annotations
 import ctypes
 import functools
 import logging
-import os
 from collections.abc import Callable, Sequence
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -39,8 +32,6 @@ SOURCE = Path(__file__).with_name("native") / "kv_copy.c"
 log = logging.getLogger("kvtier.transfer")
 
 ViewPairs = Sequence[tuple[torch.Tensor, torch.Tensor]]
-SPLIT_BYTES = 1 << 20
-"""A copy below this runs on the calling thread alone: handing half off would cost more than it saves."""
 
 
 class MatrixKernel:
@@ -131,7 +122,6 @@ class NativeCopies:
         if key != self._key:
             self._units, self._key = _units(views(), rows), key
         base = rows.data_ptr()
-        calls: list[_Call] = []
         slot_of = np.asarray(slots, dtype=np.int64)
         tables = {g: np.asarray(p, dtype=np.int64).reshape(-1, 3) for g, p in enumerate(pairs)}
         for unit in self._units:
@@ -147,55 +137,6 @@ class NativeCopies:
             e = (unit.engine_bases[:, None, None] + engine).ravel()
             h = (base + unit.host_offsets[:, None, None] + host).ravel()
             if to_host:
-                calls.append((e, h, unit.itemsize, unit.shape, (st, se), (ht, he)))
+                self.kernel.copy(e, h, unit.itemsize, unit.shape, (st, se), (ht, he))
             else:
-                calls.append((h, e, unit.itemsize, unit.shape, (ht, he), (st, se)))
-        self._run(calls)
-
-    def _run(self, calls: list[_Call]) -> None:
-        """Every call's matrices copied, split across the threads when they are large enough."""
-        nbytes = sum(len(src) * itemsize * shape[0] * shape[1] for src, _, itemsize, shape, _, _ in calls)
-        threads = min(torch.get_num_threads(), max(1, nbytes // SPLIT_BYTES))
-        if threads <= 1:
-            for call in calls:
-                self.kernel.copy(*call)
-            return
-        parts: list[list[_Call]] = [[] for _ in range(threads)]
-        for src, dst, itemsize, shape, src_strides, dst_strides in calls:
-            for part, s, d in zip(parts, np.array_split(src, threads), np.array_split(dst, threads),
-                                  strict=True):
-                part.append((s, d, itemsize, shape, src_strides, dst_strides))
-        pending = [_pool(threads - 1).submit(self._copy_all, part) for part in parts[1:]]
-        try:
-            self._copy_all(parts[0])
-        finally:
-            for future in pending:
-                future.result()
-
-    def _copy_all(self, calls: list[_Call]) -> None:
-        for src, dst, itemsize, shape, src_strides, dst_strides in calls:
-            self.kernel.copy(src, dst, itemsize, shape, src_strides, dst_strides)
-
-
-_Call = tuple[np.ndarray, np.ndarray, int, tuple[int, int], tuple[int, int], tuple[int, int]]
-
-
-def _process_cores() -> set[int]:
-    """The cores any thread of this process may run on (the union of their affinities)."""
-    cores: set[int] = set()
-    for task in os.listdir("/proc/self/task"):
-        try:
-            cores |= os.sched_getaffinity(int(task))
-        except OSError:  # the thread ended meanwhile
-            continue
-    return cores or os.sched_getaffinity(0)
-
-
-def _unbind() -> None:
-    os.sched_setaffinity(0, _process_cores())
-
-
-@functools.cache
-def _pool(helpers: int) -> ThreadPoolExecutor:
-    """`helpers` copy threads, free to run on every core of the process."""
-    return ThreadPoolExecutor(helpers, thread_name_prefix="kvtier-copy", initializer=_unbind)
+                self.kernel.copy(h, e, unit.itemsize, unit.shape, (ht, he), (st, se))

@@ -1,21 +1,17 @@
 """The C copy kernel against torch's copies through the same views: every engine layout and memory
 order, several groups with skipped blocks, MLA, fp8, TP shards, and vLLM's CPU layout at real
-sizes in each element width (its K transposed through register tiles, partial tiles at the edges),
-and large copies split across threads; stores write the same host bytes and loads the same engine
-bytes, byte for byte."""
+sizes in each element width (its K transposed through register tiles, partial tiles at the edges);
+stores write the same host bytes and loads the same engine bytes, byte for byte."""
 
 from __future__ import annotations
 
 import os
-import threading
-from typing import Any
 
 import pytest
 import torch
 
 from kvtier.format.layout import CanonicalLayout, TPShard
 from kvtier.integrations.vllm.model.backend_layouts import engine_layout
-from kvtier.transfer import native_copy
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.native_copy import kernel
 from tests.format.helpers import make_rows, random_kv, same
@@ -77,30 +73,3 @@ def test_the_kernel_refuses_an_element_width_it_does_not_know() -> None:
     empty = torch.zeros(1, dtype=torch.int64).numpy()
     with pytest.raises(ValueError, match="not 3"):
         found.copy(empty, empty, 3, (1, 1), (1, 1), (1, 1))
-
-
-@pytest.mark.parametrize("threads", [2, 3])
-def test_a_large_copy_split_across_threads_moves_the_same_bytes(
-        threads: int, monkeypatch: pytest.MonkeyPatch) -> None:
-    """Above `SPLIT_BYTES` the matrices are shared among torch's thread count: the calling thread
-    and a copy thread both copy, and every matrix is copied once, whatever the split (3 threads
-    leave uneven parts)."""
-    monkeypatch.setattr(native_copy, "SPLIT_BYTES", 4096)
-    copiers: set[int] = set()
-    copy = native_copy.MatrixKernel.copy
-
-    def watched(self: native_copy.MatrixKernel, *args: Any) -> None:
-        copiers.add(threading.get_ident())
-        copy(self, *args)
-
-    monkeypatch.setattr(native_copy.MatrixKernel, "copy", watched)
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
-    try:
-        c = case("vllm_cpu", 1, 0, 2, seed=threads)
-        chunks, slots = c.blocks(3, seed=11)
-        skipped, _ = c.blocks(3, seed=11, skip=True)
-        check_both_ways(c.plan, c.tensors, chunks, slots, skipped)
-    finally:
-        torch.set_num_threads(before)
-    assert threading.get_ident() in copiers and len(copiers) >= 2
