@@ -7,7 +7,9 @@ owner that crashed is found by `remove_stale_regions()` (the pid is gone, or now
 started at another time) and removed on the next start, or at once by the region's reaper
 (`reaper.py`) when the owner asked for one.
 
-Pages are touched once at creation so the first store does not pay the page-fault cost.
+Pages are touched once at creation, and an attaching process maps them all at once
+(`MAP_POPULATE`), so no copy pays a page fault per page: on an engine thread that fault made stores
+into a freshly attached region 2.5x slower than into a mapped one (BENCHMARKS.md, "copies").
 
 A process that copies to and from an accelerator pins its own mapping (`pin`, e.g. CUDA's
 `cudaHostRegister`) so device copies are DMA straight into the shared pages; `close()` unpins
@@ -86,9 +88,10 @@ class HostRegion:
         self.path = path
         self.size = size
         self.owner = owner
+        flags = mmap.MAP_SHARED if owner else mmap.MAP_SHARED | getattr(mmap, "MAP_POPULATE", 0)
         fd = os.open(path, os.O_RDWR)
         try:
-            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, mmap.MAP_SHARED)
+            self._mmap: mmap.mmap | None = mmap.mmap(fd, size, flags)
         finally:
             os.close(fd)
         self.buf = memoryview(self._mmap)
@@ -140,7 +143,8 @@ class HostRegion:
 
     @classmethod
     def attach(cls, name: str, *, shm_dir: str = SHM_DIR) -> HostRegion:
-        """Map an existing segment created by another process."""
+        """Map an existing segment created by another process, every page mapped now (its owner
+        touched them: mapping them allocates nothing)."""
         if _NAME_RE.match(name) is None:
             raise ValueError(f"not a kvtier host region name: {name!r}")
         path = os.path.join(shm_dir, name)

@@ -65,3 +65,26 @@ def test_bad_sizes_are_config_errors() -> None:
 def test_attach_rejects_foreign_names() -> None:
     with pytest.raises(ValueError, match="not a kvtier host region"):
         HostRegion.attach("../etc/passwd")
+
+
+def _resident_kib(address: int) -> int:
+    """The resident size of this process's mapping that starts at `address` (/proc/self/smaps)."""
+    with open("/proc/self/smaps") as f:
+        lines = f.read().splitlines()
+    for i, line in enumerate(lines):
+        if "-" in line.split(" ")[0] and int(line.split("-")[0], 16) == address:
+            for field in lines[i + 1:]:
+                if field.startswith("Rss:"):
+                    return int(field.split()[1])
+    raise AssertionError(f"no mapping at {address:#x}")
+
+
+def test_an_attached_region_is_mapped_whole_before_its_first_copy() -> None:
+    """A copy into a page the attaching process has not mapped yet takes a fault per page: an
+    engine's stores ran at 2.2 GB/s that way against 5-5.7 into a mapped region."""
+    with HostRegion.create(64 * 4096) as region:
+        attached = HostRegion.attach(region.name)
+        try:
+            assert _resident_kib(attached.address) == 64 * 4
+        finally:
+            attached.close()
