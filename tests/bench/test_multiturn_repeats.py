@@ -139,7 +139,10 @@ def test_vllm_native_configurations_match_kvtiers_sizes(tmp_path: Path) -> None:
     assert ServerSettings(tmp_path, "m", 32, 40, 1024, 4, 1 << 20).kv_transfer_config() is None
 
 
-def test_lmcache_configurations_match_kvtiers_sizes(tmp_path: Path) -> None:
+def test_lmcache_configurations_match_kvtiers_sizes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    real = configs.importlib.util.find_spec  # building a configuration needs no LMCache installed
+    monkeypatch.setattr(configs.importlib.util, "find_spec",
+                        lambda name, *a: real("json") if name == "lmcache" else real(name, *a))
     ctx = configs.BenchContext(1 << 20, 40, 400, 80, tmp_path, block_size=32)
     lmcache, host = configs.resolve("lmcache", ctx), configs.resolve("host", ctx)
     assert lmcache.kvtier is None and lmcache.device_blocks == host.device_blocks
