@@ -1,7 +1,7 @@
 """`kvtier plan`'s predicted host hit ratio against runs of those host sizes, cpu preset.
 
-    python -m benchmarks.bench_plan_accuracy --out /tmp/plan-acc --sizes 64,96,128 \\
-        --lock /work/wt/load.lock --json benchmarks/results/plan_accuracy_$(date +%F).json
+    python -m benchmarks.bench_plan_accuracy --out bench-results/plan-acc --sizes 64,96,128 \\
+        --lock bench.lock --json benchmarks/results/plan_accuracy_$(date +%F).json
 
 Runs `kvtier bench multiturn --preset cpu --conversations 8 --configs host --repeats 1 --mode
 inprocess` with tracing, one run after the other: once with the preset's host tier (152
