@@ -1,8 +1,8 @@
 """Host-tier bookkeeping throughput: chunk operations per second, and its (in)dependence on capacity.
 
 One chunk operation is one key taken through the scheduler's host path in a batch call: `lookup`,
-then `prepare_store` + `complete_store` for the keys not found (the region is full, so every store
-evicts), and in the mixed workload `prepare_load` + `complete_load` for the keys found. Rows are
+then `reserve` + `commit` for the keys not found (the region is full, so every store
+evicts), and in the mixed workload `pin` + `unpin` for the keys found. Rows are
 never copied: this measures the tier's own cost, over an anonymous mapping of `slots * row_bytes`
 bytes that is never touched.
 
@@ -77,10 +77,10 @@ def build(policy_name: str, slots: int) -> tuple[HostTier, mmap.mmap]:
     fill = make_keys(slots, seed=1)
     for i in range(0, slots, 1024):
         batch = fill[i : i + 1024]
-        got = tier.prepare_store(batch)
+        got = tier.reserve(batch)
         if got is None:
             raise RuntimeError("prefill could not allocate")
-        tier.complete_store(batch, True)
+        tier.commit(batch, True)
     tier.take_events()
     return tier, region
 
@@ -89,8 +89,8 @@ def run_batches(
     tier: HostTier, batches: list[list[bytes]], mixed: bool, recent: list[list[bytes]]
 ) -> tuple[float, float]:
     """(CPU seconds of this thread, wall seconds) to push every batch through the host path."""
-    lookup, prepare_store, complete_store = tier.lookup, tier.prepare_store, tier.complete_store
-    prepare_load, complete_load, take_events = tier.prepare_load, tier.complete_load, tier.take_events
+    lookup, reserve, commit = tier.lookup, tier.reserve, tier.commit
+    pin, unpin, take_events = tier.pin, tier.unpin, tier.take_events
     cpu_start, wall_start = time.thread_time(), time.perf_counter()
     for i, batch in enumerate(batches):
         if mixed and i % 2 and recent:
@@ -98,14 +98,14 @@ def run_batches(
         hit = lookup(batch)
         if hit:
             hits = batch[:hit]
-            if prepare_load(hits) is not None:
-                complete_load(hits)
+            if pin(hits) is not None:
+                unpin(hits)
         if hit < len(batch):
             rest = batch[hit:]
-            slots = prepare_store(rest)
+            slots = reserve(rest)
             if slots is None:
                 raise RuntimeError("store failed with nothing pinned")
-            complete_store(rest, True)
+            commit(rest, True)
         take_events()
         if mixed:
             if len(recent) < 64:
@@ -188,7 +188,7 @@ def report(rows: list[Row], slot_counts: list[int], ops: int, load: tuple[float,
         "## Host tier bookkeeping",
         "",
         "`benchmarks/bench_host.py`: chunk operations per second through `lookup` + "
-        "`prepare_store` + `complete_store` (plus `prepare_load` + `complete_load` on hits in the "
+        "`reserve` + `commit` (plus `pin` + `unpin` on hits in the "
         "mixed workload), with the host region full so every store evicts. "
         f"{ops:,} chunk operations per run in {SEGMENTS} slices, "
         f"{ROW_BYTES}-byte rows (never copied), one thread, "

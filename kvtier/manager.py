@@ -204,11 +204,11 @@ class TieringManager:
         them all, the first ones are promoted; the rest are the caller's to stream (`promote`
         later) or recompute."""
         host = self.host
-        slots, fitted = host.prepare_store_prefix([*ready, *keys])
+        slots, fitted = host.reserve_prefix([*ready, *keys])
         fitted -= len(ready)
         run = [*ready, *keys[:fitted]] if fitted > 0 else []
         present = [k for k in run if k not in slots and k not in self._held and host.contains(k)]
-        if present and host.prepare_load(present, access=False) is not None:
+        if present and host.pin(present, access=False) is not None:
             self._held.update(present)
         by_tier: dict[str, list[ChunkKey]] = {}
         for key, source in zip(keys[:fitted], sources, strict=False):
@@ -247,7 +247,7 @@ class TieringManager:
         policies' probation verdicts (None: all settled). A chunk on probation counts as rejected
         by every enabled secondary tier (reason: the policy that put it there) until it settles."""
         waiting = self.admission.probation(keys, lead) if ok and lead is not None else {}
-        self.host.complete_store(keys, ok, priority, {k: r for k, (r, _) in waiting.items()})
+        self.host.commit(keys, ok, priority, {k: r for k, (r, _) in waiting.items()})
         if ok:
             for reason, count in Counter(reason for _, reason in waiting.values()).items():
                 self.metrics.inc("probation_chunks", count, HOST, reason)
@@ -267,7 +267,7 @@ class TieringManager:
             admitted = self.admit(keys, name, priority)
             resident = [k for k in admitted if self.host.contains(k)]
             self.metrics.inc("cascade_skipped_chunks", len(admitted) - len(resident), name)
-            slots = self.host.prepare_load(resident, access=False) if resident else None
+            slots = self.host.pin(resident, access=False) if resident else None
             if slots is not None:
                 tier.submit_store(self._job(name, JobKind.STORE, resident, slots, priority))
 
@@ -307,19 +307,19 @@ class TieringManager:
         done = [k for k in transfer.keys if k in ok]
         self._count(transfer, len(done), len(failed), result)
         if transfer.kind is JobKind.STORE:
-            self.host.complete_load(transfer.keys)
+            self.host.unpin(transfer.keys)
             return
         by_priority: dict[int, list[ChunkKey]] = {}
         for key in done:
             kept = max(self.priorities.get(key, transfer.priority), transfer.priority)
             by_priority.setdefault(kept, []).append(key)
         for priority, keys in by_priority.items():
-            self.host.complete_store(keys, success=True, priority=priority)
-        self.host.complete_store(failed, success=False)
+            self.host.commit(keys, success=True, priority=priority)
+        self.host.commit(failed, success=False)
         self._claimed.difference_update(failed)
         hold = [k for k in done if k in self._claimed]
         self._claimed.difference_update(hold)
-        if hold and self.host.prepare_load(hold, access=False) is not None:
+        if hold and self.host.pin(hold, access=False) is not None:
             self._held.update(hold)
         for priority, keys in by_priority.items():
             self.cascade(keys, priority, skip=transfer.tier)
@@ -335,7 +335,7 @@ class TieringManager:
         held = [k for k in unique if k in self._held]
         self._held.difference_update(held)
         if held:
-            self.host.complete_load(held)
+            self.host.unpin(held)
 
     def take_events(self) -> list[tuple[str, TierEvent]]:
         """(tier name or "host", event) in the order they were seen since the last call."""

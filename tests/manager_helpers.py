@@ -26,13 +26,13 @@ def start(policy: str, tiers: list[dict], **extra) -> TieringManager:
 
 def store_in_host(m: TieringManager, keys: list[bytes]) -> dict[bytes, bytes]:
     """What the engine does after a device → host copy: write rows, publish, cascade."""
-    slots = m.host.prepare_store(keys)
+    slots = m.host.reserve(keys)
     assert slots is not None
     rows = {}
     for key, slot in slots.items():
         rows[key] = os.urandom(ROW)
         m.host.slot_view(slot)[:] = rows[key]
-    m.host.complete_store(list(slots), success=True)
+    m.host.commit(list(slots), success=True)
     m.cascade(list(slots))
     return rows
 

@@ -49,10 +49,10 @@ def test_cascade_then_promotion_restores_identical_rows(manager: TieringManager)
     first = manager.lookup_prefix(keys)
     assert (first.ready, first.pending) == (0, True)
     assert settle(manager, keys) == PrefixLookup(4, pending=False)
-    slots = manager.host.prepare_load(keys)
+    slots = manager.host.pin(keys)
     assert slots is not None
     assert [bytes(manager.host.slot_view(s)) for s in slots] == [rows[k] for k in keys]
-    manager.host.complete_load(keys)
+    manager.host.unpin(keys)
     manager.host.check()
 
 
@@ -113,10 +113,10 @@ def test_no_host_space_means_no_promotion(manager: TieringManager) -> None:
     drain(manager)
     evict_all(manager)
     pinned = [random_key() for _ in range(HOST_SLOTS)]
-    assert manager.host.prepare_store(pinned) is not None
+    assert manager.host.reserve(pinned) is not None
     assert settle(manager, keys) == PrefixLookup(0, pending=False)
     assert manager.metrics.value("kvtier_promotion_refused_chunks_total") >= 1
-    manager.host.complete_store(pinned, success=False)
+    manager.host.commit(pinned, success=False)
     manager.host.check()
 
 
@@ -130,16 +130,16 @@ def test_a_prefix_longer_than_the_host_tier_promotes_its_leading_chunks(
         drain(manager)
     evict_all(manager)
     pinned = [random_key() for _ in range(2)]
-    assert manager.host.prepare_store(pinned) is not None
+    assert manager.host.reserve(pinned) is not None
     first = manager.lookup_prefix(keys, tiers=["fs"])
     assert first.pending and first.promoting == ("fs",) * (HOST_SLOTS - 2)
     found = settle(manager, keys, tiers=["fs"], promote=False)
     assert found.ready == HOST_SLOTS - 2
-    for key, slot in zip(keys, manager.host.prepare_load(keys[: found.ready]) or [], strict=False):
+    for key, slot in zip(keys, manager.host.pin(keys[: found.ready]) or [], strict=False):
         assert bytes(manager.host.slot_view(slot)) == rows[key]
-    manager.host.complete_load(keys[: found.ready])
+    manager.host.unpin(keys[: found.ready])
     assert manager.metrics.value("kvtier_promotion_refused_chunks_total") == len(keys) - found.ready
-    manager.host.complete_store(pinned, success=False)
+    manager.host.commit(pinned, success=False)
     manager.host.check()
 
 
@@ -155,8 +155,8 @@ def test_a_promotion_never_evicts_the_prefix_it_extends(manager: TieringManager)
     store_in_host(manager, keys[:2])
     drain(manager)
     resident = [k for k in others if manager.host.contains(k)]
-    assert manager.host.prepare_load(resident) is not None  # an access: the prefix is now LRU
-    manager.host.complete_load(resident)
+    assert manager.host.pin(resident) is not None  # an access: the prefix is now LRU
+    manager.host.unpin(resident)
     found = settle(manager, keys, tiers=["fs"])
     assert found.ready == HOST_SLOTS
     assert manager.host.lookup(keys) == HOST_SLOTS
@@ -171,11 +171,11 @@ def test_a_finished_promotion_is_held_until_released(manager: TieringManager) ->
     assert settle(manager, keys).ready == 2
     drain(manager)  # the promotion's cascade to the other tier
     assert [manager.host.pin_count(k) for k in keys] == [1, 1]
-    assert manager.host.prepare_store([random_key() for _ in range(HOST_SLOTS)]) is None
+    assert manager.host.reserve([random_key() for _ in range(HOST_SLOTS)]) is None
     manager.release([*keys, random_key()])
     manager.release(keys)  # a second release of the same keys changes nothing
     assert [manager.host.pin_count(k) for k in keys] == [0, 0]
-    assert manager.host.prepare_store([random_key() for _ in range(HOST_SLOTS)]) is not None
+    assert manager.host.reserve([random_key() for _ in range(HOST_SLOTS)]) is not None
     manager.host.check()
 
 
@@ -202,10 +202,10 @@ def test_a_caller_may_wait_for_the_promotion_it_started(manager: TieringManager)
     assert manager.lookup_prefix(keys, tiers=["fs"]).promoting == ("fs",) * 3
     manager.await_promotions(keys, 10.0)
     assert manager.lookup_prefix(keys, promote=False) == PrefixLookup(3, pending=False)
-    slots = manager.host.prepare_load(keys)
+    slots = manager.host.pin(keys)
     assert slots is not None
     assert [bytes(manager.host.slot_view(s)) for s in slots] == [rows[k] for k in keys]
-    manager.host.complete_load(keys)
+    manager.host.unpin(keys)
     manager.release(keys)
     other = [random_key()]
     manager.await_promotions(other, 10.0)  # nothing of it in flight: returns at once
@@ -225,9 +225,9 @@ def test_without_promote_a_lookup_takes_what_the_host_tier_holds(manager: Tierin
 
 def test_a_cascade_stores_the_chunks_still_resident(manager: TieringManager) -> None:
     keys = [random_key() for _ in range(3)]
-    slots = manager.host.prepare_store(keys)
+    slots = manager.host.reserve(keys)
     assert slots is not None
-    manager.host.complete_store(keys, success=True)
+    manager.host.commit(keys, success=True)
     gone = random_key()
     manager.cascade([*keys, gone])
     drain(manager)
@@ -241,13 +241,13 @@ def test_a_cascade_is_no_reuse_for_the_host_eviction_order(manager: TieringManag
     frequent): the host tier still evicts it before a chunk stored after it."""
     first, second = random_key(), random_key()
     for key in (first, second):
-        slots = manager.host.prepare_store([key])
+        slots = manager.host.reserve([key])
         assert slots is not None
-        manager.host.complete_store([key], success=True)
+        manager.host.commit([key], success=True)
     manager.cascade([first])
     drain(manager)
     filler = [random_key() for _ in range(HOST_SLOTS - 1)]
-    assert manager.host.prepare_store(filler) is not None
+    assert manager.host.reserve(filler) is not None
     assert not manager.host.contains(first) and manager.host.contains(second)
 
 

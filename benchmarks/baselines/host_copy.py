@@ -3,7 +3,7 @@
 vLLM's own `CPUOffloadingWorker` drives CUDA (or XPU) streams and events between device tensors
 and the offload region. On the CPU backend the engine's KV cache is already in host memory, so a
 copy is a plain memory copy: `HostCopyWorker` does it on the calling thread (the worker's step),
-as kvtier's `HostTransfer` does on CPU, and reports each job once from `get_finished`.
+as kvtier's `CpuTransfer` does on CPU, and reports each job once from `get_finished`.
 
 The offload region is vLLM's `SharedOffloadRegion`, laid out as vLLM's CUDA worker lays it out:
 one strided int8 view per engine KV tensor (`create_next_worker_view`, in tensor order), each row a

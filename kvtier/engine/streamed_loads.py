@@ -123,7 +123,7 @@ class LoadStreams:
         if any(host.is_pending(key) for key in batch):
             return None
         ready = host.lookup(batch)
-        slots = host.prepare_load(batch[:ready], access=False) if ready else None
+        slots = host.pin(batch[:ready], access=False) if ready else None
         self.manager.release(batch)
         stream.promoting = 0
         if slots is None:

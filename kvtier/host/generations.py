@@ -2,7 +2,7 @@
 
 One native-endian uint64 per slot, kept in the host region's shared segment right after the rows
 (at `offset`), so every process that maps the region reads the same words. The host tier, on the
-scheduler's one owning thread, increments slot `s`'s word in `prepare_store` when it hands `s` out,
+scheduler's one owning thread, increments slot `s`'s word in `reserve` when it hands `s` out,
 before the job that fills the slot exists; nothing writes a slot's bytes outside such an
 allocation (`TierContext`: a slot is written only while a LOAD job naming it is in flight). So a
 process that reads a slot's generation, then the row, then the generation again, and sees the same

@@ -2,12 +2,12 @@
 
 Every entry is in one of two states:
 
-- WRITING: allocated by `prepare_store`, being filled. Pinned: never evicted, invisible to
-  `lookup`/`contains`, not in the eviction policy. `complete_store` publishes it or frees its slot.
-- READY: published, readable, indexed by the eviction policy. `prepare_load` pins it (a reference
-  count); `complete_load` releases it. Only READY entries with no pin are eviction candidates.
+- WRITING: allocated by `reserve`, being filled. Pinned: never evicted, invisible to
+  `lookup`/`contains`, not in the eviction policy. `commit` publishes it or frees its slot.
+- READY: published, readable, indexed by the eviction policy. `pin` pins it (a reference
+  count); `unpin` releases it. Only READY entries with no pin are eviction candidates.
 
-Every READY entry has a retention priority (0-100, given at `complete_store`, raised by
+Every READY entry has a retention priority (0-100, given at `commit`, raised by
 `raise_priority`) and a `Retention`: published on probation (COLD, WARM) or SETTLED, and settled by
 `settle` (reuse). Eviction takes probation entries first, then lower priorities first, and the
 configured policy orders the entries within one class (`policies/classes.py`). Recency comes from
@@ -80,7 +80,7 @@ class HostTier:
     aligned when `buf` is and `row_bytes` is a multiple of the page size. `policy` must be empty and
     is owned by the tier from now on; its capacity must be at least the number of slots.
     `generations` (uint64 per slot, `host.generations`): each slot's word is incremented whenever
-    `prepare_store` hands the slot out, so other processes can tell a reused slot from its old row.
+    `reserve` hands the slot out, so other processes can tell a reused slot from its old row.
     """
 
     def __init__(self, buf: memoryview, row_bytes: int, policy: EvictionPolicy[int],
@@ -126,7 +126,7 @@ class HostTier:
 
     # Store: device or secondary tier → host.
 
-    def prepare_store(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
+    def reserve(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
         """Allocate a WRITING slot for each key that is neither READY nor WRITING.
 
         Returns the new key → slot pairs (keys already present are left out, duplicates get one
@@ -170,20 +170,20 @@ class HostTier:
         writing.update(new)
         return new
 
-    def prepare_store_prefix(self, keys: Sequence[bytes]) -> tuple[dict[bytes, int], int]:
-        """`prepare_store` for the longest leading run of `keys` that fits.
+    def reserve_prefix(self, keys: Sequence[bytes]) -> tuple[dict[bytes, int], int]:
+        """`reserve` for the longest leading run of `keys` that fits.
 
         Returns (new key → slot pairs, n): `keys[:n]` are READY or WRITING afterwards and the rest
         were left alone. A chunk is useful only after every chunk before it, so when pinned rows
         leave too little room, the first chunks are the ones worth a slot. Costs O(log² len(keys))
-        `prepare_store` calls when room is short, one otherwise.
+        `reserve` calls when room is short, one otherwise.
         """
         slots: dict[bytes, int] = {}
         done, total = 0, len(keys)
         step = total
         while done < total and step:
             step = min(step, total - done)
-            got = self.prepare_store(keys[done : done + step])
+            got = self.reserve(keys[done : done + step])
             if got is None:
                 step //= 2
                 continue
@@ -191,7 +191,7 @@ class HostTier:
             done += step
         return slots, done
 
-    def complete_store(
+    def commit(
         self, keys: Sequence[bytes], success: bool, priority: int = DEFAULT_PRIORITY,
         probation: Mapping[bytes, Retention] | None = None,
     ) -> None:
@@ -222,7 +222,7 @@ class HostTier:
 
     # Load: host → device or secondary tier.
 
-    def prepare_load(self, keys: Sequence[bytes], *, access: bool = True) -> list[int] | None:
+    def pin(self, keys: Sequence[bytes], *, access: bool = True) -> list[int] | None:
         """Pin every key and return its slot, in order; None (nothing pinned) if any is not READY.
 
         Counts as an access for the eviction policy unless `access` is False: a copy to a
@@ -293,7 +293,7 @@ class HostTier:
         """The retention priority of a READY key, or None."""
         return self._policy.priority(key)
 
-    def complete_load(self, keys: Sequence[bytes]) -> None:
+    def unpin(self, keys: Sequence[bytes]) -> None:
         """Release one pin per key named (twice for a key named twice).
 
         Raises HostTierError, changing nothing, when a key would be released more often than it
@@ -305,7 +305,7 @@ class HostTier:
             held = pins[key]
             if count > held:
                 raise HostTierError(
-                    f"complete_load releases {key.hex()} {count} time(s); it holds {held} pin(s)"
+                    f"unpin releases {key.hex()} {count} time(s); it holds {held} pin(s)"
                 )
         for key, count in counts.items():
             left = pins[key] - count
@@ -355,7 +355,7 @@ class HostTier:
         )
 
     def pin_count(self, key: bytes) -> int:
-        """How many `prepare_load` pins `key` holds now."""
+        """How many `pin` pins `key` holds now."""
         return self._pins.get(key, 0)
 
     def check(self) -> None:

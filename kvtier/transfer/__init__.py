@@ -2,7 +2,7 @@
 
 - `base`: the copy contract (`Transfer`, `CopyResult`);
 - `copy_plan`: the block mapping and copies between engine tensors and canonical rows (`CopyPlan`);
-- `cpu`: the CPU path (`HostTransfer`, synchronous copies through `CopyPlan`);
+- `cpu`: the CPU path (`CpuTransfer`, synchronous copies through `CopyPlan`);
 - `stream`: the asynchronous machinery (copy streams, events, the hazards they order);
 - `cuda`: CUDA streams and events behind `stream`, the host region registered as pinned memory;
 - `staged`: batched copies through a device staging buffer, by `CopyPlan`'s block mapping;
@@ -20,13 +20,13 @@ import torch
 
 from kvtier.transfer.base import CopyResult, Transfer
 from kvtier.transfer.copy_plan import CopyPlan
-from kvtier.transfer.cpu import HostTransfer
+from kvtier.transfer.cpu import CpuTransfer
 
-__all__ = ["CopyResult", "HostTransfer", "Transfer", "make_transfer"]
+__all__ = ["CopyResult", "CpuTransfer", "Transfer", "make_transfer"]
 
 
 def make_transfer(plan: CopyPlan, layer_tensors: Sequence[torch.Tensor]) -> Transfer:
-    """The transfer for the device the KV tensors live on: `HostTransfer` on the CPU, the
+    """The transfer for the device the KV tensors live on: `CpuTransfer` on the CPU, the
     asynchronous stream transfer on CUDA; NotImplementedError for any other device, or for
     tensors spread over several devices."""
     devices = {t.device for t in layer_tensors}
@@ -34,7 +34,7 @@ def make_transfer(plan: CopyPlan, layer_tensors: Sequence[torch.Tensor]) -> Tran
         raise NotImplementedError(f"kvtier needs every KV tensor of a rank on one device, got {devices}")
     device = devices.pop()
     if device.type == "cpu":
-        return HostTransfer(plan, layer_tensors)
+        return CpuTransfer(plan, layer_tensors)
     if device.type == "cuda":
         from kvtier.transfer.cuda import cuda_transfer
 

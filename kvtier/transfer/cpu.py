@@ -1,4 +1,4 @@
-"""The CPU copy path: `HostTransfer` copies synchronously on the calling thread.
+"""The CPU copy path: `CpuTransfer` copies synchronously on the calling thread.
 
 The host region is attached by name (`HostRegion.attach`), so the rank may live in another process
 than the host tier that owns the region. Rows are viewed as a uint8 `[num_slots, row_bytes]` tensor
@@ -22,14 +22,14 @@ from kvtier.transfer.copy_plan import CopyPlan
 log = logging.getLogger("kvtier.transfer")
 
 
-class HostTransfer(Transfer):
+class CpuTransfer(Transfer):
     """The CPU path: copies run synchronously on the calling thread through `CopyPlan`."""
 
     def __init__(self, plan: CopyPlan, layer_tensors: Sequence[torch.Tensor]) -> None:
         devices = {t.device.type for t in layer_tensors}
         if devices != {"cpu"}:
             raise NotImplementedError(
-                f"HostTransfer copies KV from CPU tensors only, got devices {sorted(devices)}"
+                f"CpuTransfer copies KV from CPU tensors only, got devices {sorted(devices)}"
             )
         self.plan = plan
         self.layer_tensors = list(layer_tensors)

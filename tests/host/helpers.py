@@ -30,9 +30,9 @@ def k(i: int) -> bytes:
 
 
 def put(tier: HostTier, keys: list[int], priority: int) -> None:
-    slots = tier.prepare_store([k(i) for i in keys])
+    slots = tier.reserve([k(i) for i in keys])
     assert slots is not None
-    tier.complete_store(list(slots), True, priority=priority)
+    tier.commit(list(slots), True, priority=priority)
 
 
 def evicted(tier: HostTier) -> list[bytes]:

@@ -22,8 +22,8 @@ def test_lower_priorities_leave_first_whatever_their_recency(buf: memoryview, po
     put(tier, [0, 1], priority=90)
     put(tier, [2, 3], priority=10)
     put(tier, [4, 5], priority=50)
-    assert tier.prepare_load([k(2), k(3)]) is not None  # recent accesses do not save them
-    tier.complete_load([k(2), k(3)])
+    assert tier.pin([k(2), k(3)]) is not None  # recent accesses do not save them
+    tier.unpin([k(2), k(3)])
     tier.take_events()
     put(tier, [6, 7, 8], priority=50)
     assert sorted(evicted(tier)) == [k(2), k(3), k(4)]
@@ -36,8 +36,8 @@ def test_within_a_priority_the_policy_orders(buf: memoryview) -> None:
     tier = make_tier(buf, "lru", slots=4)
     put(tier, [0, 1, 2], priority=20)
     put(tier, [3], priority=80)
-    assert tier.prepare_load([k(0)]) is not None
-    tier.complete_load([k(0)])
+    assert tier.pin([k(0)]) is not None
+    tier.unpin([k(0)])
     tier.take_events()
     put(tier, [4, 5], priority=20)
     assert evicted(tier) == [k(1), k(2)]  # LRU within class 20; 0 was touched, 3 is above
@@ -50,13 +50,13 @@ def test_pinned_low_chunks_are_skipped_and_eviction_is_all_or_nothing(
     tier = make_tier(buf, policy_name, slots=4)
     put(tier, [0, 1], priority=5)
     put(tier, [2, 3], priority=60)
-    assert tier.prepare_load([k(0), k(1), k(2)]) is not None
+    assert tier.pin([k(0), k(1), k(2)]) is not None
     tier.take_events()
-    assert tier.prepare_store([k(9), k(10)]) is None  # one unpinned row only: nothing changes
+    assert tier.reserve([k(9), k(10)]) is None  # one unpinned row only: nothing changes
     assert tier.lookup([k(0), k(1), k(2), k(3)]) == 4 and evicted(tier) == []
     put(tier, [9], priority=5)
     assert evicted(tier) == [k(3)]  # the low ones are pinned: the higher class gives
-    tier.complete_load([k(0), k(1), k(2)])
+    tier.unpin([k(0), k(1), k(2)])
     tier.check()
 
 
@@ -105,8 +105,8 @@ def promote(m: TieringManager, keys: list[bytes], priority: int) -> PrefixLookup
 
 def fill_host(m: TieringManager, priority: int) -> None:
     filler = [random_key() for _ in range(HOST_SLOTS)]
-    assert m.host.prepare_store(filler) is not None
-    m.host.complete_store(filler, True, priority=priority)
+    assert m.host.reserve(filler) is not None
+    m.host.commit(filler, True, priority=priority)
 
 
 def test_a_promoted_chunk_keeps_its_priority_and_is_cascaded_with_it() -> None:
@@ -115,8 +115,8 @@ def test_a_promoted_chunk_keeps_its_priority_and_is_cascaded_with_it() -> None:
               admission_policy="priority")
     try:
         keys = [random_key() for _ in range(2)]
-        assert m.host.prepare_store(keys) is not None
-        m.host.complete_store(keys, True, priority=80)
+        assert m.host.reserve(keys) is not None
+        m.host.commit(keys, True, priority=80)
         m.cascade(keys, 80, skip="b")  # only `a` gets them now
         drain(m)
         fill_host(m, priority=90)

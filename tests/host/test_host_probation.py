@@ -13,9 +13,9 @@ from tests.manager_helpers import drain, start
 
 
 def put_on(tier: HostTier, keys: list[int], retention: Retention, priority: int = 50) -> None:
-    slots = tier.prepare_store([k(i) for i in keys])
+    slots = tier.reserve([k(i) for i in keys])
     assert slots is not None
-    tier.complete_store(list(slots), True, priority, dict.fromkeys(slots, retention))
+    tier.commit(list(slots), True, priority, dict.fromkeys(slots, retention))
 
 
 def test_probation_leaves_before_any_settled_chunk_cold_first(buf: memoryview, policy_name: str) -> None:
@@ -23,8 +23,8 @@ def test_probation_leaves_before_any_settled_chunk_cold_first(buf: memoryview, p
     put(tier, [0, 1], priority=0)  # settled, the lowest priority
     put_on(tier, [2, 3], Retention.WARM, priority=100)
     put_on(tier, [4, 5], Retention.COLD, priority=100)
-    assert tier.prepare_load([k(4), k(5)]) is not None  # recent accesses do not save them
-    tier.complete_load([k(4), k(5)])
+    assert tier.pin([k(4), k(5)]) is not None  # recent accesses do not save them
+    tier.unpin([k(4), k(5)])
     tier.take_events()
     put(tier, [6, 7, 8], priority=0)
     assert sorted(evicted(tier)) == [k(2), k(4), k(5)]
@@ -58,7 +58,7 @@ def test_a_probation_chunk_cascades_when_reused_exactly_once() -> None:
         value = m.metrics.value
         m.record_request(keys)  # first sighting of both
         assert m.admit(keys, HOST, 50) == keys  # the host gate refuses nothing
-        assert m.host.prepare_store(keys) is not None
+        assert m.host.reserve(keys) is not None
         m.publish(keys, True, 50, lead)
         drain(m)
         assert m.host.lookup(keys) == 2 and m.host.on_probation(fresh)
@@ -77,7 +77,7 @@ def test_a_probation_chunk_cascades_when_reused_exactly_once() -> None:
         # A request that continues the now reused prefix: its new chunk is warm probation.
         child = random_key()
         m.record_request([lead, child])
-        assert m.host.prepare_store([child]) is not None
+        assert m.host.reserve([child]) is not None
         m.publish([child], True, 50, lead)
         assert m.host.on_probation(child)
         m.host.check()

@@ -26,9 +26,9 @@ def ks(*ids: int) -> list[bytes]:
 
 
 def store(tier: HostTier, keys: list[bytes]) -> dict[bytes, int]:
-    slots = tier.prepare_store(keys)
+    slots = tier.reserve(keys)
     assert slots is not None
-    tier.complete_store(list(slots), True)
+    tier.commit(list(slots), True)
     return slots
 
 
@@ -49,16 +49,16 @@ def test_constructor_validates(buf: memoryview) -> None:
 
 def test_writing_is_invisible_then_published(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name)
-    slots = tier.prepare_store(ks(1, 2))
+    slots = tier.reserve(ks(1, 2))
     assert slots is not None and sorted(slots) == ks(1, 2)
     assert len(set(slots.values())) == 2
     assert tier.lookup(ks(1, 2)) == 0
     assert not tier.contains(k(1)) and tier.is_pending(k(1))
-    assert tier.prepare_load(ks(1)) is None
+    assert tier.pin(ks(1)) is None
     assert tier.take_events() == []
     stats = tier.stats()
     assert (stats.used, stats.writing, stats.ready) == (2, 2, 0)
-    tier.complete_store(ks(1, 2), True)
+    tier.commit(ks(1, 2), True)
     assert tier.lookup(ks(1, 2, 3)) == 2
     assert tier.contains(k(2)) and not tier.is_pending(k(2))
     assert tier.take_events() == [TierEvent(STORED, (k(1), k(2)))]
@@ -68,11 +68,11 @@ def test_writing_is_invisible_then_published(buf: memoryview, policy_name: str) 
 
 def test_rollback_frees_the_slot(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=2)
-    assert tier.prepare_store(ks(1, 2)) is not None
-    tier.complete_store(ks(1), False)
+    assert tier.reserve(ks(1, 2)) is not None
+    tier.commit(ks(1), False)
     assert not tier.is_pending(k(1)) and tier.lookup(ks(1)) == 0
     assert tier.stats().used == 1
-    slots = tier.prepare_store(ks(3))  # the freed slot, no eviction needed
+    slots = tier.reserve(ks(3))  # the freed slot, no eviction needed
     assert slots is not None and tier.take_events() == []
     tier.check()
 
@@ -82,8 +82,8 @@ def test_present_keys_omitted_and_duplicates_allocated_once(
 ) -> None:
     tier = make_tier(buf, policy_name)
     store(tier, ks(1))
-    assert tier.prepare_store(ks(2)) is not None
-    slots = tier.prepare_store(ks(1, 2, 3, 3, 4))
+    assert tier.reserve(ks(2)) is not None
+    slots = tier.reserve(ks(1, 2, 3, 3, 4))
     assert slots is not None and list(slots) == ks(3, 4)
     assert tier.stats().used == 4
     tier.check()
@@ -93,8 +93,8 @@ def test_complete_store_ignores_unknown_keys(buf: memoryview, policy_name: str) 
     tier = make_tier(buf, policy_name)
     store(tier, ks(1))
     tier.take_events()
-    tier.complete_store(ks(1, 9), True)
-    tier.complete_store(ks(1, 9), False)
+    tier.commit(ks(1, 9), True)
+    tier.commit(ks(1, 9), False)
     assert tier.take_events() == [] and tier.contains(k(1))
     tier.check()
 
@@ -110,10 +110,10 @@ def test_lookup_counts_the_leading_run(buf: memoryview, policy_name: str) -> Non
 def test_eviction_takes_least_recently_used(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
     store(tier, ks(0, 1, 2, 3))
-    assert tier.prepare_load(ks(0)) is not None  # an access: 0 is no longer the oldest
-    tier.complete_load(ks(0))
+    assert tier.pin(ks(0)) is not None  # an access: 0 is no longer the oldest
+    tier.unpin(ks(0))
     tier.take_events()
-    slots = tier.prepare_store(ks(4, 5))
+    slots = tier.reserve(ks(4, 5))
     assert slots is not None
     assert tier.take_events() == [TierEvent(REMOVED, (k(1), k(2)))]
     assert tier.lookup(ks(0)) == 1 and tier.lookup(ks(1)) == 0 and tier.lookup(ks(3)) == 1
@@ -123,10 +123,10 @@ def test_eviction_takes_least_recently_used(buf: memoryview, policy_name: str) -
 def test_a_load_that_is_no_access_leaves_the_eviction_order(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
     store(tier, ks(0, 1, 2, 3))
-    assert tier.prepare_load(ks(0), access=False) is not None  # a copy to a secondary tier
-    tier.complete_load(ks(0))
+    assert tier.pin(ks(0), access=False) is not None  # a copy to a secondary tier
+    tier.unpin(ks(0))
     tier.take_events()
-    assert tier.prepare_store(ks(4)) is not None
+    assert tier.reserve(ks(4)) is not None
     assert tier.take_events() == [TierEvent(REMOVED, (k(0),))]  # still the oldest
     tier.check()
 
@@ -139,7 +139,7 @@ def test_a_used_prefix_keeps_its_head_longest(buf: memoryview) -> None:
     tier.take_events()
     order = []
     for new in (5, 6, 7, 8):
-        assert tier.prepare_store(ks(new)) is not None
+        assert tier.reserve(ks(new)) is not None
         order += [key for event in tier.take_events() for key in event.keys]
     assert order == ks(3, 2, 1)  # 3 was not used; then the prefix's tail first, its head last
     tier.check()
@@ -150,12 +150,12 @@ def test_a_use_ranks_after_the_chunks_allocated_before_it(buf: memoryview) -> No
     use but published after it still ranks before it, as its allocation does in vLLM's CPU tier."""
     tier = make_tier(buf, "lru", slots=4)
     store(tier, ks(0, 1))
-    in_flight = tier.prepare_store(ks(2))
+    in_flight = tier.reserve(ks(2))
     assert in_flight is not None
     tier.used_prefix(ks(0, 1))  # the request finished while chunk 2's store was in flight
-    tier.complete_store(ks(2), True)
+    tier.commit(ks(2), True)
     tier.take_events()
-    assert tier.prepare_store(ks(3, 4)) is not None
+    assert tier.reserve(ks(3, 4)) is not None
     (removed,) = tier.take_events()
     assert list(removed.keys) == ks(2)  # not chunk 1 (the use's tail), as an immediate touch has it
     tier.check()
@@ -171,8 +171,8 @@ def test_under_arc_only_a_later_request_makes_a_stored_chunk_frequent(buf: memor
     tier.take_events()
     victims = []
     for new in (3, 4):
-        assert tier.prepare_store(ks(new)) is not None
-        tier.complete_store(ks(new), True)
+        assert tier.reserve(ks(new)) is not None
+        tier.commit(ks(new), True)
         victims += [key for event in tier.take_events() for key in event.keys if key not in ks(new)]
     # T1 (seen once) gives way first: 2, then 1, while 0 stays. Had the first use counted, all
     # three would be in T2 and the second store would take chunk 3, just stored, from T1.
@@ -183,16 +183,16 @@ def test_under_arc_only_a_later_request_makes_a_stored_chunk_frequent(buf: memor
 def test_pinned_slots_never_evicted(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
     store(tier, ks(0, 1, 2, 3))
-    pinned = tier.prepare_load(ks(0, 1))
+    pinned = tier.pin(ks(0, 1))
     assert pinned is not None
     assert tier.pin_count(k(0)) == 1
     store(tier, ks(4, 5))
     assert tier.lookup(ks(0, 1)) == 2
-    assert tier.prepare_load(ks(0, 1)) == pinned
-    tier.complete_load(ks(0, 1))
+    assert tier.pin(ks(0, 1)) == pinned
+    tier.unpin(ks(0, 1))
     store(tier, ks(6, 7))  # 4 and 5 are unpinned now
     assert tier.lookup(ks(0, 1)) == 2 and tier.stats().pinned == 2
-    tier.complete_load(ks(0, 1))
+    tier.unpin(ks(0, 1))
     assert tier.stats().pinned == 0
     tier.check()
 
@@ -200,14 +200,14 @@ def test_pinned_slots_never_evicted(buf: memoryview, policy_name: str) -> None:
 def test_eviction_all_or_nothing_when_pinned(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
     store(tier, ks(0, 1, 2, 3))
-    assert tier.prepare_load(ks(0, 1, 2)) is not None
+    assert tier.pin(ks(0, 1, 2)) is not None
     tier.take_events()
     before = tier.stats()
-    assert tier.prepare_store(ks(10, 11)) is None  # only key 3 could go
+    assert tier.reserve(ks(10, 11)) is None  # only key 3 could go
     assert tier.stats() == before and tier.take_events() == []
     assert tier.lookup(ks(0, 1, 2, 3)) == 4
     assert not tier.is_pending(k(10))
-    assert tier.prepare_store(ks(10)) is not None
+    assert tier.reserve(ks(10)) is not None
     assert tier.take_events() == [TierEvent(REMOVED, (k(3),))]
     tier.check()
 
@@ -215,23 +215,23 @@ def test_eviction_all_or_nothing_when_pinned(buf: memoryview, policy_name: str) 
 def test_prefix_store_takes_the_leading_chunks_that_fit(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=8)
     store(tier, ks(0, 1, 2, 3, 4))
-    assert tier.prepare_load(ks(0, 1, 2)) is not None
-    slots, fitted = tier.prepare_store_prefix(ks(2, 10, 11, 12, 13, 14, 15))
+    assert tier.pin(ks(0, 1, 2)) is not None
+    slots, fitted = tier.reserve_prefix(ks(2, 10, 11, 12, 13, 14, 15))
     assert fitted == 6  # key 2 is present; 3 free rows and 2 unpinned ones fit 10..14, not 15
     assert sorted(slots) == ks(10, 11, 12, 13, 14)
     assert not tier.is_pending(k(15)) and tier.lookup(ks(15)) == 0
-    assert tier.prepare_store_prefix(ks(20, 21)) == ({}, 0)
-    tier.complete_store(list(slots), True)
+    assert tier.reserve_prefix(ks(20, 21)) == ({}, 0)
+    tier.commit(list(slots), True)
     assert tier.lookup(ks(10, 11, 12, 13, 14)) == 5
-    assert tier.prepare_store_prefix(ks(14, 0)) == ({}, 2)  # both present: nothing to allocate
+    assert tier.reserve_prefix(ks(14, 0)) == ({}, 2)  # both present: nothing to allocate
     tier.check()
 
 
 def test_writing_slots_are_never_evicted(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=2)
-    assert tier.prepare_store(ks(0, 1)) is not None
-    assert tier.prepare_store(ks(2)) is None
-    assert tier.prepare_store(ks(0, 1, 2)) is None
+    assert tier.reserve(ks(0, 1)) is not None
+    assert tier.reserve(ks(2)) is None
+    assert tier.reserve(ks(0, 1, 2)) is None
     assert tier.stats().writing == 2
     tier.check()
 
@@ -239,22 +239,22 @@ def test_writing_slots_are_never_evicted(buf: memoryview, policy_name: str) -> N
 def test_store_does_not_evict_keys_it_names(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=3)
     store(tier, ks(0, 1, 2))
-    slots = tier.prepare_store(ks(0, 5))  # 0 is present, oldest, and must stay
+    slots = tier.reserve(ks(0, 5))  # 0 is present, oldest, and must stay
     assert slots is not None and list(slots) == ks(5)
     assert tier.contains(k(0)) and not tier.contains(k(1))
-    assert tier.prepare_store(ks(0, 2, 5, 6, 7)) is None  # 0, 2 named, 5 WRITING
+    assert tier.reserve(ks(0, 2, 5, 6, 7)) is None  # 0, 2 named, 5 WRITING
     tier.check()
 
 
 def test_prepare_load_all_or_nothing(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name)
     store(tier, ks(0, 1))
-    assert tier.prepare_load(ks(0, 9, 1)) is None
+    assert tier.pin(ks(0, 9, 1)) is None
     assert tier.stats().pinned == 0
-    slots = tier.prepare_load(ks(1, 0, 1))
+    slots = tier.pin(ks(1, 0, 1))
     assert slots is not None and slots[0] == slots[2] != slots[1]
     assert tier.pin_count(k(1)) == 2
-    tier.complete_load(ks(1, 0, 1))
+    tier.unpin(ks(1, 0, 1))
     assert tier.stats().pinned == 0
     tier.check()
 
@@ -264,26 +264,26 @@ def test_complete_load_misuse_raises_and_changes_nothing(
 ) -> None:
     tier = make_tier(buf, policy_name)
     store(tier, ks(0, 1))
-    assert tier.prepare_load(ks(0, 1)) is not None
+    assert tier.pin(ks(0, 1)) is not None
     with pytest.raises(HostTierError):
-        tier.complete_load(ks(0, 0))
+        tier.unpin(ks(0, 0))
     with pytest.raises(HostTierError):
-        tier.complete_load(ks(1, 7))
+        tier.unpin(ks(1, 7))
     assert tier.pin_count(k(0)) == 1 and tier.pin_count(k(1)) == 1
-    tier.complete_load(ks(0, 1))
+    tier.unpin(ks(0, 1))
     with pytest.raises(HostTierError):
-        tier.complete_load(ks(0))
+        tier.unpin(ks(0))
     tier.check()
 
 
 def test_slot_views_are_disjoint_aligned_rows(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=4)
-    slots = tier.prepare_store(ks(0, 1, 2, 3))
+    slots = tier.reserve(ks(0, 1, 2, 3))
     assert slots is not None
     for key, slot in slots.items():
         tier.slot_view(slot)[:] = key * (ROW // 32)
-    tier.complete_store(list(slots), True)
-    for key, slot in zip(ks(0, 1, 2, 3), tier.prepare_load(ks(0, 1, 2, 3)) or [], strict=True):
+    tier.commit(list(slots), True)
+    for key, slot in zip(ks(0, 1, 2, 3), tier.pin(ks(0, 1, 2, 3)) or [], strict=True):
         view = tier.slot_view(slot)
         assert len(view) == ROW and bytes(view) == key * (ROW // 32)
         assert np.frombuffer(view, dtype=np.uint8).ctypes.data % 4096 == 0
@@ -361,22 +361,22 @@ def test_randomized_stress(buf: memoryview, policy_name: str, seed: int) -> None
         op = rng.random()
         batch = [rng.choice(universe) for _ in range(rng.randint(0, 6))]
         if op < 0.35:
-            got = tier.prepare_store(batch)
+            got = tier.reserve(batch)
             if got is not None:
                 assert not set(got) & (ready | set(writing))
                 writing.update(got)
         elif op < 0.6 and writing:
             done = rng.sample(sorted(writing), rng.randint(1, len(writing)))
-            tier.complete_store(done, rng.random() < 0.8)
+            tier.commit(done, rng.random() < 0.8)
             for key in done:
                 del writing[key]
         elif op < 0.8:
-            pinned = tier.prepare_load(batch)
+            pinned = tier.pin(batch)
             assert (pinned is not None) == all(key in ready for key in batch)
             if pinned is not None:
                 loads.append(batch)
         elif loads:
-            tier.complete_load(loads.pop(rng.randrange(len(loads))))
+            tier.unpin(loads.pop(rng.randrange(len(loads))))
         for event in tier.take_events():
             if event.kind is STORED:
                 ready.update(event.keys)
@@ -396,8 +396,8 @@ def test_randomized_stress(buf: memoryview, policy_name: str, seed: int) -> None
 def test_clear_drops_unpinned_ready_entries_only(buf: memoryview, policy_name: str) -> None:
     tier = make_tier(buf, policy_name, slots=8)
     store(tier, ks(1, 2, 3))
-    assert tier.prepare_load(ks(2)) is not None
-    writing = tier.prepare_store(ks(4))
+    assert tier.pin(ks(2)) is not None
+    writing = tier.reserve(ks(4))
     assert writing is not None
     tier.take_events()
 
@@ -409,8 +409,8 @@ def test_clear_drops_unpinned_ready_entries_only(buf: memoryview, policy_name: s
     stats = tier.stats()
     assert (stats.ready, stats.writing, stats.used) == (1, 1, 2)
     tier.check()
-    tier.complete_load(ks(2))
-    tier.complete_store(ks(4), True)
+    tier.unpin(ks(2))
+    tier.commit(ks(4), True)
     assert store(tier, ks(*range(10, 16))) and tier.stats().used == 8
     tier.check()
     assert tier.clear() == 8 and tier.clear() == 0
@@ -420,11 +420,11 @@ def test_clear_drops_unpinned_ready_entries_only(buf: memoryview, policy_name: s
 def test_every_slot_handed_out_for_writing_gets_a_new_generation() -> None:
     gens = memoryview(bytearray(8 * 2)).cast("Q")
     host = HostTier(memoryview(bytearray(2 * ROW)), ROW, LRUPolicy(2), gens)
-    assert host.prepare_store(ks(1, 2)) == {k(1): 0, k(2): 1} and list(gens) == [1, 1]
-    host.complete_store(ks(1, 2), True)
-    assert host.prepare_store(ks(1)) == {} and host.prepare_load(ks(2)) == [1]
+    assert host.reserve(ks(1, 2)) == {k(1): 0, k(2): 1} and list(gens) == [1, 1]
+    host.commit(ks(1, 2), True)
+    assert host.reserve(ks(1)) == {} and host.pin(ks(2)) == [1]
     assert list(gens) == [1, 1]  # present keys and loads leave the generations alone
-    host.complete_load(ks(2))
-    assert host.prepare_store(ks(3)) == {k(3): 0} and list(gens) == [2, 1]  # k(1) evicted
-    host.complete_store(ks(3), False)
-    assert host.prepare_store(ks(4)) == {k(4): 0} and list(gens) == [3, 1]  # rolled back, reused
+    host.unpin(ks(2))
+    assert host.reserve(ks(3)) == {k(3): 0} and list(gens) == [2, 1]  # k(1) evicted
+    host.commit(ks(3), False)
+    assert host.reserve(ks(4)) == {k(4): 0} and list(gens) == [3, 1]  # rolled back, reused

@@ -80,7 +80,7 @@ def test_chunks_without_room_wait_for_the_next_step(sched: KVTierScheduler) -> N
     compute_prompt(sched, FakeRequest("b", b), [4, 5, 6, 7])
     host = sched.manager.host
     pinned = sched.hasher.keys(a) + sched.hasher.keys(b)
-    assert host.prepare_load(pinned) is not None  # 6 of 8 rows pinned, as by cascades in flight
+    assert host.pin(pinned) is not None  # 6 of 8 rows pinned, as by cascades in flight
     req = FakeRequest("c", PROMPT)
     sched.test_blocks["c"] = [8, 9, 10, 11]  # type: ignore[attr-defined]
     assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
@@ -91,7 +91,7 @@ def test_chunks_without_room_wait_for_the_next_step(sched: KVTierScheduler) -> N
     sched.update_connector_output(
         KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata({job.job_id: (1, True)}))
     )
-    host.complete_load(pinned)
+    host.unpin(pinned)
     (job,) = sched.build_connector_meta(FakeSchedulerOutput({"c": 1})).stores
     assert job.block_ids == ((10,),) and list(job.keys) == sched.hasher.keys(PROMPT)[2:]
 
@@ -157,14 +157,14 @@ def test_a_finished_request_makes_its_prefix_the_most_recent_in_the_host_tier(
     compute_prompt(sched, FakeRequest("a", PROMPT), [4, 1, 2, 3])
     keys, host = sched.hasher.keys(PROMPT), sched.manager.host
     others = [bytes([i]) * 16 for i in range(5)]  # stored after the prompt: the host tier is full
-    assert host.prepare_store(others) is not None
-    host.complete_store(others, success=True)
+    assert host.reserve(others) is not None
+    host.commit(others, success=True)
     req = FakeRequest("b", PROMPT)
     assert sched.get_num_new_matched_tokens(req, 12) == (0, False)  # type: ignore[arg-type]
     sched.update_state_after_alloc(req, FakeBlocks([4, 1, 2, 3]), 0)  # type: ignore[arg-type]
     sched.request_finished(req)  # type: ignore[arg-type]
     host.take_events()
-    assert host.prepare_store([b"new" * 8]) is not None
+    assert host.reserve([b"new" * 8]) is not None
     (removed,) = host.take_events()
     assert list(removed.keys) == others[:1] and host.lookup(keys) == 3
 

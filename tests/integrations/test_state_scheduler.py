@@ -86,8 +86,8 @@ def test_a_hit_ends_where_a_state_is_held_and_loads_it_there(sched: StateSchedul
     (load,), (state_load,) = meta.loads, meta.state_loads
     assert load.block_ids == ((5,), (6,))
     assert state_load.block_ids == (40,) and state_load.keys == state_store.keys
-    assert list(state_load.slots) == host.prepare_load(list(state_load.keys))  # pinned (and once more)
-    host.complete_load(list(state_load.keys))
+    assert list(state_load.slots) == host.pin(list(state_load.keys))  # pinned (and once more)
+    host.unpin(list(state_load.keys))
     ack(sched, loads=(load.job_id, state_load.job_id), finished_recving={"b"})
     host.check()
     assert sched.manager.metrics.value("kvtier_transfer_chunks_total", tier="host", op="load") == 2 + 1

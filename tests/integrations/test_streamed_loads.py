@@ -25,9 +25,9 @@ def sched() -> Iterator[KVTierScheduler]:
     s = KVTierScheduler(KVTierConfig.from_dict(config), geometry(), 1)
     host = s.manager.host
     for key in s.hasher.keys(PROMPT):  # one at a time: the host tier has two rows
-        slots = host.prepare_store([key])
+        slots = host.reserve([key])
         assert slots is not None
-        host.complete_store([key], success=True)
+        host.commit([key], success=True)
         s.manager.cascade([key])
         while s.manager.in_flight:
             s.manager.poll()
@@ -112,8 +112,8 @@ def sched3() -> Iterator[KVTierScheduler]:
     s = KVTierScheduler(KVTierConfig.from_dict(config), geometry(), 1)
     host = s.manager.host
     keys = s.hasher.keys(PROMPT)
-    assert host.prepare_store(keys) is not None
-    host.complete_store(keys, success=True)
+    assert host.reserve(keys) is not None
+    host.commit(keys, success=True)
     s.manager.cascade(keys)
     while s.manager.in_flight:
         s.manager.poll()
@@ -156,19 +156,19 @@ def test_promoted_chunks_a_stream_takes_over_stay_held_until_it_sends_them(
     keys = sched3.hasher.keys(PROMPT)
     host = sched3.manager.host
     other = [b"other-chunk-f", b"other-chunk-g"]
-    assert host.prepare_store(other[:1]) is not None  # a store in flight pins the third row
+    assert host.reserve(other[:1]) is not None  # a store in flight pins the third row
     req = FakeRequest("b", PROMPT)
     assert matched_from(sched3, req, 4) == 8  # chunks 1 and 2 promoted into the two free rows
     # The device hit shrinks: chunk 0 finds no room now, so all three are streamed.
     assert matched_from(sched3, req, 0) == 12
     sched3.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
-    host.complete_store(other[:1], success=True)
+    host.commit(other[:1], success=True)
     # The stream promotes chunk 0 into that row; while it is in flight, another store wants a
     # row. Chunks 1 and 2 are still held for the stream: it must not get theirs.
     assert sched3.build_connector_meta(FakeSchedulerOutput({})).loads == ()
-    slots = host.prepare_store(other[1:])
+    slots = host.reserve(other[1:])
     if slots is not None:
-        host.complete_store(other[1:], success=True)
+        host.commit(other[1:], success=True)
     loads = [next_load(sched3)]
     while not loads[-1].last:
         ack(sched3, loads[-1], ok=True)
@@ -197,11 +197,11 @@ def test_host_chunks_stay_held_while_a_promotion_runs(
 ) -> None:
     keys = sched3.hasher.keys(PROMPT)
     host = sched3.manager.host
-    assert host.prepare_store(keys[in_host]) is not None
-    host.complete_store(keys[in_host], success=True)
+    assert host.reserve(keys[in_host]) is not None
+    host.commit(keys[in_host], success=True)
     req = FakeRequest("b", PROMPT)
     assert sched3.get_num_new_matched_tokens(req, 0) == (None, False)  # type: ignore[arg-type]
-    assert host.prepare_store([b"other-chunk"]) is None  # every row is held for the request
+    assert host.reserve([b"other-chunk"]) is None  # every row is held for the request
     assert matched_from(sched3, req, 0) == 12
     sched3.update_state_after_alloc(req, FakeBlocks([10, 11, 12, 13]), 12)  # type: ignore[arg-type]
     load = next_load(sched3)

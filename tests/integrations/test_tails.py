@@ -40,7 +40,7 @@ def fill_and_pin(s: KVTierScheduler, pinned_rows: int) -> list[bytes]:
     assert s.get_num_new_matched_tokens(other, 0) == (0, False)  # type: ignore[arg-type]
     ack(s, s.build_connector_meta(FakeSchedulerOutput({"other": other.num_tokens})).stores)
     keys = s.hasher.keys(other.prompt_token_ids)
-    assert s.manager.host.prepare_load(keys) is not None
+    assert s.manager.host.pin(keys) is not None
     return keys
 
 
@@ -57,7 +57,7 @@ def test_chunks_without_room_are_stored_after_the_request_finished(sched: KVTier
     meta = sched.build_connector_meta(FakeSchedulerOutput({}))
     assert meta.stores == () and meta.releases == ()  # still no room: the tail waits
 
-    sched.manager.host.complete_load(pinned)
+    sched.manager.host.unpin(pinned)
     meta = sched.build_connector_meta(FakeSchedulerOutput({}))
     (job,) = meta.stores
     assert job.req_id == "a" and job.block_ids == ((8,), (9,), (10,))

@@ -16,7 +16,7 @@ from kvtier.host.region import HostRegion
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.model.backend_layouts import engine_layout
 from kvtier.integrations.vllm.worker_half import KVTierWorker
-from kvtier.transfer import HostTransfer
+from kvtier.transfer import CpuTransfer
 from kvtier.transfer.copy_plan import CopyPlan
 from tests.integrations.halves import (
     BLOCK,
@@ -110,7 +110,7 @@ def test_transfer_refuses_non_cpu_tensors() -> None:
     plan = CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(HEADS), BLOCK)
     meta_kv = torch.empty((4, HEADS, BLOCK, 2 * HEAD_DIM), dtype=torch.bfloat16, device="meta")
     with pytest.raises(NotImplementedError, match="CPU tensors only"):
-        HostTransfer(plan, [meta_kv, meta_kv])
+        CpuTransfer(plan, [meta_kv, meta_kv])
 
 
 @pytest.mark.slow

@@ -91,13 +91,13 @@ def test_slot_reused_after_store_is_a_miss_never_wrong_bytes(make_peer) -> None:
     a_ctx, b_ctx = ctx_of(a_region), ctx_of(b_region)
     host = HostTier(a_region.buf[: 2 * ROW_BYTES], ROW_BYTES, LRUPolicy(2), a_ctx.generations)
     keys = [random_key(), random_key()]
-    assert host.prepare_store(keys) == {keys[0]: 0, keys[1]: 1}
+    assert host.reserve(keys) == {keys[0]: 0, keys[1]: 1}
     fill_slot(a_ctx, 0)
     kept = fill_slot(a_ctx, 1)
-    host.complete_store(keys, True)
+    host.commit(keys, True)
     store(a, keys, [0, 1])
     assert settle_lookup(b, keys) == [LookupResult.HIT] * 2
-    assert host.prepare_store([random_key()]) is not None  # evicts keys[0]: its slot, reused
+    assert host.reserve([random_key()]) is not None  # evicts keys[0]: its slot, reused
     fill_slot(a_ctx, 0)
     b_ctx.slot_view(3)[:] = bytes(ROW_BYTES)
     b.submit_load(Job(2, JobKind.LOAD, tuple(keys), (3, 4)))

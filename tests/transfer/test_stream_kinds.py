@@ -3,7 +3,7 @@ tensors, for every kind of cache the CPU path carries: each engine layout and me
 KV cache groups with sliding-window blocks left out, MLA latents, fp8 held as uint8; at TP 1, 2 and
 8 (a replica that writes nothing), one and two blocks per chunk, in batches or not, under several
 schedules of the device's streams. What holds: a store writes the rows the CPU path
-(`HostTransfer`) writes, byte for byte; a load writes the blocks the CPU path writes, and no
+(`CpuTransfer`) writes, byte for byte; a load writes the blocks the CPU path writes, and no
 other; each job is reported once, only after the device ran it."""
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ import torch
 
 from kvtier.format.layout import SKIP_BLOCK, host_rows
 from kvtier.host.region import HostRegion
-from kvtier.transfer import HostTransfer
+from kvtier.transfer import CpuTransfer
 from kvtier.transfer.stream import StreamTransfer
 from tests.format.helpers import random_kv, same
 from tests.transfer.emulated_device import COMPUTE_FIRST, COPIES_FIRST, EmulatedDevice
@@ -35,11 +35,11 @@ def regions() -> Iterator[tuple[HostRegion, HostRegion]]:
 
 def paths(
     c: Case, regions: tuple[HostRegion, HostRegion], staging_bytes: int
-) -> tuple[EmulatedDevice, StreamTransfer, HostTransfer]:
+) -> tuple[EmulatedDevice, StreamTransfer, CpuTransfer]:
     device = EmulatedDevice()
     stream = StreamTransfer(c.plan, c.tensors, device, staging_bytes=staging_bytes)
     stream.attach(regions[0].name, "/dev/shm")
-    cpu = HostTransfer(c.plan, c.tensors)
+    cpu = CpuTransfer(c.plan, c.tensors)
     cpu.attach(regions[1].name, "/dev/shm")
     return device, stream, cpu
 
@@ -86,7 +86,7 @@ def test_a_load_writes_the_blocks_the_cpu_path_writes_and_no_other(
     stream_dst, cpu_dst = c.zeros(), c.zeros()
     device = EmulatedDevice()
     stream = StreamTransfer(c.plan, stream_dst, device, staging_bytes=staging_bytes)
-    cpu = HostTransfer(c.plan, cpu_dst)
+    cpu = CpuTransfer(c.plan, cpu_dst)
     for transfer in (stream, cpu):
         transfer.attach(region.name, "/dev/shm")  # both read the same rows
     blocks, slots = c.blocks(4, seed=rank, skip=True)

@@ -1,7 +1,7 @@
 """Recurrent-state segments through the CUDA path's transfer (`StreamTransfer` with a `StateCopier`)
 on an emulated device over CPU tensors: gated delta net and Mamba2 states (conv state kept
 transposed, Mamba2's B and C whole on every rank), at TP 1 and each rank of TP 2, in several
-dtypes. What holds: a state store writes the bytes the CPU path (`HostTransfer`) writes and no
+dtypes. What holds: a state store writes the bytes the CPU path (`CpuTransfer`) writes and no
 other, only once the device ran it; the two ranks of a TP=2 engine together write the rows a TP=1
 engine writes; a state load writes the blocks the CPU path writes and no other; a state job that
 cannot be copied fails after its event, having written nothing."""
@@ -16,7 +16,7 @@ import torch
 
 from kvtier.format.layout import host_rows
 from kvtier.host.region import HostRegion
-from kvtier.transfer import HostTransfer
+from kvtier.transfer import CpuTransfer
 from kvtier.transfer.stream import StreamTransfer
 from tests.format.helpers import random_kv, same
 from tests.transfer.emulated_device import COMPUTE_FIRST, COPIES_FIRST, LOADS_FIRST, EmulatedDevice
@@ -53,8 +53,8 @@ def stream_path(c: Case, s: StateCase, region: HostRegion, tensors: list[list[to
 
 
 def cpu_path(c: Case, s: StateCase, region: HostRegion, tensors: list[list[torch.Tensor]] | None = None
-             ) -> HostTransfer:
-    cpu = HostTransfer(c.plan, c.tensors)
+             ) -> CpuTransfer:
+    cpu = CpuTransfer(c.plan, c.tensors)
     cpu.add_states(s.copier(tensors))
     cpu.attach(region.name, "/dev/shm")
     return cpu
@@ -64,7 +64,7 @@ def slots_for(s: StateCase, seed: int) -> list[int]:
     return random.Random(seed).sample(range(NUM_SLOTS), s.layout.rows)
 
 
-def results(transfer: StreamTransfer | HostTransfer) -> list[tuple[int, bool]]:
+def results(transfer: StreamTransfer | CpuTransfer) -> list[tuple[int, bool]]:
     return [(r.job_id, r.ok) for r in transfer.poll()]
 
 
@@ -168,7 +168,7 @@ def test_state_jobs_that_cannot_be_copied_fail_after_their_event_writing_nothing
     plain = StreamTransfer(c.plan, c.tensors, EmulatedDevice())  # no state tensors handed over
     plain.attach(regions[0].name, "/dev/shm")
     plain.submit_state_store(4, s.blocks(seed=1), slots)
-    cpu = HostTransfer(c.plan, c.tensors)
+    cpu = CpuTransfer(c.plan, c.tensors)
     cpu.attach(regions[1].name, "/dev/shm")
     cpu.submit_state_load(5, s.blocks(seed=1), slots)
     assert results(plain) == [(4, False)] and results(cpu) == [(5, False)]

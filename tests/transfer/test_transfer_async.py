@@ -24,7 +24,7 @@ from kvtier.host.region import HostRegion
 from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.model.backend_layouts import engine_layout, engine_layout_name
 from kvtier.integrations.vllm.worker_half import KVTierWorker
-from kvtier.transfer import HostTransfer, Transfer, make_transfer
+from kvtier.transfer import CpuTransfer, Transfer, make_transfer
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer
 from tests.integrations.halves import BLOCK, HEAD_DIM, HEADS, ROW_BYTES, geometry, kv_caches
@@ -361,7 +361,7 @@ def test_the_cpu_path_stays_synchronous_and_unpinned(region: HostRegion) -> None
     plan = CopyPlan(geometry().layout, engine_layout("vllm_cpu"), TPShard(HEADS), BLOCK)
     caches = kv_caches(16)
     transfer = make_transfer(plan, list(caches.values()))
-    assert isinstance(transfer, HostTransfer)
+    assert isinstance(transfer, CpuTransfer)
     transfer.attach(region.name, "/dev/shm")
     transfer.before_forward()
     transfer.forward_done()

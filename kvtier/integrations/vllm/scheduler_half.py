@@ -177,7 +177,7 @@ class KVTierScheduler:
         skipped = state.load_offset if count else 0
         streamed = len(state.streamed) if count >= len(state.streamed) else 0
         head = state.keys[first : first + count - streamed]  # ready in the host tier
-        slots = self.manager.host.prepare_load(head, access=False) if head else None
+        slots = self.manager.host.pin(head, access=False) if head else None
         sources = [state.promoted_from.get(c, HOST) for c in range(first, first + count)]
         self.manager.release(state.take_promoted(keep=range(first + count - streamed, first + count)))
         ok = slots is not None or not head
@@ -279,7 +279,7 @@ class KVTierScheduler:
         held = [(c, b) for c in range(state.stored, done)
                 if c not in state.refused and (b := store_blocks(ids, c, bpc)) is not None]
         keys = [state.keys[c] for c, _ in held]
-        slots, fitted = self.manager.host.prepare_store_prefix(keys)
+        slots, fitted = self.manager.host.reserve_prefix(keys)
         # Chunks that found no room (rows pinned by copies in flight) are tried again at the
         # request's next step; a later chunk is never stored before them.
         state.stored = held[fitted][0] if fitted < len(held) else done
@@ -316,7 +316,7 @@ class KVTierScheduler:
         for req_id in output.finished_recving or ():
             keys = self._loading.pop(req_id, None)
             if keys is not None:
-                host.complete_load(keys)
+                host.unpin(keys)
         self.manager.poll()
 
     def _finish_loads(self, meta: KVTierWorkerMetadata) -> None:
@@ -330,7 +330,7 @@ class KVTierScheduler:
             if not load.last or load.sync:
                 keys = self._loading.pop(load.req_id, None)
                 if keys is not None:
-                    self.manager.host.complete_load(keys)
+                    self.manager.host.unpin(keys)
             if not load.last:
                 self.streams.part_done(load.req_id, load.ok)
             if load.ok:

@@ -122,7 +122,7 @@ class StateScheduler(KVTierScheduler):
             end = state.load_from + state.loaded_chunks(num_external_tokens, self.geometry.chunk_tokens)
             keys = tuple(state_keys(self.states.layout, state.keys[end - 1]))
             targets = self.states.load_blocks(ids, end * self.geometry.chunk_tokens)
-            slots = self.manager.host.prepare_load(keys) if targets is not None else None
+            slots = self.manager.host.pin(keys) if targets is not None else None
             job_id = next(self._job_ids)
             if slots is not None:
                 self._state_pins[req_id] = list(keys)
@@ -164,9 +164,9 @@ class StateScheduler(KVTierScheduler):
             return None
         keys = state_keys(self.states.layout, state.keys[chunk])
         host = self.manager.host
-        slots, fitted = host.prepare_store_prefix(keys)
+        slots, fitted = host.reserve_prefix(keys)
         if fitted < len(keys) or len(slots) < len(keys):
-            host.complete_store(list(slots), success=False)  # held already, or no room
+            host.commit(list(slots), success=False)  # held already, or no room
             return None
         job_id = next(self._job_ids)
         self._stores[job_id] = StoreCopy(keys=list(keys), priority=state.priority)
@@ -185,7 +185,7 @@ class StateScheduler(KVTierScheduler):
         for req_id in output.finished_recving or ():
             keys = self._state_pins.pop(req_id, None)
             if keys is not None:
-                self.manager.host.complete_load(keys)
+                self.manager.host.unpin(keys)
         super().update_connector_output(output)
 
     def request_finished(self, request: Request) -> dict[str, Any] | None:
