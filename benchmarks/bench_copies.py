@@ -23,6 +23,7 @@ from collections.abc import Callable
 
 import torch
 
+from kvtier.bench.neutral_paths import neutral_path
 from kvtier.format.layout import CanonicalLayout, TPShard, host_rows
 from kvtier.integrations.vllm.model.backend_layouts import engine_layout
 from kvtier.transfer.copy_plan import CopyPlan
@@ -94,8 +95,8 @@ def main() -> None:
                       + "; ".join(f"{k} {v['median']:.2f} [{v['min']:.2f}-{v['max']:.2f}] "
                                   f"({point['vs_flat'][k]:.2f}x)"  # type: ignore[index]
                                   for k, v in g.items() if k != "flat"), flush=True)
-    out = {"meta": {"command": "python -m benchmarks.bench_copies " + " ".join(
-                        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != ""),
+    out = {"meta": {"command": "python -m benchmarks.bench_copies " + neutral_path(" ".join(
+                        f"--{k.replace('_', '-')} {v}" for k, v in vars(args).items() if v != "")),
                     "machine": {"node": platform.node(), "cpus": os.cpu_count(),
                                 "loadavg": os.getloadavg()}},
            "points": results}

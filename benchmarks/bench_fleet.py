@@ -48,6 +48,7 @@ from typing import Any
 from kvtier.bench.multiturn import presets, report
 from kvtier.bench.multiturn.summary import repeat_summary
 from kvtier.bench.multiturn.vllm_server import ServerSettings, VLLMServer, free_port
+from kvtier.bench.neutral_paths import neutral_path
 from kvtier.tools.models import prepare_smollm2
 from tests.services.redis_server import start_server, stop_server
 
@@ -165,7 +166,7 @@ def main() -> None:
     redis = start_server("redis-server") if any(c.endswith(" redis") for c in configs) else None
     points: list[dict[str, Any]] = []
     meta = {"label": "fleet", "title": f"2 instances, {args.conversations} conversations (cpu preset)",
-            "command": shlex.join(["python", "-m", "benchmarks.bench_fleet", *sys.argv[1:]]),
+            "command": neutral_path(shlex.join(["python", "-m", "benchmarks.bench_fleet", *sys.argv[1:]])),
             "conversations": args.conversations, "rounds": args.rounds, "configs": configs,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count()}
     try:

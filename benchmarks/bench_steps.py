@@ -29,6 +29,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.neutral_paths import neutral_argv
+
 STEPS: list[dict[str, Any]] = []
 """One dict per engine step, and a {"config": ...} marker before each engine's steps."""
 _current: dict[str, Any] = {}
@@ -156,7 +158,7 @@ def main() -> int:
     if args.out:
         kept = [{"engine": n, "summary": s, **({"steps": st} if args.keep_steps else {})}
                 for n, s, st in runs]
-        doc = {"command": sys.argv, "runs": kept}
+        doc = {"command": neutral_argv(sys.argv), "runs": kept}
         args.out.write_text(json.dumps(doc))
     return rc
 

@@ -22,6 +22,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.neutral_paths import neutral_path
 from kvtier.errors import KVTierError
 
 
@@ -63,8 +64,9 @@ def run_chaos(args: argparse.Namespace) -> int:
     model = _model(args.model)
     out = args.out or Path("bench-results") / f"chaos-{preset.name}-{time.strftime('%Y%m%d-%H%M%S')}.json"
     meta: dict[str, Any] = {
-        "preset": preset.name, "duration_s": preset.duration_s, "seed": args.seed, "model": str(model),
-        "workload": preset.spec.as_json(), "command": shlex.join(["kvtier", *sys.argv[1:]]),
+        "preset": preset.name, "duration_s": preset.duration_s, "seed": args.seed,
+        "model": neutral_path(str(model)), "workload": preset.spec.as_json(),
+        "command": neutral_path(shlex.join(["kvtier", *sys.argv[1:]])),
         "machine": {"node": platform.node(), "cpus": os.cpu_count()},
         "loadavg_start": list(os.getloadavg()), "started": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
     }

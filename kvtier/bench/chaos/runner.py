@@ -35,6 +35,7 @@ from kvtier.bench.chaos.sampler import Sampler, as_json, growth
 from kvtier.bench.chaos.services import Redis, Seaweed
 from kvtier.bench.chaos.valkey_cluster import Cluster
 from kvtier.bench.multiturn.presets import kv_bytes_per_token
+from kvtier.bench.neutral_paths import neutral_path
 
 BLOCK = 32
 PREFIX = "chaos"
@@ -212,7 +213,7 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
                        for c in ledger.settled if c.outcome == "served"],
             "loads_ok": ledger.loads_ok, "settled": settled,
             "host": {"pinned": host.pinned, "check": host_error or "clean"},
-            "fsck": _fsck_json(fsck_report),
+            "fsck": {**_fsck_json(fsck_report), "root": neutral_path(str(fs_root))},
             "tier_restarts": {t.name: t.restarts for t in manager.tiers.values()},
             "samples": as_json(sampler.samples) if sampler else [],
             "warm_up_s": warm_up, "growth": growth(sampler.samples, warm_up) if sampler else {},

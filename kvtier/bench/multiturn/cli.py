@@ -46,6 +46,7 @@ from kvtier.bench.multiturn import configs as config_registry
 from kvtier.bench.multiturn import presets, report
 from kvtier.bench.multiturn.fleet import ROUTES
 from kvtier.bench.multiturn.workload import Mix, Ramp
+from kvtier.bench.neutral_paths import neutral_path
 from kvtier.errors import KVTierError
 
 if TYPE_CHECKING:
@@ -236,9 +237,10 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
         "repeats": args.repeats, "blocks_per_chunk": args.blocks_per_chunk or 1,
         "mode": mode, "endpoints": list(endpoints),
         "route": args.route if len(endpoints) > 1 else None,
-        "model": str(model) if model else None, "dtype": dtype, "block_size": preset.block_size,
+        "model": neutral_path(str(model)) if model else None, "dtype": dtype,
+        "block_size": preset.block_size,
         "block_bytes": block_bytes, "sizing": None if endpoints else sizes.__dict__,
-        "command": shlex.join(["kvtier", *sys.argv[1:]]) if sys.argv else "",
+        "command": neutral_path(shlex.join(["kvtier", *sys.argv[1:]])) if sys.argv else "",
         "machine": {"node": platform.node(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "loadavg_start": list(os.getloadavg()), "started": time.strftime("%Y-%m-%d %H:%M:%S"),
     }
