@@ -299,10 +299,10 @@ def test_bad_second_tier_shuts_down_the_first(tmp_path: Path) -> None:
     # tier processes of this process's session: a command the suite started beside the tests
     # (`tests/early_start.py`) runs in a session of its own, with tier processes of its own
     session = os.getsid(0)
-    workers = [p for p in psutil.Process().children(recursive=True)
-               if "kvtier.tiers.worker" in " ".join(p.cmdline()) and p.status() != "zombie"
+    runners = [p for p in psutil.Process().children(recursive=True)
+               if "kvtier.tiers.runner" in " ".join(p.cmdline()) and p.status() != "zombie"
                and _session(p.pid) == session]
-    assert workers == [], "the first tier's process must be shut down"
+    assert runners == [], "the first tier's process must be shut down"
 
 
 def _session(pid: int) -> int | None:

@@ -2,47 +2,58 @@
 
 `TierProcess` exposes the tier contract's four methods to the scheduler thread and never blocks it:
 requests go out through a sender thread's queue and replies come back through a receiver thread's
-queue. Lookups are asynchronous: a key not answered yet is RETRY and is asked in one batch; answers
-are remembered for `lookup_ttl_s`.
+queue (`TierChannel`), as the typed frames of `kvtier.tiers.messages`. Lookups are asynchronous: a
+key not answered yet is RETRY and is asked in one batch; answers are remembered for `lookup_ttl_s`.
 
 Counting: the tier's own counts (`SecondaryTier.counts`) come in the process's stats reports and
 go straight into kvtier's metrics (`KVTierMetrics.count_tier`), the manager's when the manager
 built the process; each generation of the process counts from zero, the metrics over all of them.
 
-Liveness: a process that exits, or leaves a job or lookup unanswered for `job_timeout_s`, is marked
-down (`last_failure` keeps the latest cause, as does a failed job). Its in-flight jobs finish as
-failures, lookups answer MISS and new jobs fail at once, so serving goes on without it. It is
-started again after a back-off that doubles on each consecutive failure (capped at
-`MAX_BACKOFF_S`) and resets once a restarted process has completed a job.
+Liveness: a process that exits, sends a malformed frame or an `ErrorReport`, or leaves a job or
+lookup unanswered for `job_timeout_s`, is marked down (`last_failure` keeps the latest cause, as
+does a failed job). Its in-flight jobs finish as failures, lookups answer MISS and new jobs fail at
+once, so serving goes on without it. It is started again after a back-off that doubles on each
+consecutive failure (capped at `MAX_BACKOFF_S`) and resets once a restarted process has completed a
+job.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
-import os
 import queue
-import socket
 import subprocess
-import sys
 import threading
 import time
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
-from multiprocessing.connection import Connection
+from dataclasses import dataclass
 from typing import Any
 
 from kvtier.errors import ConfigError, KVTierError
-from kvtier.format.chunks import ChunkKey, TierEvent, TierEventKind
+from kvtier.format.chunks import ChunkKey, TierEvent
 from kvtier.ops.metrics import KVTierMetrics, TierCounts
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierUsage
+from kvtier.tiers.channel import Inbound, Inbox, TierChannel
+from kvtier.tiers.codec import MessageError
 from kvtier.tiers.common.answers import AnswerCache
+from kvtier.tiers.messages import (
+    ErrorReport,
+    EventsReport,
+    JobRequest,
+    JobsDone,
+    LookupReply,
+    LookupRequest,
+    Message,
+    Ready,
+    Shutdown,
+    StatsReport,
+    StatsRequest,
+)
 
 MAX_BACKOFF_S = 30.0
 FAILURE_CAUSES = ("exited", "hung", "error", "store_failed", "load_failed")
 """Why a tier last failed: its process exited, left a job or lookup unanswered (hung), reported
-an error, or a store or load job of a live process failed."""
+an error or sent a malformed frame, or a store or load job of a live process failed."""
 STARTUP_TIMEOUT_S = 60.0
 log = logging.getLogger("kvtier.tiers")
 
@@ -68,16 +79,6 @@ class TierSpec:
     generations_offset: int | None = None  # where the slot generations start (`host.generations`)
 
 
-@dataclass
-class _Generation:
-    """One incarnation of the tier process and its two pump threads."""
-
-    proc: subprocess.Popen[bytes]
-    conn: Connection
-    outbox: queue.SimpleQueue[tuple[Any, ...] | None] = field(default_factory=queue.SimpleQueue)
-    ready: bool = False
-
-
 class TierProcess:
     """Scheduler-side handle of one tier process. All methods are for one (scheduler) thread."""
 
@@ -98,8 +99,8 @@ class TierProcess:
         self.lookup_ttl_s = lookup_ttl_s
         self._base_backoff = restart_backoff_s
         self._backoff = restart_backoff_s
-        self._inbox: queue.SimpleQueue[tuple[int, Any]] = queue.SimpleQueue()
-        self._gen: _Generation | None = None
+        self._inbox: Inbox = queue.SimpleQueue()
+        self._gen: TierChannel | None = None
         self._gen_id = 0
         self._restart_at: float | None = None
         self._jobs: dict[int, tuple[Job, float]] = {}
@@ -149,55 +150,20 @@ class TierProcess:
                 gen_id, msg = self._inbox.get(timeout=0.05)
             except queue.Empty:
                 continue
-            if msg is None or msg[0] == "error":
-                detail = "process exited" if msg is None else msg[1]
+            if msg is None or isinstance(msg, ErrorReport | MessageError):
+                detail = ("process exited" if msg is None else
+                          msg.message if isinstance(msg, ErrorReport) else f"malformed message: {msg}")
                 self.shutdown()
-                if msg is not None and len(msg) == 5:
-                    _, _, key, value, allowed = msg
-                    raise ConfigError(f"{self.spec.config_key}.{key}", value, allowed)
+                if isinstance(msg, ErrorReport) and msg.key is not None:
+                    raise ConfigError(f"{self.spec.config_key}.{msg.key}", msg.value, msg.allowed)
                 raise TierStartError(f"tier {self.name!r} failed to start: {detail}")
             self._handle(gen_id, msg)
 
     def _spawn(self) -> None:
-        parent_sock, child_sock = socket.socketpair()
-        env = dict(os.environ)
-        # The tier process imports what this one can (kvtier itself, `module_path` plugins).
-        env["PYTHONPATH"] = os.pathsep.join(os.path.abspath(p) for p in sys.path if p)
         spec = dict(self.spec.__dict__, log_level=logging.getLogger("kvtier").getEffectiveLevel())
-        proc = subprocess.Popen(
-            [sys.executable, "-m", "kvtier.tiers.worker", str(child_sock.fileno())],
-            stdin=subprocess.PIPE,
-            pass_fds=(child_sock.fileno(),),
-            env=env,
-        )
-        child_sock.close()
-        assert proc.stdin is not None
-        proc.stdin.write(json.dumps(spec).encode())
-        proc.stdin.close()
         self._gen_id += 1
         self._counted = TierCounts()
-        gen = _Generation(proc, Connection(parent_sock.detach()))
-        self._gen = gen
-        threading.Thread(target=self._send_loop, args=(gen,), daemon=True,
-                         name=f"kvtier-{self.name}-send").start()
-        threading.Thread(target=self._recv_loop, args=(gen, self._gen_id), daemon=True,
-                         name=f"kvtier-{self.name}-recv").start()
-
-    def _send_loop(self, gen: _Generation) -> None:
-        while (msg := gen.outbox.get()) is not None:
-            try:
-                gen.conn.send(msg)
-            except OSError:
-                return
-
-    def _recv_loop(self, gen: _Generation, gen_id: int) -> None:
-        while True:
-            try:
-                msg = gen.conn.recv()
-            except (EOFError, OSError):
-                self._inbox.put((gen_id, None))
-                return
-            self._inbox.put((gen_id, msg))
+        self._gen = TierChannel(self.name, spec, self._gen_id, self._inbox)
 
     def shutdown(self, timeout_s: float = 10.0) -> None:
         """Stop the process (politely, then SIGKILL after `timeout_s`). Idempotent."""
@@ -205,15 +171,13 @@ class TierProcess:
         gen, self._gen = self._gen, None
         if gen is None:
             return
-        gen.outbox.put(("shutdown",))
-        gen.outbox.put(None)
+        gen.send(Shutdown())
         try:
             gen.proc.wait(timeout_s)
         except subprocess.TimeoutExpired:
             gen.proc.kill()
             gen.proc.wait()
-        with contextlib.suppress(OSError):
-            gen.conn.close()
+        gen.close()
         self._fail_in_flight()
 
     @property
@@ -236,7 +200,7 @@ class TierProcess:
         if ask:
             self._next_req += 1
             self._asked[self._next_req] = (tuple(ask), now)
-            self._send(("lookup", self._next_req, ask))
+            self._send(LookupRequest(self._next_req, tuple(ask)))
         return out
 
     def await_answers(self, timeout_s: float) -> None:
@@ -284,7 +248,7 @@ class TierProcess:
 
     def request_stats(self) -> None:
         """Ask for a stats report now (it arrives after every job finished before the request)."""
-        self._send(("stats",))
+        self._send(StatsRequest())
 
     def take_events(self) -> list[TierEvent]:
         events, self._events = self._events, []
@@ -297,11 +261,11 @@ class TierProcess:
             self._finished.append(JobResult(job.job_id, success=False))
             return
         self._jobs[job.job_id] = (job, time.monotonic())
-        self._send((job.kind.value, job.job_id, list(job.keys), list(job.slots)))
+        self._send(JobRequest(job))
 
-    def _send(self, msg: tuple[Any, ...]) -> None:
+    def _send(self, msg: Message) -> None:
         if self._gen is not None:
-            self._gen.outbox.put(msg)
+            self._gen.send(msg)
 
     def poll(self) -> None:
         """Process every reply received so far; never blocks."""
@@ -323,52 +287,64 @@ class TierProcess:
             log.info("restarting tier %s (restart #%d)", self.name, self.restarts)
             self._spawn()
 
-    def _handle(self, gen_id: int, msg: tuple[Any, ...] | None) -> None:
-        if gen_id != self._gen_id or self._gen is None:
+    def _handle(self, gen_id: int, msg: Inbound) -> None:
+        if self._gen is None or gen_id != self._gen.gen_id:
             return
         if msg is None:
             self._mark_down("exited", f"process exited (code {self._gen.proc.poll()})")
-            return
-        op = msg[0]
-        if op == "ready":
+        elif isinstance(msg, MessageError):
+            self._mark_down("error", f"malformed message: {msg}")
+        elif isinstance(msg, Ready):
             self._gen.ready = True
-            self._stores_prove_hits = bool(msg[1])
-            self.endpoints = dict(msg[2])
-        elif op == "done":
-            for job_id, success, keys, nbytes, seconds in msg[1]:
-                entry = self._jobs.pop(job_id, None)
-                if entry is None:
-                    continue
-                self._backoff = self._base_backoff
-                # What a job proved about its keys is a fresh lookup answer.
-                now = time.monotonic()
-                if entry[0].kind is JobKind.LOAD or self._stores_prove_hits:
-                    for key in keys:
-                        self._answers.put(key, LookupResult.HIT, now)
-                if entry[0].kind is JobKind.LOAD:
-                    for key in set(entry[0].keys).difference(keys):
-                        self._answers.put(key, LookupResult.MISS, now)
-                if not success:
-                    self._failed(f"{entry[0].kind.value}_failed")
-                self._finished.append(JobResult(job_id, success, tuple(keys), nbytes, seconds))
-        elif op == "lookup":
-            asked = self._asked.pop(msg[1], None)
-            if asked is not None:
-                now = time.monotonic()
-                for key, result in zip(asked[0], msg[2], strict=True):
-                    self._answers.unask(key)
-                    # RETRY is not an answer: the next lookup asks the tier again.
-                    if result != LookupResult.RETRY:
-                        self._answers.put(key, LookupResult(result), now)
-        elif op == "events":
-            self._events.extend(TierEvent(TierEventKind(k), tuple(keys)) for k, keys in msg[1])
-        elif op == "stats":
-            self.metrics.count_tier(self.name, msg[1], self._counted)
-            self._counted = msg[1]
-            self.last_usage = None if msg[2] is None else TierUsage(*msg[2])
+            self._stores_prove_hits = msg.loads_own_stores
+            self.endpoints = dict(msg.endpoints)
+        elif isinstance(msg, JobsDone):
+            self._done(msg.results)
+        elif isinstance(msg, LookupReply):
+            self._answered(msg)
+        elif isinstance(msg, EventsReport):
+            self._events.extend(msg.events)
+        elif isinstance(msg, StatsReport):
+            self.metrics.count_tier(self.name, msg.counts, self._counted)
+            self._counted = msg.counts
+            self.last_usage = msg.usage
             self.stats_version += 1
-        elif op == "error":
-            self._mark_down("error", msg[1])
+        elif isinstance(msg, ErrorReport):
+            self._mark_down("error", msg.message)
+        else:
+            self._mark_down("error", f"the tier sent the engine's message {type(msg).__name__}")
+
+    def _done(self, results: Sequence[JobResult]) -> None:
+        for result in results:
+            entry = self._jobs.pop(result.job_id, None)
+            if entry is None:
+                continue
+            self._backoff = self._base_backoff
+            # What a job proved about its keys is a fresh lookup answer.
+            now = time.monotonic()
+            if entry[0].kind is JobKind.LOAD or self._stores_prove_hits:
+                for key in result.successful_keys:
+                    self._answers.put(key, LookupResult.HIT, now)
+            if entry[0].kind is JobKind.LOAD:
+                for key in set(entry[0].keys).difference(result.successful_keys):
+                    self._answers.put(key, LookupResult.MISS, now)
+            if not result.success:
+                self._failed(f"{entry[0].kind.value}_failed")
+            self._finished.append(result)
+
+    def _answered(self, reply: LookupReply) -> None:
+        asked = self._asked.pop(reply.req_id, None)
+        if asked is None:
+            return
+        if len(asked[0]) != len(reply.results):
+            self._mark_down("error", f"{len(reply.results)} answers to {len(asked[0])} keys")
+            return
+        now = time.monotonic()
+        for key, result in zip(asked[0], reply.results, strict=True):
+            self._answers.unask(key)
+            # RETRY is not an answer: the next lookup asks the tier again.
+            if result != LookupResult.RETRY:
+                self._answers.put(key, result, now)
 
     def _failed(self, cause: str) -> None:
         self.last_failure = (cause, time.time())
@@ -379,11 +355,9 @@ class TierProcess:
             return
         if not self._closed:
             self._failed(cause)
-        gen.outbox.put(None)
         with contextlib.suppress(ProcessLookupError):
             gen.proc.kill()
-        with contextlib.suppress(OSError):
-            gen.conn.close()
+        gen.close()
         threading.Thread(target=gen.proc.wait, daemon=True).start()
         self._fail_in_flight()
         if self._closed:

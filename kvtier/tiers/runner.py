@@ -1,20 +1,13 @@
-"""The body of a tier process: `python -m kvtier.tiers.worker FD` with a JSON spec on stdin.
+"""The tier runner, the body of a tier process: `python -m kvtier.tiers.runner FD` with a JSON spec
+on stdin.
 
-The process maps the host region, builds one secondary tier, then serves the parent over the
-socket FD: requests come in as tuples, completions, lookup answers, events and the tier's counts
-and usage go out. One dispatch thread calls the tier; the tier's own I/O threads signal
-completions through a self-pipe, so finished jobs are sent without polling delay. The process
-exits when the parent closes the socket or dies, or on a shutdown request.
-
-Wire messages (tuples of plain values and kvtier's own `TierCounts`; this socket connects two
-processes of the same instance):
-  in:  ("lookup", req_id, [key, ...]) | ("store"|"load", job_id, [key, ...], [slot, ...])
-       | ("stats",) | ("shutdown",)
-  out: ("ready", loads_own_stores, {role: address}) | ("error", message[, key, value, allowed])
-       | ("lookup", req_id, [int, ...])
-       | ("done", [(job_id, success, [key, ...], bytes, seconds), ...])
-       | ("events", [(kind, [key, ...]), ...])
-       | ("stats", TierCounts, (bytes_used, chunks, capacity_bytes) | None)
+The process maps the host region, builds one secondary tier, then serves the engine over the socket
+FD in the typed frames of `kvtier.tiers.messages` (nothing is pickled): `LookupRequest`,
+`JobRequest`, `StatsRequest` and `Shutdown` come in; `Ready` (or `ErrorReport`) goes out once, then
+`LookupReply`, `JobsDone`, `EventsReport` and `StatsReport`. One dispatch thread calls the tier and
+writes the socket; the tier's own I/O threads signal completions through a self-pipe, so finished
+jobs are sent without polling delay. The process exits when the engine closes the socket or dies,
+on `Shutdown`, or after answering a malformed frame with an `ErrorReport`.
 
 A stats report goes out every STATS_INTERVAL_S, on request, and as soon as the tier counts a bad
 chunk (the tier wakes the dispatch loop: `TierBook.bad`).
@@ -26,16 +19,32 @@ import contextlib
 import json
 import logging
 import os
+import selectors
 import signal
+import socket
 import sys
 import time
-from multiprocessing.connection import Connection, wait
 from typing import Any
 
 from kvtier.errors import ConfigError
 from kvtier.host import generations
 from kvtier.host.region import HostRegion
-from kvtier.tiers.base import Job, JobKind, SecondaryTier, TierContext
+from kvtier.tiers.base import JobKind, SecondaryTier, TierContext
+from kvtier.tiers.codec import MessageError
+from kvtier.tiers.messages import (
+    ErrorReport,
+    EventsReport,
+    JobRequest,
+    JobsDone,
+    LookupReply,
+    LookupRequest,
+    Ready,
+    Shutdown,
+    StatsReport,
+    StatsRequest,
+    read_message,
+    send_message,
+)
 from kvtier.tiers.registry import resolve_tier
 
 STATS_INTERVAL_S = 0.5
@@ -60,59 +69,67 @@ class _Wakeup:
                 pass
 
 
-def _flush(conn: Connection, tier: SecondaryTier) -> None:
-    done = tier.get_finished_jobs()
-    if done:
-        conn.send(
-            ("done", [(r.job_id, r.success, list(r.successful_keys), r.bytes_moved, r.seconds)
-                      for r in done])
-        )
-    events = tier.take_events()
-    if events:
-        conn.send(("events", [(e.kind.value, list(e.keys)) for e in events]))
+def _flush(sock: socket.socket, tier: SecondaryTier) -> None:
+    for done in JobsDone(tuple(tier.get_finished_jobs())).parts():
+        send_message(sock, done)
+    for events in EventsReport(tuple(tier.take_events())).parts():
+        send_message(sock, events)
 
 
-def _report(conn: Connection, tier: SecondaryTier) -> None:
-    usage = tier.usage()
-    fill = None if usage is None else (usage.bytes_used, usage.chunks, usage.capacity_bytes)
-    conn.send(("stats", tier.counts(), fill))
+def _report(sock: socket.socket, tier: SecondaryTier) -> None:
+    send_message(sock, StatsReport(tier.counts(), tier.usage()))
 
 
-def _serve(conn: Connection, tier: SecondaryTier, wake: _Wakeup) -> None:
+def _answer(sock: socket.socket, tier: SecondaryTier) -> bool:
+    """Read one message off `sock` and act on it; False once the runner should stop."""
+    try:
+        msg = read_message(sock)
+    except MessageError as e:
+        log.error("malformed message from the engine: %s", e)
+        send_message(sock, ErrorReport(f"malformed message from the engine: {e}"))
+        return False
+    if isinstance(msg, LookupRequest):
+        send_message(sock, LookupReply(msg.req_id, tuple(tier.lookup(msg.keys))))
+    elif isinstance(msg, JobRequest):
+        (tier.submit_store if msg.job.kind is JobKind.STORE else tier.submit_load)(msg.job)
+    elif isinstance(msg, StatsRequest):
+        _flush(sock, tier)
+        _report(sock, tier)
+    elif isinstance(msg, Shutdown):
+        return False
+    else:
+        send_message(sock, ErrorReport(f"the engine sent a tier's message: {type(msg).__name__}"))
+        return False
+    return True
+
+
+def _serve(sock: socket.socket, tier: SecondaryTier, wake: _Wakeup) -> None:
     last_report = 0.0
     reported_bad = 0.0
     parent = os.getppid()
-    while True:
-        ready = wait([conn, wake.r], timeout=STATS_INTERVAL_S)
-        if wake.r in ready:
-            wake.drain()
-        if conn in ready:
-            msg = conn.recv()
-            op = msg[0]
-            if op == "lookup":
-                conn.send(("lookup", msg[1], [int(r) for r in tier.lookup(msg[2])]))
-            elif op in ("store", "load"):
-                job = Job(msg[1], JobKind(op), tuple(msg[2]), tuple(msg[3]))
-                (tier.submit_store if op == "store" else tier.submit_load)(job)
-            elif op == "stats":
-                _flush(conn, tier)
-                _report(conn, tier)
-            elif op == "shutdown":
+    with selectors.DefaultSelector() as sel:
+        sel.register(sock, selectors.EVENT_READ)
+        sel.register(wake.r, selectors.EVENT_READ)
+        while True:
+            ready = {key.fd for key, _ in sel.select(timeout=STATS_INTERVAL_S)}
+            if wake.r in ready:
+                wake.drain()
+            if sock.fileno() in ready and not _answer(sock, tier):
                 return
-        _flush(conn, tier)
-        now = time.monotonic()
-        bad = tier.counts().bad_chunks
-        if now - last_report >= STATS_INTERVAL_S or bad != reported_bad:
-            _report(conn, tier)
-            last_report, reported_bad = now, bad
-            if os.getppid() != parent:
-                return
+            _flush(sock, tier)
+            now = time.monotonic()
+            bad = tier.counts().bad_chunks
+            if now - last_report >= STATS_INTERVAL_S or bad != reported_bad:
+                _report(sock, tier)
+                last_report, reported_bad = now, bad
+                if os.getppid() != parent:
+                    return
 
 
 def main() -> None:
     """Entry point of the tier process (never call in the engine's own process)."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    conn = Connection(int(sys.argv[1]))
+    sock = socket.socket(fileno=int(sys.argv[1]))
     spec: dict[str, Any] = json.load(sys.stdin)
     logging.basicConfig(
         level=spec.get("log_level", logging.INFO),
@@ -139,21 +156,21 @@ def main() -> None:
         cls = resolve_tier(spec["config_key"], spec["type"], spec.get("module_path"))
         tier = cls(ctx, **spec["options"])
     except ConfigError as e:
-        plain = isinstance(e.value, str | int | float | bool | None)
-        conn.send(("error", str(e), e.key, e.value if plain else repr(e.value), e.allowed))
+        value = e.value if isinstance(e.value, str | int | float | bool | None) else repr(e.value)
+        send_message(sock, ErrorReport(str(e), e.key, value, e.allowed))
         sys.exit(1)
     except Exception as e:
-        conn.send(("error", f"{type(e).__name__}: {e}"))
+        send_message(sock, ErrorReport(f"{type(e).__name__}: {e}"))
         sys.exit(1)
-    conn.send(("ready", cls.loads_own_stores, tier.endpoints()))
+    send_message(sock, Ready(cls.loads_own_stores, tier.endpoints()))
     try:
-        _serve(conn, tier, wake)
+        _serve(sock, tier, wake)
     except (EOFError, OSError):
         pass
     finally:
         with contextlib.suppress(Exception):
             tier.shutdown()
-            _flush(conn, tier)
+            _flush(sock, tier)
         region.close()
 
 

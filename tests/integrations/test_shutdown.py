@@ -97,7 +97,7 @@ def _tier_processes(pids: list[int]) -> list[tuple[int, int]]:
     found = []
     for p in pids:
         started = start_time(p)
-        if started is not None and "kvtier.tiers.worker" in _cmdline(p):
+        if started is not None and "kvtier.tiers.runner" in _cmdline(p):
             found.append((p, started))
     return found
 

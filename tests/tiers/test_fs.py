@@ -21,7 +21,7 @@ from kvtier.format.chunks import ChunkError, TierEventKind
 from kvtier.ops.metrics import TierCounter, TierGauge
 from kvtier.tiers.base import LookupResult
 from kvtier.tiers.common import chunkfmt
-from kvtier.tiers.fs import native as fs_native
+from kvtier.tiers.fs import store_helper
 from kvtier.tiers.fs.fsck import fsck
 from kvtier.tiers.fs.tier import FsTier
 from tests.conftest import random_key
@@ -416,7 +416,7 @@ def test_disk_full_fails_keys_as_values_with_one_log_line(tmp_path: Path, caplog
     row = 64 * 1024
     with tmpfs(small, 1) as mounted:
         if not mounted:  # fall back to a simulated ENOSPC when mount is not permitted
-            monkeypatch.setattr(fs_native, "load", lambda: None)  # the Python path calls os.pwritev
+            monkeypatch.setattr(store_helper, "load", lambda: None)  # the Python path calls os.pwritev
             monkeypatch.setattr(os, "pwritev", _fail_after(8, errno.ENOSPC))
         ctx = make_ctx(row, 32)
         tier = FsTier(ctx, root_dir=str(small / "kv"), n_write_threads=4)
@@ -499,7 +499,7 @@ def test_root_dir_removed_while_running(root: Path, caplog) -> None:
 
 def test_failures_are_logged_once_per_cause(root: Path, caplog, monkeypatch) -> None:
     caplog.set_level(logging.WARNING, logger=LOGGER)
-    monkeypatch.setattr(fs_native, "load", lambda: None)  # EIO is simulated in os.pwritev
+    monkeypatch.setattr(store_helper, "load", lambda: None)  # EIO is simulated in os.pwritev
     tier = new_tier(root)
     try:
         monkeypatch.setattr(os, "pwritev", _fail_after(0, errno.EIO))
@@ -534,12 +534,12 @@ def test_processes_sharing_a_directory_stay_consistent(root: Path) -> None:
 def test_native_and_python_store_paths_write_the_same_file(root: Path, monkeypatch) -> None:
     if os.environ.get("KVTIER_NATIVE") == "0":
         NATIVE_OFF.skip()
-    if fs_native.load() is None:
+    if store_helper.load() is None:
         pytest.skip("no C compiler here: the fs tier runs its Python store path only")
     files = []
     for use_native in (True, False):
         if not use_native:
-            monkeypatch.setattr(fs_native, "load", lambda: None)
+            monkeypatch.setattr(store_helper, "load", lambda: None)
         tier = new_tier(root / str(use_native))
         try:
             assert tier.counts()[TierGauge.NATIVE_IO] == float(use_native)

@@ -21,7 +21,7 @@ import os
 from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs.index import temp_name
-from kvtier.tiers.fs.native import NativeWriter
+from kvtier.tiers.fs.store_helper import NativeWriter
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)

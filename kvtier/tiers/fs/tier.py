@@ -48,7 +48,7 @@ from kvtier.tiers.common.options import (
     max_bytes_option,
     seconds,
 )
-from kvtier.tiers.fs import native as fs_native
+from kvtier.tiers.fs import store_helper
 from kvtier.tiers.fs.index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
 from kvtier.tiers.fs.io import (
     O_CLOEXEC,
@@ -94,7 +94,7 @@ class FsTier(PerKeyTier):
         self.temp_grace_s = float(o["temp_grace_s"])
         self._check_writable()
         self.direct_io = self._choose_direct_io(o["direct_io"])
-        self._native = fs_native.load()
+        self._native = store_helper.load()
         self._index = FsIndex(None if o["max_bytes"] is None else int(o["max_bytes"]))
         self._faillog = FailureLog(ctx.log, f"fs tier {ctx.tier_name}")
         self._local = threading.local()
