@@ -143,11 +143,17 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from kvtier.bench.chaos import cli as chaos_cli
 
     chaos_cli.add_parser(bsub)
-    r = bsub.add_parser("report", help="table, CSV and PNG from saved results.json files")
-    r.add_argument("results", type=Path, nargs="+")
-    r.add_argument("--out", type=Path, default=Path("bench-results/report"), help="CSV and PNG go here")
+    from kvtier.bench import plots
+
+    r = bsub.add_parser("report", help="table, CSV and PNG from saved results.json files; with none, "
+                                       "BENCHMARKS.md's plots from benchmarks/results/")
+    r.add_argument("results", type=Path, nargs="*")
+    r.add_argument("--out", type=Path, default=None,
+                   help=f"CSV and PNG go here (default {plots.FILES_OUT}; with no files {plots.PAGE_DIR})")
+    r.add_argument("--results-dir", type=Path, default=plots.RESULTS_DIR,
+                   help=f"with no files: the raw JSON the plots read (default {plots.RESULTS_DIR})")
     r.add_argument("--title", default=None)
-    r.set_defaults(func=run_report)
+    r.set_defaults(func=plots.run_report)
 
 
 def _raise_interrupt(signum: int, frame: Any) -> None:
