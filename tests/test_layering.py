@@ -35,9 +35,11 @@ OUTSIDE_INTEGRATIONS = ("bench", "tools", "cli")
 # The core's parts, each importing only the parts before it (a part is a top-level module or folder).
 LAYERS = ("errors", "plugins", "clib", "format", "ops", "policies", "host", "tiers", "transfer", "config",
           "manager", "trace", "engine")
-UNSAFE_DESERIALIZERS = ("pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib")
+UNSAFE_DESERIALIZERS = ("pickle", "cPickle", "marshal", "shelve", "dill", "cloudpickle", "joblib",
+                        "multiprocessing.connection")  # Connection.recv unpickles
 # Names several modules may share because each plays that role for its own family or command.
-SAME_ROLE = frozenset({"__init__", "base", "cli", "index", "presets", "registry", "report", "tier"})
+SAME_ROLE = frozenset({"__init__", "base", "cli", "index", "presets", "registry", "report", "runner",
+                       "tier"})
 
 
 def modules(root: Path, package: str) -> dict[str, Path]:
@@ -147,7 +149,7 @@ def tier_device_imports(deps: dict[str, set[str]], package: str) -> list[str]:
 
 def unsafe_deserializers(deps: dict[str, set[str]]) -> list[str]:
     return sorted(f"{name} imports {dep}" for name, targets in deps.items() for dep in targets
-                  if dep.split(".")[0] in UNSAFE_DESERIALIZERS)
+                  if any(dep == u or dep.startswith(u + ".") for u in UNSAFE_DESERIALIZERS))
 
 
 def core_violations(deps: dict[str, set[str]], package: str) -> list[str]:
@@ -260,7 +262,9 @@ def bad_package(tmp_path: Path) -> Path:
     (root / "manager.py").write_text("from pkg.integrations import glue\nimport vllm.config\n")
     (root / "integrations" / "glue.py").write_text("from pkg import manager\nfrom pkg.tools import t\n")
     (root / "tools" / "t.py").write_text("")
-    (root / "tiers" / "disk.py").write_text("import pickle\n\ndef f():\n    import torch.cuda\n")
+    (root / "tiers" / "disk.py").write_text(
+        "import pickle\nfrom multiprocessing.connection import Connection\n\n"
+        "def f():\n    import torch.cuda\n")
     (root / "transfer" / "a.py").write_text("def f():\n    from pkg.transfer import b\n")
     (root / "transfer" / "b.py").write_text("from .a import f\n")
     (root / "format" / "keys.py").write_text("from pkg.transfer import a\n")
@@ -288,7 +292,8 @@ def test_the_checks_catch_what_they_guard(bad_package: Path) -> None:
     assert crowded[1] == f"pkg/tools: {MAX_FOLDER_FILES + 2} modules"
     assert shared_names(bad_package) == ["manager: format/manager.py, manager.py"]
     assert tier_device_imports(deps, "pkg") == ["pkg.tiers.disk imports torch.cuda"]
-    assert unsafe_deserializers(deps) == ["pkg.tiers.disk imports pickle"]
+    assert unsafe_deserializers(deps) == [
+        "pkg.tiers.disk imports multiprocessing.connection", "pkg.tiers.disk imports pickle"]
     assert sorted(cycles(deps)) == [
         ["pkg.integrations.glue", "pkg.manager"], ["pkg.transfer.a", "pkg.transfer.b"],
     ]
