@@ -5,8 +5,9 @@ from __future__ import annotations
 import os
 import secrets
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import pytest
 
@@ -35,6 +36,7 @@ os.environ["TORCH_COMPILE_DISABLE"] = "1"
 ROW_BYTES = 3 * 4096
 SLOTS = 32
 LAYOUT_FP = "00112233445566778899aabbccddeeff"
+T = TypeVar("T")
 
 
 VLLM_CACHE = Path.home() / ".cache" / "kvtier" / "vllm"
@@ -74,6 +76,18 @@ def fill_slot(ctx: TierContext, slot: int) -> bytes:
     data = os.urandom(ctx.row_bytes)
     ctx.slot_view(slot)[:] = data
     return data
+
+
+def wait_until(condition: Callable[[], T], what: str, timeout_s: float = 10.0,
+               interval_s: float = 0.005) -> T:
+    """Poll `condition` until it returns a true value, and return that value; fails the test,
+    saying `what` was awaited, if `timeout_s` passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not (value := condition()):
+        if time.monotonic() > deadline:
+            pytest.fail(f"{what}: not within {timeout_s} s")
+        time.sleep(interval_s)
+    return value
 
 
 def wait_jobs(tier, n: int, timeout_s: float = 10.0) -> list[JobResult]:
