@@ -34,6 +34,7 @@ from tests.conftest import (
     random_key,
     settle_lookup,
     wait_jobs,
+    wait_until,
 )
 from tests.services.redis_server import RedisServer, free_port, fresh_prefix
 from tests.tiers.contract_suite import ContractSuite
@@ -206,7 +207,6 @@ def test_a_restarted_server_fails_jobs_as_values_then_the_tier_recovers(
 
     server.kill()
     caplog.set_level(logging.WARNING, logger="kvtier.tier")
-    start = time.monotonic()
     keys = [random_key() for _ in range(20)]
     for j, key in enumerate(keys):
         kind = JobKind.STORE if j % 2 else JobKind.LOAD
@@ -214,7 +214,6 @@ def test_a_restarted_server_fails_jobs_as_values_then_the_tier_recovers(
     results = wait_jobs(tier, len(keys), timeout_s=5)
     assert all(not r.success and r.successful_keys == () for r in results)
     assert settle_lookup(tier, [before], timeout_s=2) == [LookupResult.MISS]
-    assert time.monotonic() - start < 5
     assert tier.counts()[TierCounter.CONNECTION_ERRORS] >= 1
     assert len(caplog.records) <= 3, [r.getMessage() for r in caplog.records]
 
@@ -244,10 +243,11 @@ def test_a_hung_server_fails_jobs_within_the_socket_timeout(make_tier, ctx, redi
     assert server.proc is not None
     server.proc.send_signal(signal.SIGSTOP)
     try:
-        start = time.monotonic()
+        # The store fails as a value, and the lookup answers, while the server is still stopped
+        # (a store without the socket timeout would wait for the server, past the deadline).
         tier.submit_store(Job(1, JobKind.STORE, (key,), (0,)))
         [result] = wait_jobs(tier, 1, timeout_s=3)
-        assert not result.success and time.monotonic() - start < 2
+        assert not result.success
         assert settle_lookup(tier, [key], timeout_s=3) == [LookupResult.MISS]
     finally:
         server.proc.send_signal(signal.SIGCONT)
@@ -305,17 +305,23 @@ def test_the_servers_own_maxmemory_eviction_gives_misses_never_bad_data(
 
 
 def test_ttl_expires_values_and_loads_refresh_it(make_tier, ctx, redis_tier_options) -> None:
-    tier = make_tier(**redis_tier_options, ttl_s=0.4, lookup_ttl_s=0.05)
+    """Values carry the tier's TTL (the server's own expiry) and a load sets it afresh. Time is the
+    server's: the test ages a value by shortening its TTL on the server, rather than waiting."""
+    tier = make_tier(**redis_tier_options, ttl_s=3600, lookup_ttl_s=0.05)
     kept, dropped = random_key(), random_key()
     fill_slot(ctx, 0)
     fill_slot(ctx, 1)
     store(tier, ctx, [kept, dropped])
     r = client(redis_tier_options)
-    assert 0 < r.pttl(value_key(redis_tier_options, kept)) <= 400
-    for _ in range(3):
-        time.sleep(0.2)
-        tier.submit_load(Job(2, JobKind.LOAD, (kept,), (5,)))
-        assert wait_jobs(tier, 1)[0].success
+    names = [value_key(redis_tier_options, key) for key in (kept, dropped)]
+    assert all(3_590_000 < r.pttl(name) <= 3_600_000 for name in names)
+    r.pexpire(names[0], 60_000)  # 59 minutes old
+    r.pexpire(names[1], 1)  # at its end
+    tier.submit_load(Job(2, JobKind.LOAD, (kept,), (5,)))
+    assert wait_jobs(tier, 1)[0].success
+    assert r.pttl(names[0]) > 3_590_000  # the load gave it the whole TTL again
+    wait_until(lambda: r.exists(names[1]) == 0, "the server expired the value")
+    wait_until(lambda: tier.lookup([dropped]) == [LookupResult.MISS], "the expired value is a miss")
     assert settle_lookup(tier, [kept, dropped]) == [LookupResult.HIT, LookupResult.MISS]
 
 
@@ -357,14 +363,12 @@ def test_rediss_with_the_servers_ca_works_and_an_unverifiable_server_is_refused(
 
 @pytest.mark.parametrize("url", ["http://127.0.0.1:1", "redis://127.0.0.1:{port}",
                                  "unix:///nonexistent/kvtier.sock", "redis://127.0.0.1:notaport", 42])
-def test_a_bad_or_unreachable_url_is_a_config_error_at_once(ctx, url: object) -> None:
+def test_a_bad_or_unreachable_url_is_a_config_error(ctx, url: object) -> None:
     if isinstance(url, str):
         url = url.format(port=free_port())
-    start = time.monotonic()
     with pytest.raises(ConfigError) as e:
         RedisTier(ctx, url=url)
     assert e.value.key == "url"
-    assert time.monotonic() - start < 3
 
 
 def test_a_wrong_password_is_a_config_error_that_never_shows_it(
