@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import itertools
 import os
+import select
 import socket
 import threading
 import time
@@ -28,7 +29,7 @@ from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.fetch import Fetcher
 from kvtier.tiers.p2p.index import ChunkIndex, Claim
 from kvtier.tiers.p2p.row_server import P2PServer
-from tests.conftest import LAYOUT_FP, random_key
+from tests.conftest import LAYOUT_FP, random_key, wait_until
 
 SECRET = Secret(b"p2p-data-test-secret-0123")
 FP = bytes.fromhex(LAYOUT_FP)
@@ -150,6 +151,15 @@ BIG_ROW = 16 << 20
 stops reading blocks mid-row."""
 
 
+def wait_until_sending_is_blocked(holder: Holder) -> None:
+    """Until the holder's one data connection cannot take another byte (the kernel's send buffer is
+    full: `select` no longer reports it writable), so its serving thread, in `sendall`, waits for the
+    requester to read."""
+    with holder.server._lock:
+        [conn] = holder.server._conns
+    wait_until(lambda: not select.select([], [conn], [], 0)[1], "the holder blocked mid-row")
+
+
 @pytest.fixture
 def big_holder() -> Iterator[Holder]:
     h = Holder(row_bytes=BIG_ROW, slots=2)
@@ -173,7 +183,7 @@ def test_a_slot_reused_while_its_row_is_being_sent_voids_the_row(big_holder: Hol
         protocol.client_handshake(conn, SECRET, FP, BIG_ROW)
         conn.sendall(protocol.encode_get([key, other]))
         first = protocol.recv_bytes(conn, block + header + rowhash.PIECE_BYTES)
-        time.sleep(0.3)  # the server's thread fills the socket buffers and blocks mid-row
+        wait_until_sending_is_blocked(holder)
         assert holder.book.counts()[TierCounter.CHUNKS_SERVED] == 0
         new = holder.reuse(0)
         rest = protocol.recv_bytes(conn, BIG_ROW - rowhash.PIECE_BYTES + block)
