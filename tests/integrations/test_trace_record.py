@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import socket
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -90,21 +89,27 @@ def test_the_command_counts_lost_and_foreign_messages(tmp_path: Path,
     endpoint = f"tcp://127.0.0.1:{free_port()}"
     out = tmp_path / "t.jsonl"
     ctx = zmq.Context()
-    pub = ctx.socket(zmq.PUB)
+    pub = ctx.socket(zmq.XPUB)  # an XPUB receives each subscription: the recorder's says it is in
     pub.bind(endpoint)
     stored = BlockStored(block_hashes=[7, 8], parent_block_hash=None, token_ids=[], block_size=16,
                          lora_id=None, medium="GPU", lora_name=None)
     batch = msgspec.msgpack.encode(KVEventBatch(ts=1.0, events=[stored]))
 
+    subscribed: list[bytes] = []
+
     def publish() -> None:
-        time.sleep(1.0)  # the subscriber connects
+        if pub.poll(30_000):
+            subscribed.append(pub.recv())
         for seq, payload in ((0, b"not msgpack"), (1, batch), (5, batch)):
             pub.send_multipart((b"", seq.to_bytes(8, "big"), payload))
 
     sender = threading.Thread(target=publish)
     sender.start()
-    assert main(["trace", "record", "--zmq", endpoint, "--out", str(out), "--duration", "3"]) == 0
+    # It stops after the second event; the duration only bounds a run that would never get it.
+    assert main(["trace", "record", "--zmq", endpoint, "--out", str(out), "--max-events", "2",
+                 "--duration", "60"]) == 0
     sender.join()
+    assert subscribed == [b"\x01"], "the recorder never subscribed"
     pub.close(linger=0)
     ctx.term()
     err = capsys.readouterr().err
