@@ -8,8 +8,8 @@ Two PNGs, each from files in `benchmarks/results/` (`--results-dir`), written to
   a device cache that holds everything). Each regime was measured in two runs of the same workload
   (`REGIMES`: the regime comparison against all-fits, then the one with LMCache); each run is a
   marker per system, its median over the rounds, with the min-max spread as its bar.
-- `ramp.png`: TTFT p50, TTFT p99 and tokens/s (prompt + output) against the requests in flight, one
-  line per configuration, median and min-max over the rounds (`RAMP`).
+- `ramp.png`: TTFT p50, TTFT p99, ITL p99 and tokens/s (prompt + output) against the requests in
+  flight, one line per configuration, median and min-max over the rounds (`RAMP`).
 
 The figures come from each file's `points` (one per run), summarised as `kvtier bench multiturn`
 summarises them (`summary.repeat_summary`). A file that is missing, or that holds no run of a
@@ -77,7 +77,7 @@ RAMP = Run("ramp_1_2_4_8_cpu_2026-12-02.json", "concurrency ramp",
            {"vLLM alone (no-offload)": "no-offload", "kvtier, host tier (host)": "host",
             "kvtier, host and fs tiers (host+fs)": "host+fs"})
 RAMP_PANELS = (("ttft_s.p50", "TTFT p50 (s)"), ("ttft_s.p99", "TTFT p99 (s)"),
-               ("tokens_per_s", "tokens/s (prompt + output)"))
+               ("itl_s.p99", "ITL p99 (s)"), ("tokens_per_s", "tokens/s (prompt + output)"))
 
 Spread = dict[str, float]
 
@@ -192,7 +192,8 @@ def draw_ramp(results: Path, path: Path) -> None:
     from matplotlib.ticker import FormatStrFormatter
 
     run_label, lines = ramp_figures(results)
-    fig, axes = plt.subplots(1, len(RAMP_PANELS), figsize=(13, 4.4))
+    fig, grid = plt.subplots(2, len(RAMP_PANELS) // 2, figsize=(11, 8.5))
+    axes = list(grid.flat)
     levels = sorted({n for per in lines.values() for n in per[RAMP_PANELS[0][0]]})
     for i, (label, per_metric) in enumerate(lines.items()):
         for ax, (metric, _) in zip(axes, RAMP_PANELS, strict=True):
