@@ -64,7 +64,7 @@ class Run:
 
 
 def _connector(llm: Any) -> Any:
-    return llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    return llm.llm_engine.engine_core.engine_core.scheduler.connector.planner
 
 
 def serve(args: argparse.Namespace, flag: Path) -> Run:

@@ -72,7 +72,7 @@ def engine(config: str, max_tokens: int) -> int:
             ask = json.loads(line)
             seconds, split = serve(llm, prompt_ids(tokenizer, ask["index"], ask["tokens"]))
             start = time.perf_counter()
-            scheduler = getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "scheduler", None)
+            scheduler = getattr(llm.llm_engine.engine_core.engine_core.scheduler.connector, "planner", None)
             while scheduler is not None and scheduler.manager.in_flight:
                 scheduler.manager.poll()  # what the next engine step would do first
                 time.sleep(0.002)

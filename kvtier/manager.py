@@ -1,6 +1,9 @@
 """The tiering manager: one view over the host tier and the secondary tiers, engine-agnostic.
 
-Called on the scheduler thread only, and never blocks it:
+The one owner of the host tier: the request path (`kvtier.engine`) reaches host rows only through
+the row calls below (`pin_rows`, `reserve_rows`, ...). Called on the scheduler thread only; it
+waits on that thread in two bounded places alone: a lookup waits up to `lookup_wait_s` for tiers'
+answers, and `await_promotions` up to the caller's timeout (`promotion_wait_s`).
 - `lookup_prefix(keys)` finds how many leading chunks are ready in the host tier and, beyond them,
   which chunks the secondary tiers hold; it starts promoting those (secondary → host, the host slots
   allocated before the load and released if it fails) and reports them as pending until done.
@@ -20,33 +23,18 @@ import time
 from collections import Counter
 from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from typing import Protocol
 
 from kvtier.format.chunks import HOST, ChunkKey, TierEvent
 from kvtier.host.region import HostRegion
-from kvtier.host.tier import HostTier
+from kvtier.host.tier import HostTier, HostTierStats
 from kvtier.ops.metrics import KVTierMetrics
 from kvtier.policies.admission import AdmissionChain
 from kvtier.policies.base import DEFAULT_PRIORITY, AdmitAll
 from kvtier.policies.remembered import RememberedPriorities
 from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
+from kvtier.tiers.process import TierProcess
 
 log = logging.getLogger("kvtier.manager")
-
-
-class TierHandle(Protocol):
-    """What the manager needs of a secondary tier: the contract plus a name and events."""
-
-    name: str
-
-    def shutdown(self) -> None: ...
-    def lookup(self, keys: Sequence[ChunkKey]) -> list[LookupResult]: ...
-    def submit_store(self, job: Job) -> None: ...
-    def submit_load(self, job: Job) -> None: ...
-    def get_finished_jobs(self) -> list[JobResult]: ...
-    def take_events(self) -> list[TierEvent]: ...
-    def await_answers(self, timeout_s: float) -> None: ...
-    def await_jobs(self, job_ids: Collection[int], timeout_s: float) -> None: ...
 
 
 @dataclass(frozen=True)
@@ -81,7 +69,7 @@ class TieringManager:
     def __init__(
         self,
         host: HostTier,
-        tiers: Sequence[TierHandle],
+        tiers: Sequence[TierProcess],
         admission: AdmissionChain | None = None,
         metrics: KVTierMetrics | None = None,
         lookup_wait_s: float = 0.0,
@@ -91,7 +79,8 @@ class TieringManager:
         if len(self.tiers) != len(tiers) or HOST in self.tiers:
             raise ValueError(f"tier names must be unique and not {HOST!r}")
         self.admission = admission or AdmissionChain([AdmitAll()])
-        self._job_ids = itertools.count(1)
+        self.job_ids = itertools.count(1)
+        """The one job-id space: tier jobs and the request path's copy jobs draw from it."""
         self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
         self._claimed: set[ChunkKey] = set()
@@ -271,6 +260,45 @@ class TieringManager:
             if slots is not None:
                 tier.submit_store(self._job(name, JobKind.STORE, resident, slots, priority))
 
+    # -- host rows, for the request path -------------------------------------------------------
+
+    @property
+    def row_bytes(self) -> int:
+        return self.host.row_bytes
+
+    def host_stats(self) -> HostTierStats:
+        return self.host.stats()
+    def ready_prefix(self, keys: Sequence[ChunkKey]) -> int | None:
+        """How many leading `keys` the host tier holds readable; None while one is being written."""
+        return None if any(self.host.is_pending(k) for k in keys) else self.host.lookup(keys)
+
+    def pin_rows(self, keys: Sequence[ChunkKey], access: bool = False) -> list[int] | None:
+        """Pin the rows of `keys` for a host → device copy (all or none: None when one is missing);
+        `access` counts it as a use for eviction. Each pin is undone by `unpin_rows`."""
+        return self.host.pin(keys, access=access)
+
+    def unpin_rows(self, keys: Sequence[ChunkKey]) -> None:
+        self.host.unpin(keys)
+    def reserve_rows(self, keys: Sequence[ChunkKey]) -> tuple[dict[ChunkKey, int], int]:
+        """Rows for a device → host store of the leading `keys` that fit: (key → slot for those
+        not held already, how many leading keys fitted). Each is `publish`ed or `abandon_rows`."""
+        return self.host.reserve_prefix(keys)
+
+    def abandon_rows(self, keys: Sequence[ChunkKey]) -> None:
+        """Roll back rows `reserve_rows` gave and no copy will fill."""
+        self.host.commit(keys, False)
+
+    def raise_priority(self, keys: Sequence[ChunkKey], priority: int) -> None:
+        self.host.raise_priority(keys, priority)
+
+    def used(self, keys: Sequence[ChunkKey]) -> None:
+        """A finished request read or wrote `keys`: one use each, for eviction."""
+        self.host.used_prefix(keys)
+
+    def clear_host(self) -> int:
+        """Drop every unpinned host row; how many were dropped."""
+        return self.host.clear()
+
     # -- switching tiers ------------------------------------------------------------------------
 
     def tier_names(self) -> list[str]:
@@ -366,6 +394,6 @@ class TieringManager:
     def _job(
         self, tier: str, kind: JobKind, keys: Sequence[ChunkKey], slots: Sequence[int], priority: int
     ) -> Job:
-        job = Job(next(self._job_ids), kind, tuple(keys), tuple(slots))
+        job = Job(next(self.job_ids), kind, tuple(keys), tuple(slots))
         self._transfers[job.job_id] = _Transfer(tier, kind, job.keys, priority)
         return job

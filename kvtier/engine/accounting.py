@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
-from kvtier.host.tier import HostTier
+from kvtier.host.tier import HostTierStats
 from kvtier.manager import TieringManager
 from kvtier.tiers.base import TierUsage
 
@@ -85,7 +85,7 @@ class Accounting:
         if not ok:
             self.metrics.inc("failures", chunks, HOST, op)
             return
-        row_bytes = self.manager.host.row_bytes
+        row_bytes = self.manager.row_bytes
         self.metrics.inc("transfer_chunks", chunks, HOST, op)
         self.metrics.inc("transfer_bytes", chunks * row_bytes, HOST, op)
         self.metrics.inc("transfer_seconds", seconds, HOST, op)
@@ -108,12 +108,11 @@ class Accounting:
 
     def step(self) -> None:
         """Once per engine step: occupancy of every tier (the manager counts its own transfers)."""
-        self._occupancy_host(self.manager.host)
+        self._occupancy_host(self.manager.host_stats())
         for name, tier in self.manager.tiers.items():
-            self._occupancy(name, getattr(tier, "last_usage", None))
+            self._occupancy(name, tier.last_usage)
 
-    def _occupancy_host(self, host: HostTier) -> None:
-        stats = host.stats()
+    def _occupancy_host(self, stats: HostTierStats) -> None:
         self._set_occupancy(HOST, stats.ready * stats.row_bytes, stats.ready, stats.capacity_bytes)
 
     def _occupancy(self, name: str, usage: TierUsage | None) -> None:

@@ -1,19 +1,19 @@
-"""The worker half of the connector: runs the chunk copies the scheduler half planned.
+"""The worker side of the request path: runs the chunk copies the scheduler side planned.
 
-Runs in each vLLM worker (one per TP rank), on the worker's model-runner thread. It needs nothing
-from the scheduler process but the connector metadata of each step: the host region's name, and
-(block ids, slots) pairs; it maps the region by name on first use.
+Runs in each engine worker (one per TP rank), on the worker's model-runner thread. It needs nothing
+from the scheduler process but each step's `StepPlan`: the host region's name, and (block ids,
+slots) pairs; it maps the region by name on first use.
 
-Per step, in vLLM's order: `before_forward` (vLLM's `handle_preemptions`, before the forward pass
-is launched), the forward pass, `start_load` (the bound metadata's loads, host → device; vLLM 0.32
-calls it after launching the pass, and the loading requests are not in it), `save` (its stores,
-device → host), then `take_finished_loads`, `take_load_errors` and `take_worker_meta` report the
-copies that ended.
+Per step, in the engine's order (vLLM's hooks in parentheses): `before_forward`
+(`handle_preemptions`, before the forward pass is launched), the forward pass, `start_load` (the
+plan's loads, host → device; vLLM 0.32 calls it after launching the pass, and the loading requests
+are not in it), `save` (its stores, device → host), then `take_finished_loads`,
+`take_load_errors` and `take_report` report the copies that ended.
 
-The copies themselves are `kvtier.transfer`'s, picked by the device of the KV tensors (recurrent-state
-segments go through the same transfer, handed its `StateCopier`): on the CPU
-they run synchronously, so every job of a step is reported in that step; on CUDA they are queued on
-copy streams and each job is reported in the first report that finds it ended. A failed load's
+The copies themselves are `kvtier.transfer`'s, picked by the device of the KV tensors
+(recurrent-state segments go through the same transfer, handed its `StateCopier`): on the CPU
+they run synchronously, so every job of a step is reported in that step; on CUDA they are queued
+on copy streams and each job is reported in the first report that finds it ended. A failed load's
 blocks are reported no later than its request: vLLM asks for finished requests, then for load
 errors, in each step, and a load found ended in between has its blocks reported first.
 """
@@ -21,21 +21,19 @@ errors, in each step, and a load found ended in between has its blocks reported 
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from kvtier.engine.geometry import EngineGeometry
+from kvtier.engine.step import CopyReport, StepPlan
 from kvtier.format.layout import SKIP_BLOCK, TPShard
-from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.model.backend_layouts import engine_layout, engine_layout_name
-from kvtier.integrations.vllm.model.geometry import EngineGeometry
-from kvtier.integrations.vllm.model.kv_dtype import holds
-from kvtier.integrations.vllm.model.state_groups import StateWorker
 from kvtier.transfer import Transfer, make_transfer
 from kvtier.transfer.copy_plan import CopyPlan, EngineLayout
+from kvtier.transfer.state_copier import StateCopier
 
-log = logging.getLogger("kvtier.vllm.worker")
+log = logging.getLogger("kvtier.copier")
 
 TransferFactory = Callable[[CopyPlan, Sequence[torch.Tensor]], Transfer]
 
@@ -49,7 +47,7 @@ class _Job:
     sync: bool = False
 
 
-class KVTierWorker:
+class CopyDriver:
     """One rank's copies between its KV tensors and the shared host region."""
 
     def __init__(
@@ -62,7 +60,6 @@ class KVTierWorker:
         self._jobs: dict[int, _Job] = {}
         self._finished_loads: set[str] = set()
         self._load_errors: set[int] = set()
-        self.states: StateWorker | None = None
         self._by_request = not geometry.one_group
         """Several KV cache groups: failed loads are reported by request, not by block."""
         self._failing: set[str] = set()
@@ -71,37 +68,34 @@ class KVTierWorker:
         self._loads: dict[int, tuple[int, bool]] = {}
         self._seconds: dict[int, float] = {}
         self._releasing: dict[str, int] = {}
-        """Released requests (`KVTierMetadata.releases`) → their stores still in flight."""
+        """Released requests (`StepPlan.releases`) → their stores still in flight."""
         self._finished_sends: set[str] = set()
 
-    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        """Build the copy plan and the transfer from the real tensors. Called once, after vLLM
-        allocated its KV cache and before the first step; raises ValueError when a tensor's layout
-        is unexpected, NotImplementedError when its device has no transfer."""
-        missing = [name for name in self.geometry.layer_names if name not in kv_caches]
+    def register(
+        self, kv_caches: Mapping[str, torch.Tensor], layout_of: Callable[[torch.Tensor], EngineLayout],
+        states: StateCopier | None = None,
+    ) -> None:
+        """Build the copy plan and the transfer from the real tensors (layer name → tensor, read
+        through the layout `layout_of` names for the first attention layer's tensor); `states`
+        copies the recurrent layers' state segments. Called once,
+        after the engine allocated its KV cache and before the first step; raises ValueError for
+        a layer without a tensor or one `layout` cannot view, NotImplementedError when the
+        tensors' device has no transfer."""
+        geometry = self.geometry
+        missing = [name for name in geometry.layer_names if name not in kv_caches]
         if missing:
             raise ValueError(f"kvtier: no KV cache tensor for layers {missing}")
-        tensors = [kv_caches[name] for name in self.geometry.layer_names]
-        layout = self._engine_layout(tensors[0])
-        geometry = self.geometry
+        tensors = [kv_caches[name] for name in geometry.layer_names]
+        layout = layout_of(tensors[0])
         plan = CopyPlan(geometry.layout, layout, self.shard, geometry.block_size, geometry.layer_groups)
-        for name, kv in zip(self.geometry.layer_names, tensors, strict=True):
-            self._check(name, plan, kv)
+        for name, kv in zip(geometry.layer_names, tensors, strict=True):
+            try:
+                plan.engine_views(kv)
+            except ValueError as exc:
+                raise ValueError(f"kvtier: layer {name}: {exc}") from exc
         self.transfer = self._transfer_factory(plan, tensors)
-        if geometry.states is not None:
-            self.states = StateWorker(geometry.states, kv_caches, self.shard.rank)
-            self.transfer.add_states(self.states.copier)
-
-    def _check(self, name: str, plan: CopyPlan, kv: torch.Tensor) -> None:
-        if not holds(kv.dtype, self.geometry.layout.dtype):
-            raise ValueError(f"kvtier: layer {name} KV is {kv.dtype}, not {self.geometry.layout.dtype}")
-        try:
-            plan.engine_views(kv)
-        except ValueError as exc:
-            raise ValueError(f"kvtier: layer {name}: {exc}") from exc
-
-    def _engine_layout(self, kv: torch.Tensor) -> EngineLayout:
-        return engine_layout(engine_layout_name(kv.device.type, kv.shape, self.geometry.layout.latent))
+        if states is not None:
+            self.transfer.add_states(states)
 
     def before_forward(self) -> None:
         """Order the coming forward pass after the stores still reading its blocks. Called before
@@ -109,7 +103,7 @@ class KVTierWorker:
         if self.transfer is not None:
             self.transfer.before_forward()
 
-    def start_load(self, meta: KVTierMetadata) -> None:
+    def start_load(self, meta: StepPlan) -> None:
         """Queue every load of `meta` host → device. Called once per step, by vLLM's
         `start_load_kv`; the loading requests are not in this step's forward pass. A load without
         pinned host rows fails at once."""
@@ -122,7 +116,7 @@ class KVTierWorker:
                 self._ended(job.job_id, False, 0.0)
         self._collect()
 
-    def save(self, meta: KVTierMetadata) -> None:
+    def save(self, meta: StepPlan) -> None:
         """Queue every store of `meta` device → host, state segments after chunks. Called once per
         step by vLLM's `wait_for_save`, after the forward pass that writes the blocks was launched."""
         if meta.stores or meta.state_stores:
@@ -138,12 +132,12 @@ class KVTierWorker:
                 self._finished_sends.add(req_id)
         self._collect()
 
-    def _copy_states(self, meta: KVTierMetadata, load: bool) -> None:
+    def _copy_states(self, meta: StepPlan, load: bool) -> None:
         """Queue the step's state copies through the transfer, as chunks are (a load before the
         request's chunk loads, on the same stream: a failed one is reported first and fails the
         request's load); a load without pinned rows fails at once."""
         jobs = meta.state_loads if load else meta.state_stores
-        if self.states is None or not jobs:
+        if not jobs:
             return
         transfer = self._transfer(meta)
         for job in jobs:
@@ -155,9 +149,9 @@ class KVTierWorker:
             else:
                 transfer.submit_state_store(job.job_id, job.block_ids, job.slots)
 
-    def _transfer(self, meta: KVTierMetadata) -> Transfer:
+    def _transfer(self, meta: StepPlan) -> Transfer:
         if self.transfer is None:
-            raise RuntimeError("kvtier: a transfer was planned before register_kv_caches")
+            raise RuntimeError("kvtier: a copy was planned before register")
         self.transfer.attach(meta.region_name, meta.shm_dir)
         return self.transfer
 
@@ -221,12 +215,12 @@ class KVTierWorker:
         errors, self._load_errors = self._load_errors, set()
         return errors
 
-    def take_worker_meta(self) -> KVTierWorkerMetadata | None:
+    def take_report(self) -> CopyReport | None:
         """This rank's finished copies since the last call, or None when there are none."""
         self._collect()
         if not self._stores and not self._loads:
             return None
-        meta = KVTierWorkerMetadata(self._stores, self._loads, self._seconds)
+        meta = CopyReport(self._stores, self._loads, self._seconds)
         self._stores, self._loads, self._seconds = {}, {}, {}
         return meta
 

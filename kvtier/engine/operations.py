@@ -77,14 +77,14 @@ class Operations:
         """Tier health and host saturation, once per step."""
         m = self.manager.metrics
         for name, tier in self.manager.tiers.items():
-            m.set("tier_up", 1.0 if getattr(tier, "is_up", True) else 0.0, name)
-            m.set("tier_restarts", float(getattr(tier, "restarts", 0)), name)
-            failure = getattr(tier, "last_failure", None)
+            m.set("tier_up", 1.0 if tier.is_up else 0.0, name)
+            m.set("tier_restarts", float(tier.restarts), name)
+            failure = tier.last_failure
             if failure is not None:
                 m.set("tier_last_failure", failure[1], name, failure[0])
         for name, jobs in self.manager.jobs_in_flight().items():
             m.set("jobs_in_flight", float(jobs), name)
-        m.set("host_pinned_chunks", float(self.manager.host.stats().pinned))
+        m.set("host_pinned_chunks", float(self.manager.host_stats().pinned))
 
     def _switch(self, tier: str, enabled: bool) -> None:
         """An operator's switch: applied, and no longer the guard's to undo."""

@@ -35,6 +35,10 @@ class Request(Protocol):
         """The prompt's tokens then the output's so far: decode extends the keyed chunks."""
 
     @property
+    def num_tokens(self) -> int:
+        """Prompt and output tokens so far."""
+
+    @property
     def num_computed_tokens(self) -> int:
         """Tokens whose KV the engine holds for this request (prefix hits and computed)."""
 

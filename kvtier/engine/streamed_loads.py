@@ -118,12 +118,11 @@ class LoadStreams:
                     return None
                 return self._part(req_id, stream, 0, ())
             stream.no_room_since = None
-        host = self.manager.host
         batch = stream.keys[: stream.promoting]
-        if any(host.is_pending(key) for key in batch):
+        ready = self.manager.ready_prefix(batch)
+        if ready is None:
             return None
-        ready = host.lookup(batch)
-        slots = host.pin(batch[:ready], access=False) if ready else None
+        slots = self.manager.pin_rows(batch[:ready]) if ready else None
         self.manager.release(batch)
         stream.promoting = 0
         if slots is None:

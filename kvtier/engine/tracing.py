@@ -23,12 +23,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from kvtier.config import KVTierConfig
-from kvtier.integrations.vllm.model.geometry import EngineGeometry
+from kvtier.engine.geometry import EngineGeometry
 from kvtier.trace.records import TraceHeader, encode_keys
 from kvtier.trace.writer import TraceWriter
 
 if TYPE_CHECKING:
-    from vllm.v1.request import Request
+    from kvtier.engine.request import Request
 
 
 class NoTracer:

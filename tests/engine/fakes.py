@@ -1,7 +1,7 @@
-"""Small stand-ins for vLLM's scheduler objects, to drive the connector halves without an engine.
+"""A tiny engine's pieces, to drive the request path (`Planner`, `CopyDriver`) without an engine.
 
-A tiny model (2 layers, 2 KV heads, head_dim 8, bf16) with 4-token blocks; the halves see the same
-attributes vLLM gives them (`Request`, `KVCacheBlocks`, `SchedulerOutput`).
+A tiny model (2 layers, 2 KV heads, head_dim 8, bf16) with 4-token blocks; `FakeRequest` has the
+attributes `kvtier.engine.request.Request` reads; KV tensors are in vLLM's CPU layout.
 """
 
 from __future__ import annotations
@@ -11,9 +11,14 @@ from typing import Any
 
 import torch
 
+from kvtier.engine.copier import CopyDriver, TransferFactory
+from kvtier.engine.geometry import EngineGeometry
+from kvtier.engine.step import StepPlan
 from kvtier.format.keys import ModelFingerprint
 from kvtier.format.layout import CanonicalLayout
-from kvtier.integrations.vllm.model.geometry import EngineGeometry
+from kvtier.integrations.vllm.model.backend_layouts import VllmCpuLayout
+from kvtier.integrations.vllm.model.state_groups import StateWorker
+from kvtier.transfer import make_transfer
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 8, 4
 ROW_BYTES = 4096  # 2 layers * 2 (K, V) * 2 heads * 4 tokens * 8 dims * 2 bytes = 512, padded
@@ -64,30 +69,22 @@ class FakeRequest:
         return len(self.all_token_ids)
 
 
-@dataclass
-class FakeBlocks:
-    ids: list[int]
-
-    def get_block_ids(self) -> tuple[list[int], ...]:
-        return (self.ids,)
-
-
-@dataclass
-class FakeSchedulerOutput:
-    num_scheduled_tokens: dict[str, int]
-    scheduled_spec_decode_tokens: dict[str, list[int]] = field(default_factory=dict)
+def copier(geo: EngineGeometry, tp_rank: int, caches: dict[str, torch.Tensor],
+           factory: TransferFactory = make_transfer) -> CopyDriver:
+    """A `CopyDriver` of rank `tp_rank` over `caches` (vLLM's CPU layout; a geometry with states
+    finds their tensors in `caches` too), registered."""
+    driver = CopyDriver(geo, tp_rank, factory)
+    states = None if geo.states is None else StateWorker(geo.states, caches, tp_rank).copier
+    driver.register(caches, lambda kv: VllmCpuLayout(), states)
+    return driver
 
 
 def store_in_child(region_name: str, shm_dir: str, job: Any, seed: int) -> tuple[int, bool]:
-    """Run in a spawned process: a worker half with `kv_caches(16, seed)` stores `job` into the
+    """Run in a spawned process: a copier with `kv_caches(16, seed)` stores `job` into the
     host region it attaches by name; returns its acknowledgement for the job."""
-    from kvtier.integrations.vllm.metadata import KVTierMetadata
-    from kvtier.integrations.vllm.worker_half import KVTierWorker
-
-    worker = KVTierWorker(geometry(), tp_rank=0)
-    worker.register_kv_caches(kv_caches(16, seed))
-    worker.save(KVTierMetadata(region_name, shm_dir, stores=(job,)))
-    meta = worker.take_worker_meta()
+    worker = copier(geometry(), 0, kv_caches(16, seed))
+    worker.save(StepPlan(region_name, shm_dir, stores=(job,)))
+    meta = worker.take_report()
     worker.shutdown()
     assert meta is not None
     return meta.stores[job.job_id]
@@ -96,13 +93,9 @@ def store_in_child(region_name: str, shm_dir: str, job: Any, seed: int) -> tuple
 def rank_store(region_name: str, job: Any, seed: int, tp_rank: int) -> tuple[int, bool]:
     """Run in a spawned process as TP rank `tp_rank` of 2: store `job` from this rank's shard of
     `kv_caches(16, seed)` into the shared host rows; return the acknowledgement."""
-    from kvtier.integrations.vllm.metadata import KVTierMetadata
-    from kvtier.integrations.vllm.worker_half import KVTierWorker
-
-    worker = KVTierWorker(geometry(tp_size=2), tp_rank)
-    worker.register_kv_caches(kv_caches(16, seed, tp_rank))
-    worker.save(KVTierMetadata(region_name, "/dev/shm", stores=(job,)))
-    meta = worker.take_worker_meta()
+    worker = copier(geometry(tp_size=2), tp_rank, kv_caches(16, seed, tp_rank))
+    worker.save(StepPlan(region_name, "/dev/shm", stores=(job,)))
+    meta = worker.take_report()
     worker.shutdown()
     assert meta is not None
     return meta.stores[job.job_id]
@@ -111,13 +104,9 @@ def rank_store(region_name: str, job: Any, seed: int, tp_rank: int) -> tuple[int
 def rank_load(region_name: str, job: Any, tp_rank: int) -> dict[str, torch.Tensor]:
     """Run in a spawned process as TP rank `tp_rank` of 2: load `job` into zeroed shard tensors;
     return the loaded blocks of every layer, in the job's block order."""
-    from kvtier.integrations.vllm.metadata import KVTierMetadata
-    from kvtier.integrations.vllm.worker_half import KVTierWorker
-
     caches = {name: torch.zeros_like(kv) for name, kv in kv_caches(16, 0, tp_rank).items()}
-    worker = KVTierWorker(geometry(tp_size=2), tp_rank)
-    worker.register_kv_caches(caches)
-    worker.start_load(KVTierMetadata(region_name, "/dev/shm", loads=(job,)))
+    worker = copier(geometry(tp_size=2), tp_rank, caches)
+    worker.start_load(StepPlan(region_name, "/dev/shm", loads=(job,)))
     assert worker.take_load_errors() == set()
     worker.shutdown()
     return {name: kv[list(job.all_block_ids)].clone() for name, kv in caches.items()}

@@ -6,22 +6,20 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-from vllm.v1.outputs import KVConnectorOutput
 
 from kvtier.config import KVTierConfig
 from kvtier.engine.copies import ChunkCopy
+from kvtier.engine.planner import Planner
+from kvtier.engine.step import CopyReport, StepPlan
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.metadata import KVTierMetadata, KVTierWorkerMetadata
-from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
-from kvtier.integrations.vllm.worker_half import KVTierWorker
-from tests.integrations.halves import ROW_BYTES, FakeRequest, FakeSchedulerOutput, geometry, kv_caches
+from tests.engine.fakes import ROW_BYTES, FakeRequest, copier, geometry, kv_caches
 
 PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4
 
 
 @pytest.fixture
-def sched() -> Iterator[KVTierScheduler]:
-    s = KVTierScheduler(KVTierConfig.from_dict({"cpu_bytes_to_use": 4 * ROW_BYTES}), geometry(), 1)
+def sched() -> Iterator[Planner]:
+    s = Planner(KVTierConfig.from_dict({"cpu_bytes_to_use": 4 * ROW_BYTES}), geometry(), 1)
     blocks: dict[str, list[int]] = {"other": [1, 2, 3, 4]}
     s.bind_block_ids(lambda req_id: (blocks[req_id],))
     s.test_blocks = blocks  # type: ignore[attr-defined]
@@ -29,36 +27,36 @@ def sched() -> Iterator[KVTierScheduler]:
     s.shutdown()
 
 
-def ack(s: KVTierScheduler, jobs: tuple[ChunkCopy, ...]) -> None:
+def ack(s: Planner, jobs: tuple[ChunkCopy, ...]) -> None:
     acks = {job.job_id: (1, True) for job in jobs}
-    s.update_connector_output(KVConnectorOutput(kv_connector_worker_meta=KVTierWorkerMetadata(acks)))
+    s.copies_done(CopyReport(acks))
 
 
-def fill_and_pin(s: KVTierScheduler, pinned_rows: int) -> list[bytes]:
+def fill_and_pin(s: Planner, pinned_rows: int) -> list[bytes]:
     """Store another prompt's chunks and pin `pinned_rows` of them, as cascades in flight do."""
     other = FakeRequest("other", list(range(500, 500 + 4 * pinned_rows + 1)))
-    assert s.get_num_new_matched_tokens(other, 0) == (0, False)  # type: ignore[arg-type]
-    ack(s, s.build_connector_meta(FakeSchedulerOutput({"other": other.num_tokens})).stores)
+    assert s.lookup(other, 0) == (0, False)  # type: ignore[arg-type]
+    ack(s, s.step({"other": other.num_tokens}).stores)
     keys = s.hasher.keys(other.prompt_token_ids)
     assert s.manager.host.pin(keys) is not None
     return keys
 
 
-def test_chunks_without_room_are_stored_after_the_request_finished(sched: KVTierScheduler) -> None:
+def test_chunks_without_room_are_stored_after_the_request_finished(sched: Planner) -> None:
     pinned = fill_and_pin(sched, 4)  # every row pinned, as by cascades in flight
     req = FakeRequest("a", PROMPT)
     sched.test_blocks["a"] = [8, 9, 10, 11]  # type: ignore[attr-defined]
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
-    assert sched.build_connector_meta(FakeSchedulerOutput({"a": 14})).stores == ()
+    assert sched.lookup(req, 0) == (0, False)  # type: ignore[arg-type]
+    assert sched.step({"a": 14}).stores == ()
     req.num_computed_tokens = 14
 
-    sched.request_finished(req)  # type: ignore[arg-type]
+    sched.finished(req)  # type: ignore[arg-type]
     assert sched.tails.held("a"), "unstored chunks keep the request's blocks"
-    meta = sched.build_connector_meta(FakeSchedulerOutput({}))
+    meta = sched.step({})
     assert meta.stores == () and meta.releases == ()  # still no room: the tail waits
 
     sched.manager.host.unpin(pinned)
-    meta = sched.build_connector_meta(FakeSchedulerOutput({}))
+    meta = sched.step({})
     (job,) = meta.stores
     assert job.req_id == "a" and job.block_ids == ((8,), (9,), (10,))
     assert list(job.keys) == sched.hasher.keys(PROMPT)
@@ -67,27 +65,27 @@ def test_chunks_without_room_are_stored_after_the_request_finished(sched: KVTier
     assert all(sched.manager.host.contains(k) for k in sched.hasher.keys(PROMPT))
 
 
-def test_a_request_with_everything_stored_keeps_no_block(sched: KVTierScheduler) -> None:
+def test_a_request_with_everything_stored_keeps_no_block(sched: Planner) -> None:
     req = FakeRequest("a", PROMPT)
     sched.test_blocks["a"] = [8, 9, 10, 11]  # type: ignore[attr-defined]
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
-    ack(sched, sched.build_connector_meta(FakeSchedulerOutput({"a": 14})).stores)
+    assert sched.lookup(req, 0) == (0, False)  # type: ignore[arg-type]
+    ack(sched, sched.step({"a": 14}).stores)
     req.num_computed_tokens = 14
-    sched.request_finished(req)  # type: ignore[arg-type]
+    sched.finished(req)  # type: ignore[arg-type]
     assert not sched.tails.held("a")
 
 
-def test_a_tail_is_released_when_its_time_is_up(sched: KVTierScheduler) -> None:
+def test_a_tail_is_released_when_its_time_is_up(sched: Planner) -> None:
     fill_and_pin(sched, 4)  # every row pinned
     sched.tails._wait_s = 0.0
     req = FakeRequest("a", PROMPT)
     sched.test_blocks["a"] = [8, 9, 10, 11]  # type: ignore[attr-defined]
-    assert sched.get_num_new_matched_tokens(req, 0) == (0, False)  # type: ignore[arg-type]
-    assert sched.build_connector_meta(FakeSchedulerOutput({"a": 14})).stores == ()
+    assert sched.lookup(req, 0) == (0, False)  # type: ignore[arg-type]
+    assert sched.step({"a": 14}).stores == ()
     req.num_computed_tokens = 14
-    sched.request_finished(req)  # type: ignore[arg-type]
+    sched.finished(req)  # type: ignore[arg-type]
     assert sched.tails.held("a")
-    meta = sched.build_connector_meta(FakeSchedulerOutput({}))
+    meta = sched.step({})
     assert meta.stores == () and meta.releases == ("a",)
 
 
@@ -99,11 +97,10 @@ def region() -> Iterator[HostRegion]:
 
 
 def test_worker_reports_a_released_request_once_its_stores_ended(region: HostRegion) -> None:
-    worker = KVTierWorker(geometry(), tp_rank=0)
-    worker.register_kv_caches(kv_caches(16))
+    worker = copier(geometry(), 0, kv_caches(16))
     store = ChunkCopy(1, "a", (b"k" * 32,), ((2,),), (0,))
-    worker.save(KVTierMetadata(region.name, "/dev/shm", stores=(store,), releases=("a", "b")))
+    worker.save(StepPlan(region.name, "/dev/shm", stores=(store,), releases=("a", "b")))
     assert worker.take_finished_sends() == {"a", "b"}
-    worker.save(KVTierMetadata(region.name, "/dev/shm"))
+    worker.save(StepPlan(region.name, "/dev/shm"))
     assert worker.take_finished_sends() == set()
     worker.shutdown()

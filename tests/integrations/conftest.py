@@ -80,8 +80,8 @@ def connector_halves(llm: Any) -> tuple[Any, Any]:
     """(scheduler half, worker half) of the engine's KVTierConnector (in-process engine only)."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group
 
-    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
-    return scheduler, get_kv_transfer_group().worker
+    scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.planner
+    return scheduler, get_kv_transfer_group().copier
 
 
 

@@ -43,7 +43,7 @@ def assert_names_device_blocks(event: Any, device: list[int], prompt: list[int])
 
 def sidecar_blocks(scheduler: Any, tier: str, key: bytes) -> Any:
     """The blocks tier `tier`'s sidecar file names for `key`, once its thread wrote it."""
-    from kvtier.integrations.vllm.block_sidecar import decode
+    from kvtier.engine.events.block_sidecar import decode
 
     path = Path(scheduler.events.sidecars[tier].path(key))
     deadline = time.monotonic() + 10

@@ -13,9 +13,9 @@ import pytest
 from vllm.distributed.kv_events import BlockRemoved, BlockStored, KVEventBatch
 
 from kvtier.config import KVTierConfig
+from kvtier.engine.events.block_sidecar import BlockSidecar
 from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.integrations.vllm import kv_events
-from kvtier.integrations.vllm.block_sidecar import BlockSidecar
 from kvtier.integrations.vllm.kv_events import REMEMBERED_CHUNKS, KVEventTranslator, make_translator
 
 STORED, REMOVED = TierEventKind.STORED, TierEventKind.REMOVED

@@ -18,9 +18,10 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowSpec,
 )
 
+from kvtier.engine.geometry import NULL_BLOCK, load_blocks, store_blocks
 from kvtier.errors import ConfigError
 from kvtier.format.layout import SKIP_BLOCK
-from kvtier.integrations.vllm.model.groups import NULL_BLOCK, layer_groups, load_blocks, store_blocks
+from kvtier.integrations.vllm.model.groups import layer_groups
 
 GEOMETRY = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
 

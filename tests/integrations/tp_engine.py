@@ -131,7 +131,7 @@ def install_spy(_vllm_worker: Any) -> None:
     if multiprocessing.parent_process() is not None:
         freeze_imports()
 
-    half = get_kv_transfer_group().worker
+    half = get_kv_transfer_group().copier
     save, start_load = half.save, half.start_load
     _RECORDED.clear()  # an engine in the test's own process follows others there
 
@@ -227,7 +227,7 @@ def _build(model: str, tp: int, fs_dir: str, llm_options: dict[str, Any], mamba2
     finally:
         restore()
     llm.collective_rpc(tp_engine.install_spy)
-    return llm, llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+    return llm, llm.llm_engine.engine_core.engine_core.scheduler.connector.planner
 
 
 class LocalEngine:

@@ -25,8 +25,6 @@ def test_records_rotate_and_every_part_reads(tmp_path: Path) -> None:
     writer = TraceWriter(path, HEADER, max_bytes=4096)
     for i in range(200):
         assert writer.write(record(i))
-        if i % 50 == 0:
-            time.sleep(0.05)
     writer.close()
     writer.close()
     assert (writer.written, writer.dropped, writer.failed) == (200, 0, False)
@@ -71,10 +69,11 @@ def test_a_stalled_file_never_blocks_the_caller(tmp_path: Path) -> None:
     fifo = tmp_path / "stalled"
     os.mkfifo(fifo)  # opening it for writing blocks until a reader comes: a stalled file system
     writer = TraceWriter(fifo, HEADER, max_bytes=1 << 20, queue_records=10)
-    start = time.monotonic()
+    # Every call returns while the writer thread is stalled (no reader has opened the FIFO yet):
+    # the queue takes 10 records and the rest are dropped, never waited for.
     accepted = [writer.write(record(i)) for i in range(100)]
-    assert time.monotonic() - start < 0.5
     assert accepted.count(True) == 10 and writer.dropped == 90
+    assert writer.written == 0  # nothing reached the file: the writer thread is still stalled
     lines: list[str] = []
 
     def read() -> None:

@@ -15,18 +15,18 @@ from collections.abc import Iterator, Sequence
 import pytest
 import torch
 
+from kvtier.engine.copier import CopyDriver
 from kvtier.engine.copies import ChunkCopy, StateCopy
+from kvtier.engine.geometry import StateGroups
+from kvtier.engine.step import StepPlan
 from kvtier.format.layout import SKIP_BLOCK, host_rows
 from kvtier.format.state_rows import StateLayout, StatePart
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.metadata import KVTierMetadata
-from kvtier.integrations.vllm.model.state_groups import StateGroups
-from kvtier.integrations.vllm.worker_half import KVTierWorker
 from kvtier.transfer import Transfer
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.stream import StreamTransfer
+from tests.engine.fakes import ROW_BYTES, copier, geometry, kv_caches
 from tests.format.helpers import random_kv, same
-from tests.integrations.halves import ROW_BYTES, geometry, kv_caches
 from tests.transfer.emulated_device import COMPUTE_FIRST, COPIES_FIRST, EmulatedDevice
 
 KEYS = (b"a" * 32, b"b" * 32)
@@ -39,13 +39,11 @@ def region() -> Iterator[HostRegion]:
     r.close()
 
 
-def two_group_worker(device: EmulatedDevice, caches: dict[str, torch.Tensor]) -> KVTierWorker:
+def two_group_worker(device: EmulatedDevice, caches: dict[str, torch.Tensor]) -> CopyDriver:
     def factory(plan: CopyPlan, tensors: Sequence[torch.Tensor]) -> Transfer:
         return StreamTransfer(plan, tensors, device)
 
-    worker = KVTierWorker(dataclasses.replace(geometry(), layer_groups=(0, 1)), 0, factory)
-    worker.register_kv_caches(caches)
-    return worker
+    return copier(dataclasses.replace(geometry(), layer_groups=(0, 1)), 0, caches, factory)
 
 
 def test_a_two_group_model_stores_and_reloads_through_the_stream_path(region: HostRegion) -> None:
@@ -54,14 +52,14 @@ def test_a_two_group_model_stores_and_reloads_through_the_stream_path(region: Ho
     before = [kv.clone() for kv in caches.values()]
     worker = two_group_worker(device, caches)
     stores = (ChunkCopy(1, "r1", KEYS, ((2, 3), (5, 6)), (0, 3)),)
-    worker.save(KVTierMetadata(region.name, "/dev/shm", stores=stores))
-    assert worker.take_worker_meta() is None
+    worker.save(StepPlan(region.name, "/dev/shm", stores=stores))
+    assert worker.take_report() is None
     device.run(COMPUTE_FIRST)
-    out = worker.take_worker_meta()
+    out = worker.take_report()
     assert out is not None and out.stores == {1: (1, True)}
 
     loads = (ChunkCopy(2, "r2", KEYS, ((9, SKIP_BLOCK), (10, 11)), (0, 3)),)
-    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=loads))
+    worker.start_load(StepPlan(region.name, "/dev/shm", loads=loads))
     assert worker.take_finished_loads() == set()
     device.run()
     assert worker.take_finished_loads() == {"r2"} and worker.take_failed_loads() == set()
@@ -77,7 +75,7 @@ def test_a_load_failing_on_the_device_fails_its_request_after_its_event(region: 
     device = EmulatedDevice()
     worker = two_group_worker(device, kv_caches(16))
     loads = (ChunkCopy(3, "r3", KEYS[:1], ((4, 99),), (1,)),)  # block 99 does not exist
-    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=loads))
+    worker.start_load(StepPlan(region.name, "/dev/shm", loads=loads))
     assert worker.take_finished_loads() == set() and worker.copies_running == 1
     device.run()
     assert worker.take_finished_loads() == {"r3"} and worker.take_failed_loads() == {"r3"}
@@ -92,16 +90,14 @@ STATES = StateLayout(
 )
 
 
-def hybrid_worker(device: EmulatedDevice, caches: dict[str, torch.Tensor]) -> KVTierWorker:
+def hybrid_worker(device: EmulatedDevice, caches: dict[str, torch.Tensor]) -> CopyDriver:
     """Two attention layers and one gated-delta-net layer (its KV cache group is vLLM's group 1)."""
 
     def factory(plan: CopyPlan, tensors: Sequence[torch.Tensor]) -> Transfer:
         return StreamTransfer(plan, tensors, device)
 
     states = StateGroups(STATES, (STATE_LAYER,), (1,), 4)
-    worker = KVTierWorker(dataclasses.replace(geometry(), states=states), 0, factory)
-    worker.register_kv_caches(caches)
-    return worker
+    return copier(dataclasses.replace(geometry(), states=states), 0, caches, factory)
 
 
 def hybrid_caches(seed: int) -> dict[str, torch.Tensor]:
@@ -115,9 +111,8 @@ def test_a_hybrid_model_stores_and_loads_its_states_through_the_stream_path(regi
     device, caches = EmulatedDevice(), hybrid_caches(1)
     assert STATES.rows == 2
     worker = hybrid_worker(device, caches)
-    assert worker.states is not None and worker.transfer is not None
-    assert worker.transfer.states is worker.states.copier
-    state = worker.states.copier.tensors[0]
+    assert worker.transfer is not None and worker.transfer.states is not None
+    state = worker.transfer.states.tensors[0]
     gen = torch.Generator().manual_seed(7)
     stored = [random_kv(tuple(t[5].shape), t.dtype, gen) for t in state]
 
@@ -127,23 +122,23 @@ def test_a_hybrid_model_stores_and_loads_its_states_through_the_stream_path(regi
 
     device.compute(forward_pass)
     stores = (StateCopy(1, "r1", KEYS, (5,), (2, 6)),)
-    worker.save(KVTierMetadata(region.name, "/dev/shm", state_stores=stores))
-    assert worker.take_worker_meta() is None and worker.copies_running == 1
+    worker.save(StepPlan(region.name, "/dev/shm", state_stores=stores))
+    assert worker.take_report() is None and worker.copies_running == 1
     device.run(COPIES_FIRST)
-    out = worker.take_worker_meta()
+    out = worker.take_report()
     assert out is not None and out.stores == {1: (1, True)} and out.loads == {}
 
     loaded = hybrid_worker(device, hybrid_caches(2))
-    assert loaded.states is not None
+    assert loaded.transfer is not None and loaded.transfer.states is not None
     loads = (ChunkCopy(3, "r2", KEYS[:1], ((9,),), (0,)),)
     state_loads = (StateCopy(2, "r2", KEYS, (11,), (2, 6)),)
-    loaded.start_load(KVTierMetadata(region.name, "/dev/shm", loads=loads, state_loads=state_loads))
+    loaded.start_load(StepPlan(region.name, "/dev/shm", loads=loads, state_loads=state_loads))
     assert loaded.take_finished_loads() == set() and loaded.copies_running == 2
     device.run()
     assert loaded.take_finished_loads() == {"r2"} and loaded.take_failed_loads() == set()
-    out = loaded.take_worker_meta()
+    out = loaded.take_report()
     assert out is not None and out.loads == {2: (1, True), 3: (1, True)}
-    assert all(same(t[11], s) for t, s in zip(loaded.states.copier.tensors[0], stored, strict=True))
+    assert all(same(t[11], s) for t, s in zip(loaded.transfer.states.tensors[0], stored, strict=True))
     rows = host_rows(region.buf, ROW_BYTES, 8)
     assert rows[[2, 6]].any()
     worker.shutdown()
@@ -158,10 +153,10 @@ def test_a_state_load_failing_on_the_device_fails_its_request(region: HostRegion
         StateCopy(4, "r3", KEYS, (99,), (2, 6)),  # block 99 does not exist
         StateCopy(6, "r4", KEYS, (3,), ()),  # its rows could not be pinned
     )
-    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=loads, state_loads=state_loads))
+    worker.start_load(StepPlan(region.name, "/dev/shm", loads=loads, state_loads=state_loads))
     assert worker.take_finished_loads() == set()
     device.run()
     assert worker.take_finished_loads() == {"r3"} and worker.take_failed_loads() == {"r3"}
-    out = worker.take_worker_meta()
+    out = worker.take_report()
     assert out is not None and out.loads == {4: (1, False), 5: (1, True), 6: (1, False)}
     worker.shutdown()

@@ -18,16 +18,16 @@ from dataclasses import dataclass
 import pytest
 import torch
 
+from kvtier.engine.copier import CopyDriver
 from kvtier.engine.copies import ChunkCopy
+from kvtier.engine.step import StepPlan
 from kvtier.format.layout import TPShard, host_rows
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.model.backend_layouts import engine_layout, engine_layout_name
-from kvtier.integrations.vllm.worker_half import KVTierWorker
 from kvtier.transfer import CpuTransfer, Transfer, make_transfer
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer
-from tests.integrations.halves import BLOCK, HEAD_DIM, HEADS, ROW_BYTES, geometry, kv_caches
+from tests.engine.fakes import BLOCK, HEAD_DIM, HEADS, ROW_BYTES, copier, geometry, kv_caches
 
 KEYS = (b"a" * 32, b"b" * 32)
 MARK = b"kvtier-pin-check"
@@ -142,19 +142,17 @@ def region() -> Iterator[HostRegion]:
 
 def async_worker(
     streams: ScriptedStreams, pinner: FakePinner | None = None, caches: dict[str, torch.Tensor] | None = None
-) -> KVTierWorker:
+) -> CopyDriver:
     def factory(plan: CopyPlan, tensors: Sequence[torch.Tensor]) -> Transfer:
         return StreamTransfer(plan, tensors, streams, pinner)
 
-    worker = KVTierWorker(geometry(), tp_rank=0, transfer_factory=factory)
-    worker.register_kv_caches(kv_caches(16) if caches is None else caches)
-    return worker
+    return copier(geometry(), 0, kv_caches(16) if caches is None else caches, factory)
 
 
 def meta(
     region: HostRegion, loads: tuple[ChunkCopy, ...] = (), stores: tuple[ChunkCopy, ...] = ()
-) -> KVTierMetadata:
-    return KVTierMetadata(region.name, "/dev/shm", loads, stores)
+) -> StepPlan:
+    return StepPlan(region.name, "/dev/shm", loads, stores)
 
 
 def expected_rows(caches: dict[str, torch.Tensor], blocks: list[list[int]], slots: list[int]) -> torch.Tensor:
@@ -179,12 +177,12 @@ def test_a_store_is_reported_only_once_its_copy_ended(region: HostRegion) -> Non
     assert launch.after == streams.compute_marks and len(streams.compute_marks) == 1
     for _ in range(2):
         assert worker.take_finished_loads() == set()
-        assert worker.take_worker_meta() is None
+        assert worker.take_report() is None
     assert worker.copies_running == 1
     streams.complete(launch)
-    meta_out = worker.take_worker_meta()
+    meta_out = worker.take_report()
     assert meta_out is not None and meta_out.stores == {1: (1, True)} and meta_out.seconds == {1: 0.25}
-    assert worker.take_worker_meta() is None and worker.copies_running == 0
+    assert worker.take_report() is None and worker.copies_running == 0
     assert torch.equal(region_rows(region)[[0, 3]], expected_rows(caches, [[2], [5]], [0, 3])[[0, 3]])
     assert streams.syncs == 0
     worker.shutdown()
@@ -196,15 +194,15 @@ def test_a_load_is_finished_only_once_its_copy_ended(region: HostRegion) -> None
     worker = async_worker(streams, caches=caches)
     worker.save(meta(region, stores=(ChunkCopy(1, "r1", KEYS, ((2,), (5,)), (0, 3)),)))
     streams.complete_all()
-    assert worker.take_worker_meta() is not None
+    assert worker.take_report() is not None
     worker.start_load(meta(region, loads=(ChunkCopy(2, "r2", KEYS, ((9,), (10,)), (0, 3)),)))
     load = streams.launches[-1]
     assert load.direction is Direction.LOAD
-    assert worker.take_finished_loads() == set() and worker.take_worker_meta() is None
+    assert worker.take_finished_loads() == set() and worker.take_report() is None
     streams.complete(load)
     assert worker.take_finished_loads() == {"r2"}
     assert worker.take_load_errors() == set()
-    out = worker.take_worker_meta()
+    out = worker.take_report()
     assert out is not None and out.loads == {2: (1, True)} and out.stores == {}
     for kv in caches.values():
         assert torch.equal(kv[9].view(torch.int16), kv[2].view(torch.int16))
@@ -225,7 +223,7 @@ def test_a_copy_that_raises_fails_its_job_after_its_event(region: HostRegion) ->
     streams.complete_all()
     assert worker.take_finished_loads() == {"r1"}
     assert worker.take_load_errors() == {4, 99}
-    out = worker.take_worker_meta()
+    out = worker.take_report()
     assert out is not None and out.loads == {1: (1, False)} and out.stores == {2: (1, False)}
     assert not region_rows(region)[1].any()
 
@@ -246,7 +244,7 @@ def test_a_failed_load_reports_its_blocks_no_later_than_its_request(region: Host
         takes: dict[str, Callable[[], object]] = {
             "finished": worker.take_finished_loads,
             "errors": worker.take_load_errors,
-            "meta": worker.take_worker_meta,
+            "meta": worker.take_report,
         }
         step_of: dict[str, int] = {}
         for step in range(3):
@@ -339,7 +337,7 @@ def test_a_region_that_cannot_be_pinned_still_copies(
         worker.save(meta(region, stores=(ChunkCopy(1, "r", KEYS, ((1,), (2,)), (0, 1)),)))
     assert "could not pin host region" in caplog.text and "cudaError 2" in caplog.text
     streams.complete_all()
-    out = worker.take_worker_meta()
+    out = worker.take_report()
     assert out is not None and out.stores == {1: (1, True)}
     worker.shutdown()
 

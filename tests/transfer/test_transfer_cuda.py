@@ -11,17 +11,16 @@ import pytest
 import torch
 
 from kvtier.engine.copies import ChunkCopy
+from kvtier.engine.step import StepPlan
 from kvtier.format.layout import CanonicalLayout, TPShard
 from kvtier.host.region import HostRegion
-from kvtier.integrations.vllm.metadata import KVTierMetadata
 from kvtier.integrations.vllm.model.backend_layouts import engine_layout
-from kvtier.integrations.vllm.worker_half import KVTierWorker
 from kvtier.transfer import CopyResult
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.cuda import CudaStreams, cuda_transfer
 from kvtier.transfer.stream import CopyEvent, Direction, StreamTransfer
+from tests.engine import fakes as halves
 from tests.format.helpers import make_rows, same
-from tests.integrations import halves
 from tests.optional import CUDA
 from tests.transfer.helpers import (
     BLOCK,
@@ -224,19 +223,18 @@ def test_a_load_is_reported_only_after_its_copy(region: HostRegion) -> None:
 def test_the_worker_half_copies_cuda_tensors_asynchronously() -> None:
     region = HostRegion.create(8 * halves.ROW_BYTES)
     caches = {n: t.cuda() for n, t in halves.kv_caches(16).items()}
-    worker = KVTierWorker(halves.geometry(), tp_rank=0)
-    worker.register_kv_caches(caches)
+    worker = halves.copier(halves.geometry(), 0, caches)
     assert isinstance(worker.transfer, StreamTransfer)
     store = ChunkCopy(1, "r1", (b"a" * 32,), ((2,),), (0,))
-    meta = KVTierMetadata(region.name, "/dev/shm", stores=(store,))
+    meta = StepPlan(region.name, "/dev/shm", stores=(store,))
     worker.before_forward()
     worker.save(meta)
     deadline = time.monotonic() + 30
-    while (out := worker.take_worker_meta()) is None:
+    while (out := worker.take_report()) is None:
         assert time.monotonic() < deadline
     assert out.stores == {1: (1, True)}
     load = ChunkCopy(2, "r2", (b"a" * 32,), ((9,),), (0,))
-    worker.start_load(KVTierMetadata(region.name, "/dev/shm", loads=(load,)))
+    worker.start_load(StepPlan(region.name, "/dev/shm", loads=(load,)))
     while not (done := worker.take_finished_loads()):
         assert time.monotonic() < deadline
     assert done == {"r2"} and worker.take_load_errors() == set()

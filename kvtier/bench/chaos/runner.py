@@ -127,7 +127,7 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
                   max_model_len=max_model_len, max_num_seqs=spec.max_concurrency, seed=0,
                   kv_transfer_config=transfer_config(extra))
         stack.callback(llm.llm_engine.engine_core.shutdown)
-        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.scheduler
+        scheduler = llm.llm_engine.engine_core.engine_core.scheduler.connector.planner
         manager = scheduler.manager
         fp, host_row = manager.tiers["fs"].spec.layout_fingerprint, manager.tiers["fs"].spec.row_bytes
         fs = FsMedium("fs", fp, fs_root)

@@ -29,8 +29,8 @@ from typing import Literal
 
 import xxhash
 
+from kvtier.engine.events.chunk_blocks import ChunkBlocks
 from kvtier.format.chunks import ChunkKey, TierEventKind
-from kvtier.integrations.vllm.chunk_blocks import ChunkBlocks
 
 log = logging.getLogger("kvtier.vllm.events")
 

@@ -1,4 +1,5 @@
-"""A chunk in vLLM's hash space: the engine blocks it covers, as vLLM's own KV events name them.
+"""A chunk in the engine's hash space: the engine blocks it covers, as the engine's own KV events
+name them (vLLM's, today).
 
 vLLM names each full engine block by its prefix-cache block hash (chained over the tokens of every
 block before it, with its extras: cache salt, LoRA, multimodal hashes); a KV-aware router indexes
@@ -9,18 +10,16 @@ Raw hashes are kept (not the 64-bit ints routers read) so the conversion stays v
 (`maybe_convert_block_hash`, which follows `VLLM_KV_EVENTS_USE_INT_BLOCK_HASHES`), applied when an
 event is built.
 
-`request_chunks` reads them from a live vLLM request; `pack`/`unpack` are the fixed binary form the
-fs tier's sidecar files hold (`block_sidecar.py`).
+An integration reads them from its live requests (vLLM's: `kv_events.request_chunks`);
+`pack`/`unpack` are the fixed binary form the fs tier's sidecar files hold (`block_sidecar.py`).
 """
 
 from __future__ import annotations
 
 import struct
 from array import array
-from collections.abc import Sequence
 from dataclasses import dataclass
 
-from kvtier.engine.request import Request
 from kvtier.format.chunks import ChunkKey
 
 _HEAD = struct.Struct("<32sIHHBqH")
@@ -70,35 +69,3 @@ class ChunkBlocks:
         except UnicodeDecodeError:
             return None
         return ChunkBlocks(hashes, parent, array("I", data[tokens_at:name_at]), lora)
-
-
-def request_chunks(
-    request: Request, keys: Sequence[ChunkKey], first: int, block_size: int, blocks_per_chunk: int,
-    hash_block_size: int,
-) -> list[tuple[ChunkKey, ChunkBlocks]]:
-    """`ChunkBlocks` of `keys[first:]`, the chunk keys of `request` (key i covers its blocks
-    `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`), as far as vLLM has hashed its blocks.
-
-    vLLM hashes a request's blocks at `hash_block_size` tokens (the engine block size, or a divisor
-    of it for hybrid models); a block's hash is then the hash of its last sub-block, as vLLM's own
-    events name it. A request without vLLM's `block_hashes` gives nothing.
-    """
-    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
-
-    if block_size % hash_block_size:
-        return []  # vLLM never hashes so; a view it would refuse names nothing
-    hashes = resolve_block_hashes(getattr(request, "block_hashes", []), hash_block_size, block_size)
-    tokens = request.all_token_ids
-    adapter = getattr(request, "lora_request", None)
-    lora = (str(adapter.name), int(adapter.adapter_id)) if adapter is not None else None
-    bpc = blocks_per_chunk
-    out: list[tuple[ChunkKey, ChunkBlocks]] = []
-    for i in range(first, min(len(keys), len(hashes) // bpc)):
-        span = (i * bpc * block_size, (i + 1) * bpc * block_size)
-        if len(tokens) < span[1]:
-            break
-        parent = hashes[i * bpc - 1] if i else None
-        blocks = tuple(hashes[i * bpc + b] for b in range(bpc))
-        chunk = ChunkBlocks(blocks, parent, array("I", tokens[span[0] : span[1]]), lora)
-        out.append((keys[i], chunk))
-    return out

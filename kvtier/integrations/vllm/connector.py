@@ -1,10 +1,12 @@
 """`KVTierConnector`: the class vLLM loads (`kv_connector_module_path="kvtier.integrations.vllm"`).
 
 vLLM builds one instance per role: the SCHEDULER role in the engine core (it owns the host region,
-the host tier and the secondary tier processes, see `scheduler_half.py`), the WORKER role in each
-worker (it copies KV between the engine's tensors and the host region, see `worker_half.py`). This
-class only reads the config and dispatches each vLLM hook to the half its role has; the halves
-talk through `KVTierMetadata` / `KVTierWorkerMetadata` only.
+the host tier and the secondary tier processes: `kvtier.engine.planner.Planner`), the WORKER role
+in each worker (it copies KV between the engine's tensors and the host region:
+`kvtier.engine.copier.CopyDriver`). This class reads the config, translates each vLLM hook's
+objects into the plain values the request path takes, and hands it on; the two sides talk through
+`KVTierMetadata` / `KVTierWorkerMetadata` only (the engine's `StepPlan` and `CopyReport` with vLLM's
+base classes).
 
 The config is kvtier's `kv_connector_extra_config`, or one written for vLLM's OffloadingConnector
 (`spec_name`, `block_size`, vLLM's fs keys), mapped by the same `native_config.to_kvtier` as
@@ -14,7 +16,7 @@ builds its half, the scheduler role checks the host tier against the machine's m
 
 Observability: metrics reach vLLM's `/metrics` through `get_kv_connector_stats` /
 `build_kv_connector_stats` / `build_prom_metrics` (`connector_stats.py`), and are readable
-in-process from `connector.scheduler.accounting.metrics.snapshot()`; each finished request's
+in-process from `connector.planner.accounting.metrics.snapshot()`; each finished request's
 prompt tokens split by source come back in its output's `kv_transfer_params["kvtier"]["tokens"]`
 (`kvtier.engine.accounting`); KV events go out through `take_events` when vLLM's KV events are
 enabled (`kv_events.py`).
@@ -22,7 +24,9 @@ enabled (`kv_events.py`).
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -37,14 +41,18 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
 from kvtier.config import KVTierConfig
+from kvtier.engine.copier import CopyDriver
+from kvtier.engine.planner import Planner
+from kvtier.engine.step import CopyReport, StepPlan
 from kvtier.integrations.vllm.connector_stats import KVTierPromMetrics, KVTierStats
 from kvtier.integrations.vllm.host_memory import engine_plan
-from kvtier.integrations.vllm.metadata import KVTierMetadata
-from kvtier.integrations.vllm.model.geometry import engine_geometry
-from kvtier.integrations.vllm.scheduler_half import KVTierScheduler
+from kvtier.integrations.vllm.kv_events import make_translator
+from kvtier.integrations.vllm.model.backend_layouts import engine_layout, engine_layout_name
+from kvtier.integrations.vllm.model.kv_dtype import holds
+from kvtier.integrations.vllm.model.read_geometry import engine_geometry
+from kvtier.integrations.vllm.model.state_groups import StateWorker
 from kvtier.integrations.vllm.serving.native_config import is_native, to_kvtier
-from kvtier.integrations.vllm.state_scheduler import StateScheduler
-from kvtier.integrations.vllm.worker_half import KVTierWorker
+from kvtier.transfer.copy_plan import EngineLayout
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -75,6 +83,26 @@ HIT_SOURCE = {
 EXTRA = "kv_connector_extra_config"
 
 
+@dataclass
+class KVTierMetadata(StepPlan, KVConnectorMetadata):
+    """A `StepPlan` as the metadata vLLM hands each worker every step."""
+
+    @classmethod
+    def of(cls, plan: StepPlan) -> KVTierMetadata:
+        return cls(**{f.name: getattr(plan, f.name) for f in dataclasses.fields(StepPlan)})
+
+
+@dataclass
+class KVTierWorkerMetadata(CopyReport, KVConnectorWorkerMetadata):
+    """A worker's `CopyReport`, as vLLM aggregates them over workers."""
+
+    def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
+        if not isinstance(other, KVTierWorkerMetadata):
+            raise TypeError(f"cannot aggregate {type(other).__name__} into KVTierWorkerMetadata")
+        merged = self.merged(other)
+        return KVTierWorkerMetadata(merged.stores, merged.loads, merged.seconds)
+
+
 def read_config(extra: Mapping[str, Any], engine_block_size: int, *, announce: bool) -> KVTierConfig:
     """kvtier's config from `extra`: kvtier's own, or vLLM's OffloadingConnector's mapped for an
     engine of `engine_block_size` tokens per block; with `announce`, one log line per key mapped or
@@ -98,12 +126,12 @@ ROLES = {
 """vLLM's `kv_role`s, as kvtier carries them out."""
 
 
-def apply_role(scheduler: KVTierScheduler, kv_role: str | None) -> None:
-    """Set the scheduler half's loads and cascades for vLLM's `kv_role` (None: kv_both; vLLM's
-    config refuses any other name before an engine starts)."""
+def apply_role(planner: Planner, kv_role: str | None) -> None:
+    """Set the planner's loads and cascades for vLLM's `kv_role` (None: kv_both; vLLM's config
+    refuses any other name before an engine starts)."""
     role = kv_role or "kv_both"
-    scheduler.loads = role != "kv_producer"
-    scheduler.manager.cascades = role != "kv_consumer"
+    planner.loads = role != "kv_producer"
+    planner.manager.cascades = role != "kv_consumer"
     settings_log.info("kvtier: kv_role %s: %s", role, ROLES[role])
 
 
@@ -112,7 +140,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     It supports vLLM's hybrid KV cache manager (`SupportsHMA`), so vLLM keeps it on and the device
     cache keeps its full capacity; the KV cache groups kvtier cannot hold are refused at
-    construction (`geometry.engine_geometry`), before the engine serves.
+    construction (`read_geometry.engine_geometry`), before the engine serves.
     """
 
     def __init__(
@@ -126,8 +154,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         config = read_config(self._kv_transfer_config.kv_connector_extra_config or {},
                              vllm_config.cache_config.block_size, announce=scheduler)
         geometry = engine_geometry(vllm_config, kv_cache_config, config.blocks_per_chunk)
-        self.scheduler: KVTierScheduler | None = None
-        self.worker: KVTierWorker | None = None
+        self.planner: Planner | None = None
+        self.copier: CopyDriver | None = None
         if scheduler:
             memory = engine_plan(vllm_config, kv_cache_config, config.cpu_bytes_to_use,
                                  config.os_reserve_bytes)
@@ -142,34 +170,31 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
             events = vllm_config.kv_events_config
             enabled = events is not None and bool(events.enable_kv_cache_events)
             hashed = getattr(kv_cache_config, "hash_block_size", None)  # vLLM hashes requests at
-            if geometry.states is not None:
-                self.scheduler = StateScheduler(config, geometry, world, events=enabled,
-                                                hash_block_size=hashed)
-            else:
-                sync = (config.sync_host_loads and geometry.one_group
-                        and vllm_config.device_config.device_type == "cpu")
-                self.scheduler = KVTierScheduler(config, geometry, world, events=enabled,
-                                                 sync_loads=sync, hash_block_size=hashed)
-            apply_role(self.scheduler, self._kv_transfer_config.kv_role)
+            translator = make_translator(config, geometry.block_size, geometry.layout.fingerprint,
+                                         hashed) if enabled else None
+            sync = (config.sync_host_loads and geometry.one_group
+                    and vllm_config.device_config.device_type == "cpu")
+            self.planner = Planner(config, geometry, world, events=translator, sync_loads=sync)
+            apply_role(self.planner, self._kv_transfer_config.kv_role)
         else:
             from vllm.distributed.parallel_state import get_tensor_model_parallel_rank
 
-            self.worker = KVTierWorker(geometry, get_tensor_model_parallel_rank())
+            self.copier = CopyDriver(geometry, get_tensor_model_parallel_rank())
 
     @property
     def requires_kv_delivery(self) -> bool:
         """A best-effort cache: a dropped store is a later miss, never a lost hand-off."""
         return False
 
-    def _sched(self) -> KVTierScheduler:
-        if self.scheduler is None:
+    def _sched(self) -> Planner:
+        if self.planner is None:
             raise RuntimeError("kvtier: scheduler hook called on a worker-role connector")
-        return self.scheduler
+        return self.planner
 
-    def _work(self) -> KVTierWorker:
-        if self.worker is None:
+    def _work(self) -> CopyDriver:
+        if self.copier is None:
             raise RuntimeError("kvtier: worker hook called on a scheduler-role connector")
-        return self.worker
+        return self.copier
 
     def _meta(self) -> KVTierMetadata:
         meta = self._get_connector_metadata()
@@ -180,7 +205,23 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     # -- worker role ---------------------------------------------------------------------------
 
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
-        self._work().register_kv_caches(kv_caches)
+        """Hand the copier the layers' tensors, the layout vLLM's backend gave them, and the
+        recurrent layers' state copier. Raises ValueError for an attention layer without a tensor,
+        or one of another dtype than the model's KV."""
+        copier = self._work()
+        geometry = copier.geometry
+        for name, kv in kv_caches.items():
+            if name in geometry.layer_names and not holds(kv.dtype, geometry.layout.dtype):
+                raise ValueError(f"kvtier: layer {name} KV is {kv.dtype}, not {geometry.layout.dtype}")
+        states = None
+        if geometry.states is not None:
+            states = StateWorker(geometry.states, kv_caches, copier.shard.rank).copier
+        latent = geometry.layout.latent
+
+        def layout_of(kv: torch.Tensor) -> EngineLayout:
+            return engine_layout(engine_layout_name(kv.device.type, kv.shape, latent))
+
+        copier.register(kv_caches, layout_of, states)
 
     def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
         """Before every forward pass (also on steps without one): on CUDA, order it after the
@@ -218,7 +259,8 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return self._work().take_load_errors()
 
     def build_connector_worker_meta(self) -> KVConnectorWorkerMetadata | None:
-        return None if self.worker is None else self.worker.take_worker_meta()
+        report = None if self.copier is None else self.copier.take_report()
+        return None if report is None else KVTierWorkerMetadata(report.stores, report.loads, report.seconds)
 
     # -- scheduler role ------------------------------------------------------------------------
 
@@ -229,25 +271,32 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
     def get_num_new_matched_tokens(
         self, request: Request, num_computed_tokens: int
     ) -> tuple[int | None, bool]:
-        return self._sched().get_num_new_matched_tokens(request, num_computed_tokens)
+        return self._sched().lookup(request, num_computed_tokens)
 
     def update_state_after_alloc(
         self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int
     ) -> None:
-        self._sched().update_state_after_alloc(request, blocks, num_external_tokens)
+        self._sched().allocated(request, blocks.get_block_ids(), num_external_tokens)
 
     def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
-        return self._sched().build_connector_meta(scheduler_output)
+        block_state = scheduler_output.kv_connector_block_state
+        plan = self._sched().step(
+            scheduler_output.num_scheduled_tokens, scheduler_output.scheduled_spec_decode_tokens,
+            block_state.boundary_state_offloads if block_state is not None else None,
+        )
+        return KVTierMetadata.of(plan)
 
     def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
-        self._sched().update_connector_output(connector_output)
+        meta = connector_output.kv_connector_worker_meta
+        self._sched().copies_done(meta if isinstance(meta, CopyReport) else None,
+                                  connector_output.finished_recving or ())
 
     def request_finished(
         self, request: Request, block_ids: list[int]
     ) -> tuple[bool, dict[str, Any] | None]:
         """Without the hybrid manager (the user disabled it): one group's blocks. True: vLLM keeps
         them until the worker reports the request finished sending (`kvtier.engine.tails`)."""
-        params = self._sched().request_finished(request)
+        params = self._sched().finished(request)
         return self._sched().tails.held(request.request_id), params
 
     def request_finished_all_groups(
@@ -256,7 +305,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         """With the hybrid manager: called once per request, before the blocks of every group are
         freed. True: vLLM keeps them until the worker reports the request finished sending
         (stores that found no host room yet, `tails.py`)."""
-        params = self._sched().request_finished(request)
+        params = self._sched().finished(request)
         return self._sched().tails.held(request.request_id), params
 
     def get_external_cache_hit_sources(
@@ -275,17 +324,17 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         return out
 
     def take_events(self) -> list[KVCacheEvent]:
-        return self._sched().take_events() if self.scheduler is not None else []
+        return self._sched().take_events() if self.planner is not None else []
 
     def reset_cache(self) -> bool | None:
-        return self.scheduler.reset_cache() if self.scheduler is not None else None
+        return self.planner.reset_cache() if self.planner is not None else None
 
     def get_kv_connector_stats(self) -> KVConnectorStats | None:
         """This step's metric updates (scheduler role; the worker's timings travel in its worker
         metadata instead). Called by vLLM's scheduler every step."""
-        if self.scheduler is None:
+        if self.planner is None:
             return None
-        delta = self.scheduler.manager.metrics.take_delta()
+        delta = self.planner.manager.metrics.take_delta()
         return None if delta is None else KVTierStats(delta)
 
     @classmethod
@@ -304,7 +353,7 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
 
     def shutdown(self) -> None:
         """Called by vLLM when the engine or worker shuts down. Idempotent."""
-        if self.scheduler is not None:
-            self.scheduler.shutdown()
-        if self.worker is not None:
-            self.worker.shutdown()
+        if self.planner is not None:
+            self.planner.shutdown()
+        if self.copier is not None:
+            self.copier.shutdown()

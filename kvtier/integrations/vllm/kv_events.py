@@ -29,16 +29,17 @@ events with it. Called on the scheduler thread; never blocks.
 from __future__ import annotations
 
 import logging
+from array import array
 from collections import OrderedDict
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 from kvtier.config import KVTierConfig
+from kvtier.engine.events.block_sidecar import BlockSidecar
+from kvtier.engine.events.chunk_blocks import ChunkBlocks
 from kvtier.engine.request import Request
 from kvtier.errors import ConfigError
 from kvtier.format.chunks import HOST, ChunkKey, TierEvent, TierEventKind
-from kvtier.integrations.vllm.block_sidecar import BlockSidecar
-from kvtier.integrations.vllm.chunk_blocks import ChunkBlocks, request_chunks
 from kvtier.tiers.base import Locality, Medium, SecondaryTier
 from kvtier.tiers.registry import resolve_tier
 
@@ -234,3 +235,35 @@ class KVEventTranslator:
                 lora_id=lora_id, medium=medium, lora_name=lora_name, locality=locality,
             ))
         return out
+
+
+def request_chunks(
+    request: Request, keys: Sequence[ChunkKey], first: int, block_size: int, blocks_per_chunk: int,
+    hash_block_size: int,
+) -> list[tuple[ChunkKey, ChunkBlocks]]:
+    """`ChunkBlocks` of `keys[first:]`, the chunk keys of `request` (key i covers its blocks
+    `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`), as far as vLLM has hashed its blocks.
+
+    vLLM hashes a request's blocks at `hash_block_size` tokens (the engine block size, or a divisor
+    of it for hybrid models); a block's hash is then the hash of its last sub-block, as vLLM's own
+    events name it. A request without vLLM's `block_hashes` gives nothing.
+    """
+    from vllm.v1.core.kv_cache_utils import resolve_block_hashes
+
+    if block_size % hash_block_size:
+        return []  # vLLM never hashes so; a view it would refuse names nothing
+    hashes = resolve_block_hashes(getattr(request, "block_hashes", []), hash_block_size, block_size)
+    tokens = request.all_token_ids
+    adapter = getattr(request, "lora_request", None)
+    lora = (str(adapter.name), int(adapter.adapter_id)) if adapter is not None else None
+    bpc = blocks_per_chunk
+    out: list[tuple[ChunkKey, ChunkBlocks]] = []
+    for i in range(first, min(len(keys), len(hashes) // bpc)):
+        span = (i * bpc * block_size, (i + 1) * bpc * block_size)
+        if len(tokens) < span[1]:
+            break
+        parent = hashes[i * bpc - 1] if i else None
+        blocks = tuple(hashes[i * bpc + b] for b in range(bpc))
+        chunk = ChunkBlocks(blocks, parent, array("I", tokens[span[0] : span[1]]), lora)
+        out.append((keys[i], chunk))
+    return out

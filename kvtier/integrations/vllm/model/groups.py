@@ -27,18 +27,16 @@ kvtier still asks for the whole run, and pins chunks it then does not copy.)
 
 from __future__ import annotations
 
-from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, cast
 
 from kvtier.errors import ConfigError
-from kvtier.format.layout import FULL_ATTENTION, SKIP_BLOCK
+from kvtier.format.layout import FULL_ATTENTION
 from kvtier.integrations.vllm.model.state_groups import held_state
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import AttentionSpec, KVCacheConfig, KVCacheSpec
 
-NULL_BLOCK = 0  # vLLM's `BlockPool.null_block.block_id`: the group holds no block there
 SLIDING_WINDOW = "sliding_window"
 MLA_LATENT = "mla_latent"
 
@@ -123,29 +121,3 @@ def layer_groups(kv_cache_config: KVCacheConfig) -> LayerGroups:
         latent=latent,
         group_ids=tuple(g for g, _ in indexed),
     )
-
-
-def store_blocks(ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int) -> tuple[int, ...] | None:
-    """Chunk `chunk`'s blocks, group by group, from a request's per-group block ids; None when a
-    group no longer holds one of them (it left a sliding window): the chunk cannot be stored."""
-    out: list[int] = []
-    for group in ids:
-        blocks = group[chunk * blocks_per_chunk : (chunk + 1) * blocks_per_chunk]
-        if len(blocks) != blocks_per_chunk or NULL_BLOCK in blocks:
-            return None
-        out.extend(blocks)
-    return tuple(out)
-
-
-def load_blocks(
-    ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int, skip: int = 0
-) -> tuple[int, ...]:
-    """Chunk `chunk`'s blocks to load into, group by group; `SKIP_BLOCK` where a group holds none
-    (outside the window before the hit point) and for the chunk's first `skip` blocks (the device
-    hit already holds them)."""
-    out: list[int] = []
-    for group in ids:
-        blocks = list(group[chunk * blocks_per_chunk : (chunk + 1) * blocks_per_chunk])
-        blocks += [NULL_BLOCK] * (blocks_per_chunk - len(blocks))
-        out.extend(SKIP_BLOCK if b == NULL_BLOCK or i < skip else b for i, b in enumerate(blocks))
-    return tuple(out)

@@ -1,4 +1,5 @@
-"""The KV geometry of the model vLLM serves: chunk keys' model fingerprint and the canonical layout.
+"""The KV geometry of the model vLLM serves (`kvtier.engine.geometry.EngineGeometry`), read from
+vLLM's config: chunk keys' model fingerprint and the canonical layout.
 
 Both halves of the connector compute it from the same vLLM config, so the scheduler (which sizes
 host rows and hashes keys) and every worker (which copies bytes) agree without talking. Called once
@@ -9,51 +10,20 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from kvtier.engine.geometry import EngineGeometry
 from kvtier.errors import ConfigError
 from kvtier.format.keys import ModelFingerprint
 from kvtier.format.layout import CanonicalLayout
 from kvtier.integrations.vllm.model.groups import layer_groups
 from kvtier.integrations.vllm.model.kv_dtype import stored_kv_dtype
-from kvtier.integrations.vllm.model.state_groups import StateGroups, state_groups
+from kvtier.integrations.vllm.model.state_groups import state_groups
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
-
-
-@dataclass(frozen=True)
-class EngineGeometry:
-    """What kvtier needs to know about the engine's KV cache.
-
-    `layer_names` are the attention layers in model order (canonical page order in a host row);
-    `layer_groups[l]` is the attention group whose block ids address layer l (empty: one group);
-    `group_ids[g]` is attention group g's index among vLLM's KV cache groups (empty: the same).
-    `states`: the model's recurrent layers (gated delta net), stored as state segments.
-    """
-
-    fingerprint: ModelFingerprint
-    layout: CanonicalLayout
-    block_size: int
-    blocks_per_chunk: int
-    layer_names: tuple[str, ...]
-    tp_size: int
-    layer_groups: tuple[int, ...] = ()
-    group_ids: tuple[int, ...] = ()
-    states: StateGroups | None = None
-
-    @property
-    def chunk_tokens(self) -> int:
-        return self.layout.chunk_tokens
-
-    @property
-    def one_group(self) -> bool:
-        """One KV cache group and no recurrent state: vLLM takes a failed load's block ids
-        (with several groups, block ids are per group, and a failed load is reported by request)."""
-        return len(set(self.layer_groups)) <= 1 and self.states is None
 
 
 def model_name(model: str, served_model_name: str | list[str] | None) -> str:

@@ -23,11 +23,11 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
+from kvtier.engine.geometry import StateGroups
 from kvtier.errors import ConfigError
 from kvtier.format.state_rows import StateLayout, StatePart
 from kvtier.format.state_shards import Section, StateShard
@@ -47,37 +47,6 @@ def held_state(spec: KVCacheSpec) -> bool:
     from vllm.v1.kv_cache_interface import MambaSpec
 
     return isinstance(spec, MambaSpec) and spec.mamba_type.name in HELD_STATE_TYPES
-
-
-@dataclass(frozen=True)
-class StateGroups:
-    """The recurrent layers in model order, the vLLM KV cache group of each, and their format;
-    `sections` (default: each part whole) and `tp_size` say which shard of it each rank holds."""
-
-    layout: StateLayout
-    layer_names: tuple[str, ...]
-    group_ids: tuple[int, ...]
-    block_size: int
-    sections: tuple[tuple[Section, ...], ...] = ()
-    tp_size: int = 1
-
-    def shard(self, rank: int) -> StateShard:
-        """The rows of each state part TP rank `rank` holds."""
-        if not self.sections:
-            return StateShard.whole([part.shape[0] for part in self.layout.parts])
-        return StateShard(self.sections, self.tp_size, rank)
-
-    def load_blocks(self, block_ids: Sequence[Sequence[int]], tokens: int) -> tuple[int, ...] | None:
-        """The block of each recurrent layer that is to hold the state at `tokens` (a hit point),
-        from a request's per-group block ids; None when a group holds none there."""
-        index = tokens // self.block_size - 1
-        out = []
-        for g in self.group_ids:
-            ids = block_ids[g]
-            if index >= len(ids) or ids[index] == 0:
-                return None
-            out.append(ids[index])
-        return tuple(out)
 
 
 def state_groups(
