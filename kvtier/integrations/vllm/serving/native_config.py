@@ -5,17 +5,17 @@ here serves `kvtier serve --config FILE` (a whole config or its extra config alo
 connector itself, loaded by vLLM with such an extra config (`kv_connector_extra_config` given to
 KVTierConnector as it was written for OffloadingConnector). A config is recognised (`is_native`) by
 `"kv_connector": "OffloadingConnector"`, or by a key of `kv_connector_extra_config` that only vLLM's
-offloading specs read (`NATIVE_ONLY`, `spec_name` among them; the seed's config gives no connector
-name at all). `to_kvtier` maps it key by key and records each key as mapped, kept or ignored, one
-line each (`NativeMapping.lines`):
+offloading specs read (`NATIVE_ONLY`, `spec_name` among them; the configuration of the article on
+vLLM's tiered offloading that README names gives no connector name at all). `to_kvtier` maps it key
+by key and records each key as mapped, kept or ignored, one line each (`NativeMapping.lines`):
 
 - `spec_name` (TieringOffloadingSpec or CPUOffloadingSpec; absent: CPUOffloadingSpec, as in vLLM)
   becomes the KVTierConnector; `spec_module_path` is ignored;
 - `block_size` (the offload unit in tokens) becomes `blocks_per_chunk` = block_size / the engine's
   block size (vLLM's `--block-size`, by default 128 on CPU and 16 on CUDA). A block_size below the
-  engine's block (the seed's 16 on the CPU backend, whose blocks are 32 tokens or more) becomes one
-  engine block per chunk, with a warning naming both sizes; one above it that is not a multiple is
-  refused with both numbers;
+  engine's block (the 16 of README's operator's guide, on the CPU backend, whose blocks are 32 tokens
+  or more) becomes one engine block per chunk, with a warning naming both sizes; one above it that
+  is not a multiple is refused with both numbers;
 - `cpu_bytes_to_use`, `eviction_policy` and `blocks_per_chunk` (vLLM's and kvtier's alike) and
   every other key kvtier reads (`KVTierConfig.field_names`, `secondary_tiers` aside) keep their
   names and meaning;
