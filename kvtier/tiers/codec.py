@@ -16,7 +16,7 @@ from __future__ import annotations
 import enum
 import struct
 from collections.abc import Sequence
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from kvtier.errors import KVTierError
 from kvtier.format.chunks import ChunkKey
@@ -41,11 +41,12 @@ class FieldWriter:
     def __init__(self) -> None:
         self.parts: list[bytes] = []
 
-    def pack(self, fmt: struct.Struct, value: float) -> None:
+    def pack(self, fmt: struct.Struct, *values: float) -> None:
+        """`values` as the fields of `fmt`, one struct (several fields: one call, not several)."""
         try:
-            self.parts.append(fmt.pack(value))
+            self.parts.append(fmt.pack(*values))
         except struct.error as e:
-            raise MessageError(f"{value!r} does not fit a {fmt.format} field: {e}") from e
+            raise MessageError(f"{values!r} do not fit the fields {fmt.format}: {e}") from e
 
     def flag(self, value: bool) -> None:
         self.pack(U8, int(bool(value)))
@@ -92,17 +93,26 @@ class FieldReader:
         self._at = 0
 
     def take(self, n: int) -> memoryview:
-        if n > len(self._buf) - self._at:
-            raise MessageError(f"truncated payload: {n} bytes wanted at {self._at} of {len(self._buf)}")
-        self._at += n
-        return self._buf[self._at - n:self._at]
+        at = self._at
+        if n > len(self._buf) - at:
+            raise MessageError(f"truncated payload: {n} bytes wanted at {at} of {len(self._buf)}")
+        self._at = at + n
+        return self._buf[at:at + n]
+
+    def record(self, fmt: struct.Struct) -> tuple[Any, ...]:
+        """The fields of `fmt`, read in one call."""
+        at = self._at
+        if fmt.size > len(self._buf) - at:
+            raise MessageError(f"truncated payload: {fmt.size} bytes wanted at {at} of {len(self._buf)}")
+        self._at = at + fmt.size
+        return fmt.unpack_from(self._buf, at)
 
     def unpack(self, fmt: struct.Struct) -> int:
-        value: int = fmt.unpack(self.take(fmt.size))[0]
+        value: int = self.record(fmt)[0]
         return value
 
     def real(self) -> float:
-        value: float = F64.unpack(self.take(F64.size))[0]
+        value: float = self.record(F64)[0]
         return value
 
     def flag(self) -> bool:
@@ -121,6 +131,9 @@ class FieldReader:
         count = self.unpack(U32)
         sizes = struct.unpack(f"!{count}H", self.take(2 * count))
         data = self.take(sum(sizes)).tobytes()
+        width = sizes[0] if count else 0
+        if width and sizes.count(width) == count:  # one key size, the usual case
+            return tuple(data[at:at + width] for at in range(0, count * width, width))
         out, at = [], 0
         for size in sizes:
             out.append(data[at:at + size])

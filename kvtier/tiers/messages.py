@@ -4,10 +4,11 @@ A frame is a 12-byte header, then the payload:
 
     magic b"KVTM" | format version (u16) | message type (u16) | payload length (u32), network order
 
-One frozen dataclass per message type; its payload is its fields in declaration order, in the
-encodings of `kvtier.tiers.codec`. The engine sends `LookupRequest`, `JobRequest`, `StatsRequest`
-and `Shutdown`; the tier process sends `Ready` (or `ErrorReport`) once, then `LookupReply`,
-`JobsDone`, `EventsReport`, `StatsReport` and, when it cannot go on, `ErrorReport`.
+One frozen dataclass per message type; its `write` and `read` give the payload's fields, in one
+order, in the encodings of `kvtier.tiers.codec` (a change to either is a new `VERSION`). The
+engine sends `LookupRequest`, `JobRequest`, `StatsRequest` and `Shutdown`; the tier process sends
+`Ready` (or `ErrorReport`) once, then `LookupReply`, `JobsDone`, `EventsReport`, `StatsReport` and,
+when it cannot go on, `ErrorReport`.
 
 `decode` (a whole frame) and `read_message` (a frame off a socket) validate everything: magic,
 version, type, a declared length within `MAX_PAYLOAD` and equal to what follows, every field in
@@ -41,6 +42,10 @@ MAX_KEYS_PER_EVENT = 1 << 16
 MAX_RESULTS_PER_FRAME = 1 << 10
 """`JobsDone.parts` splits a batch of results into frames of at most this many."""
 _STAT_FAMILIES: tuple[type[TierStat], ...] = (TierCounter, ChunkError, TierGauge)
+_LOOKUP_RESULTS = tuple(sorted(LookupResult))
+"""Lookup answers by value (0, 1, 2: one byte each on the wire)."""
+_RESULT = struct.Struct("!QBQd")
+"""A job result's fixed fields: job id, success flag, bytes moved, seconds (then its keys)."""
 
 
 class Message:
@@ -89,8 +94,10 @@ class LookupReply(Message):
 
     @classmethod
     def read(cls, r: FieldReader) -> LookupReply:
-        req_id = r.unpack(U64)
-        return cls(req_id, tuple(map(LookupResult, r.take(r.unpack(U32)).tobytes())))
+        req_id, answers = r.unpack(U64), r.take(r.unpack(U32)).tobytes()
+        if answers and max(answers) >= len(_LOOKUP_RESULTS):
+            raise MessageError(f"no LookupResult has the value {max(answers)}")
+        return cls(req_id, tuple(map(_LOOKUP_RESULTS.__getitem__, answers)))
 
 
 @dataclass(frozen=True)
@@ -127,16 +134,18 @@ class JobsDone(Message):
     def write(self, w: FieldWriter) -> None:
         w.pack(U32, len(self.results))
         for res in self.results:
-            w.pack(U64, res.job_id)
-            w.flag(res.success)
+            w.pack(_RESULT, res.job_id, bool(res.success), res.bytes_moved, res.seconds)
             w.keys(res.successful_keys)
-            w.pack(U64, res.bytes_moved)
-            w.pack(F64, res.seconds)
 
     @classmethod
     def read(cls, r: FieldReader) -> JobsDone:
-        return cls(tuple(JobResult(r.unpack(U64), r.flag(), r.keys(), r.unpack(U64), r.real())
-                         for _ in range(r.unpack(U32))))
+        results = []
+        for _ in range(r.unpack(U32)):
+            job_id, success, bytes_moved, seconds = r.record(_RESULT)
+            if success > 1:
+                raise MessageError(f"a flag is 0 or 1, not {success}")
+            results.append(JobResult(job_id, success == 1, r.keys(), bytes_moved, seconds))
+        return cls(tuple(results))
 
     def parts(self) -> Iterator[JobsDone]:
         """This batch as frames of at most `MAX_RESULTS_PER_FRAME` results."""

@@ -163,7 +163,7 @@ MALFORMED: dict[str, tuple[bytes, str]] = {  # name: (frame, what the error says
     "keys without slots": (
         frame(JobRequest.TYPE, JOB_HEAD + b"\x00" + ONE_KEY + struct.pack("!I", 0)), "keys but 0 slots"),
     "lookup answer out of range": (
-        frame(LookupReply.TYPE, struct.pack("!QI", 1, 1) + b"\x07"), "not a valid LookupResult"),
+        frame(LookupReply.TYPE, struct.pack("!QI", 1, 1) + b"\x07"), "no LookupResult"),
     "event kind out of range": (
         frame(EventsReport.TYPE, struct.pack("!IB", 1, 2) + ONE_KEY), "no TierEventKind"),
     "text not UTF-8": (frame(ErrorReport.TYPE, text(b"\xff\xfe") + b"\x00"), "not UTF-8"),
