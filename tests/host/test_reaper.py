@@ -1,6 +1,6 @@
-"""The region reaper: a guarded region whose owner is SIGKILLed (or leaves a zombie) is removed within
-a second, outside the owner's process tree; a region closed normally, or an unguarded one, is left
-to its owner, and the reaper exits once the region is gone."""
+"""The region reaper: a guarded region whose owner is SIGKILLed (or leaves a zombie) is removed by a
+process outside the owner's process tree; a live owner's region is left alone, a region closed
+normally or an unguarded one is left to its owner, and the reaper exits once the region is gone."""
 
 from __future__ import annotations
 
@@ -8,10 +8,15 @@ import os
 import signal
 import subprocess
 import sys
-import time
+import threading
+from pathlib import Path
 
+import pytest
+
+from kvtier.host import reaper
 from kvtier.host.reaper import owner_alive, start_time
 from kvtier.host.region import HostRegion
+from tests.conftest import wait_until
 
 OWNER = ("import sys, time; from kvtier.host.region import HostRegion;"
          "r = HostRegion.create(4096, guard=sys.argv[1] == 'guard'); print(r.path, flush=True);"
@@ -39,16 +44,12 @@ def _reapers(path: str) -> list[int]:
     return found
 
 
-def _gone_within(path: str, seconds: float) -> bool:
-    deadline = time.monotonic() + seconds
-    while os.path.exists(path) or _reapers(path):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.05)
-    return True
+def _wait_gone(path: str, what: str) -> None:
+    """Until neither the region at `path` nor a reaper naming it is left."""
+    wait_until(lambda: not (os.path.exists(path) or _reapers(path)), what, interval_s=0.05)
 
 
-def test_region_of_a_killed_owner_is_removed_at_once() -> None:
+def test_region_of_a_killed_owner_is_removed() -> None:
     proc, path = _owner(guard=True, close=False)
     reapers = _reapers(path)
     assert len(reapers) == 1
@@ -56,20 +57,43 @@ def test_region_of_a_killed_owner_is_removed_at_once() -> None:
         ppid = int(f.read().rsplit(b")", 1)[1].split()[1])
     assert ppid != proc.pid, "the reaper must be outside the owner's process tree"
     proc.kill()  # the parent has not reaped it yet: a zombie owner is dead too
-    t0 = time.monotonic()
-    assert _gone_within(path, 2.0), "the reaper did not remove the region"
-    print(f"removed {time.monotonic() - t0:.2f} s after SIGKILL")
+    _wait_gone(path, "the reaper removed the region")
     proc.wait()
 
 
-def test_reaper_leaves_a_live_owner_alone_and_exits_after_close() -> None:
+def test_the_reaper_leaves_a_live_owners_region_alone(tmp_path: Path,
+                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    """The reaper's loop (`watch`) checks a live owner again and again without touching its region,
+    and returns, removing nothing, once the region is gone."""
+    path = tmp_path / "region"
+    path.write_bytes(b"")
+    checks: list[bool] = []
+
+    def checked(pid: int, started: int) -> bool:
+        checks.append(owner_alive(pid, started))
+        return checks[-1]
+
+    monkeypatch.setattr(reaper, "owner_alive", checked)
+    pid, returned = os.getpid(), []
+    started = start_time(pid)
+    assert started is not None
+    watcher = threading.Thread(
+        target=lambda: returned.append(reaper.watch(str(path), pid, started, poll_s=0.001)))
+    watcher.start()
+    wait_until(lambda: len(checks) >= 3, "the reaper checked its owner three times")
+    assert path.exists() and all(checks)
+    path.unlink()
+    watcher.join(10)
+    assert returned == [False]
+
+
+def test_reaper_exits_once_its_owner_closed_the_region() -> None:
     proc, path = _owner(guard=True, close=True)
-    time.sleep(0.5)
     assert os.path.exists(path) and len(_reapers(path)) == 1
     assert proc.stdin is not None
     proc.stdin.write("\n")
     proc.stdin.flush()
-    assert _gone_within(path, 2.0), "the reaper outlived its region"
+    _wait_gone(path, "the reaper exited after its region was closed")
     assert proc.poll() is None
     proc.send_signal(signal.SIGKILL)
     proc.wait()

@@ -7,7 +7,6 @@ flag: `test_shutdown.py`, whose servers it shares."""
 from __future__ import annotations
 
 import json
-import time
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +81,10 @@ def test_an_oversized_host_region_fails_the_region_check_before_vllm_starts(
 def test_bad_config_key_fails_naming_the_key(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.json"
     bad.write_text(json.dumps({"cpu_bytes_to_use": 1 << 20, "eviction_polcy": "arc"}))
-    started = time.monotonic()
     assert main(["serve", "some-model", "--config", str(bad)]) == 2
-    err = capsys.readouterr().err
+    out, err = capsys.readouterr()
     assert "eviction_polcy" in err and "eviction_policy" in err, err
-    assert time.monotonic() - started < 5
+    assert out == ""  # refused before any plan was made or vLLM started
     with pytest.raises(KVTierError, match="secondary_tiers"):
         build_transfer_config(None, None, _write(tmp_path, {"cpu_bytes_to_use": 1,
                                                            "secondary_tiers": [{"type": "nope"}]}))
