@@ -117,6 +117,23 @@ def integration_violations(deps: dict[str, set[str]], package: str) -> list[str]
     )
 
 
+def host_tier_bypasses(root: Path, deps: dict[str, set[str]], package: str) -> list[str]:
+    """Where the request path (`engine/`) or an integration reaches the host tier other than
+    through the manager: an import of the host tier's module, or a `<...manager>.host` attribute.
+    `engine.tiering_start` alone builds the host tier, to hand it to the manager it starts."""
+    builder = f"{package}.engine.tiering_start"
+    out = [f"{name} imports {dep}" for name, targets in deps.items()
+           if part(name) in ("engine", "integrations") and name != builder
+           for dep in targets if dep == f"{package}.host.tier"]
+    for folder in ("engine", "integrations"):
+        for path in sorted((root / folder).rglob("*.py")):
+            for node in ast.walk(ast.parse(path.read_text(), str(path))):
+                if isinstance(node, ast.Attribute) and node.attr == "host" and \
+                        ast.unparse(node.value).endswith("manager"):
+                    out.append(f"{path.relative_to(root)}:{node.lineno} reads {ast.unparse(node)}")
+    return sorted(out)
+
+
 def crowding(root: Path) -> list[str]:
     """Too many modules at the top of the package, or too many files in one folder."""
     out = []
@@ -234,6 +251,10 @@ def test_no_two_modules_share_a_name() -> None:
     assert shared_names(PACKAGE_DIR) == []
 
 
+def test_integrations_and_the_request_path_reach_the_host_tier_through_the_manager() -> None:
+    assert host_tier_bypasses(PACKAGE_DIR, graph(PACKAGE_DIR, "kvtier"), "kvtier") == []
+
+
 def test_no_tier_imports_torch() -> None:
     assert tier_device_imports(graph(PACKAGE_DIR, "kvtier"), "kvtier") == []
 
@@ -256,12 +277,15 @@ def bad_package(tmp_path: Path) -> Path:
     integration importing a tool, a back-arrow, a lazy-import circle, an over-long module, too
     many top-level modules, a crowded folder and two modules of one name."""
     root = tmp_path / "pkg"
-    for folder in ("", "transfer", "integrations", "tools", "format", "tiers"):
+    for folder in ("", "transfer", "integrations", "tools", "format", "tiers", "engine", "host"):
         (root / folder).mkdir(exist_ok=True)
         (root / folder / "__init__.py").write_text("")
     (root / "manager.py").write_text("from pkg.integrations import glue\nimport vllm.config\n")
     (root / "integrations" / "glue.py").write_text("from pkg import manager\nfrom pkg.tools import t\n")
     (root / "tools" / "t.py").write_text("")
+    (root / "host" / "tier.py").write_text("")
+    (root / "engine" / "plan.py").write_text("from pkg.host.tier import HostTier\n\n"
+                                             "def f(self):\n    self.manager.host.pin([])\n")
     (root / "tiers" / "disk.py").write_text(
         "import pickle\nfrom multiprocessing.connection import Connection\n\n"
         "def f():\n    import torch.cuda\n")
@@ -284,8 +308,9 @@ def test_the_checks_catch_what_they_guard(bad_package: Path) -> None:
     ]
     assert integration_violations(deps, "pkg") == ["pkg.integrations.glue imports pkg.tools.t"]
     assert back_arrows(deps, "pkg", ("format", "transfer", "manager")) == [
-        "pkg.format.keys imports pkg.transfer.a"]
-    assert back_arrows(deps, "pkg", ("transfer", "format", "manager")) == []
+        "pkg.engine.plan imports pkg.host.tier", "pkg.format.keys imports pkg.transfer.a"]
+    assert back_arrows(deps, "pkg", ("transfer", "format", "manager")) == [
+        "pkg.engine.plan imports pkg.host.tier"]
     crowded = crowding(bad_package)
     assert len(crowded) == 2
     assert crowded[0].startswith(f"{MAX_TOP_MODULES + 3} top-level modules: __init__.py, long.py")
@@ -298,3 +323,5 @@ def test_the_checks_catch_what_they_guard(bad_package: Path) -> None:
         ["pkg.integrations.glue", "pkg.manager"], ["pkg.transfer.a", "pkg.transfer.b"],
     ]
     assert long_modules(bad_package) == [f"long.py: {MAX_LINES + 1} lines"]
+    assert host_tier_bypasses(bad_package, deps, "pkg") == [
+        "engine/plan.py:4 reads self.manager.host", "pkg.engine.plan imports pkg.host.tier"]

@@ -20,7 +20,6 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
-from kvtier.host.tier import HostTierStats
 from kvtier.manager import TieringManager
 from kvtier.tiers.base import TierUsage
 
@@ -108,12 +107,10 @@ class Accounting:
 
     def step(self) -> None:
         """Once per engine step: occupancy of every tier (the manager counts its own transfers)."""
-        self._occupancy_host(self.manager.host_stats())
+        host = self.manager.host_stats()
+        self._set_occupancy(HOST, host.ready * host.row_bytes, host.ready, host.capacity_bytes)
         for name, tier in self.manager.tiers.items():
             self._occupancy(name, tier.last_usage)
-
-    def _occupancy_host(self, stats: HostTierStats) -> None:
-        self._set_occupancy(HOST, stats.ready * stats.row_bytes, stats.ready, stats.capacity_bytes)
 
     def _occupancy(self, name: str, usage: TierUsage | None) -> None:
         """A secondary tier's fill as of its last report (none before its first, or when the tier

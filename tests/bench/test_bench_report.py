@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from kvtier.bench import plots
+from kvtier.bench import results_page as plots
 from kvtier.cli import main
 from kvtier.errors import KVTierError
 

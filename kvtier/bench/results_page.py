@@ -20,6 +20,7 @@ With results files, `kvtier bench report FILE...` is multiturn's report of those
 from __future__ import annotations
 
 import argparse
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -239,10 +240,24 @@ def draw_page(results: Path, out: Path) -> list[Path]:
 def run_report(args: argparse.Namespace) -> int:
     """`kvtier bench report`: the results page's plots, or multiturn's report of the files given."""
     if args.results:
-        from kvtier.bench.multiturn.cli import run_report as report_files
-
         args.out = args.out or FILES_OUT
         return report_files(args)
     written = draw_page(args.results_dir, args.out or PAGE_DIR)
     print(f"plots: {', '.join(str(p) for p in written)}")
+    return 0
+
+
+def report_files(args: argparse.Namespace) -> int:
+    try:
+        metas, points = report.load(args.results)
+    except ValueError as e:
+        raise KVTierError(str(e)) from e
+    title = args.title or (metas[0].get("title", "kvtier bench multiturn") if len(metas) == 1
+                           else "kvtier bench multiturn: " + ", ".join(str(m.get("label")) for m in metas))
+    args.out.mkdir(parents=True, exist_ok=True)
+    report.write_csv(args.out / "report.csv", points)
+    if points:
+        report.plot(args.out / "report.png", points, title)
+    print(report.table(points))
+    print(f"report: {args.out / 'report.csv'}, {args.out / 'report.png'}", file=sys.stderr)
     return 0
