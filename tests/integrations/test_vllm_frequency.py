@@ -13,8 +13,10 @@ from typing import Any
 import pytest
 
 from tests.integrations.conftest import connector_halves
+from tests.integrations.engine_steps import generate
+from tests.integrations.shared_helpers import settle
 from tests.integrations.test_vllm_admission import fs_files
-from tests.integrations.test_vllm_tiers import CHUNK, ROW_BYTES, generate, settle, tokens
+from tests.integrations.test_vllm_tiers import CHUNK, ROW_BYTES, tokens
 
 pytestmark = pytest.mark.slow
 

@@ -1,6 +1,11 @@
 """Real vLLM (CPU, float32, in-process) with a plug-in tier, loaded by `module_path`, whose loads
 each take seconds: a promotion from it drives p99 TTFT over the SLO guard's budget, the guard
-disables the tier within `sustain_s`, and serving goes on without it with identical outputs."""
+disables the tier once it stayed over for `sustain_s`, and serving goes on without it with identical
+outputs.
+
+The guard runs on a clock of the test's (`StoppedClock`, set as the guard's `clock`): its window and
+`sustain_s` pass when the test advances it, so they are steps of the test, not the machine's speed.
+The TTFTs themselves are vLLM's, measured on the real clock."""
 
 from __future__ import annotations
 
@@ -18,8 +23,9 @@ import pytest
 
 from kvtier.cli import main
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
+from tests.integrations.engine_steps import evict_host, generate
 from tests.integrations.prompts import PROMPTS
-from tests.integrations.test_vllm_tiers import generate, settle
+from tests.integrations.shared_helpers import settle
 
 pytestmark = pytest.mark.slow
 
@@ -30,7 +36,22 @@ DELAY_S = 16.0
 BUDGET_S = 9.0  # far above the TTFT of a one-chunk prompt (0.1 s idle, 6 s seen at load 20)
 SUSTAIN_S = 2.0
 WINDOW_S = 4.0
-FILLERS = ("library", "birds", "railway", "chess")
+STEP_S = 0.5
+"""How far the guard's clock moves for it to check again: past its check interval (0.1 s), and exact in
+binary, as are the other times here, so that differences of clock readings are exact."""
+
+
+class StoppedClock:
+    """A clock that moves only when `advance` is called."""
+
+    def __init__(self, now: float) -> None:
+        self.now = now
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
 
 
 @pytest.fixture(scope="module")
@@ -47,12 +68,21 @@ def llm(make_llm: Callable[..., Any], control_dir: Path) -> Any:
     llm = make_llm({"cpu_bytes_to_use": HOST_SLOTS * ROW_BYTES, "blocks_per_chunk": 1,
                     "secondary_tiers": [slow], "slo_guard": guard,
                     "control_dir": str(control_dir)}, dtype="float32")
-    # The engine's first request is slow (warm-up, seconds on a busy machine): let its TTFT leave
-    # the window (no engine step meanwhile, so the guard's rule never sees it sustained).
+    clock = StoppedClock(1000.0)
+    connector_halves(llm)[0].ops.guard.clock = clock
+    # The engine's first request is slow (warm-up, seconds on a busy machine): its TTFT leaves the
+    # window before the tests run (the clock stood still meanwhile: the rule never saw it sustained).
     for _ in range(2):
         generate(llm, tokens(llm, "garden"), skip_store=True)
-    time.sleep(WINDOW_S + 0.5)
+    clock.advance(WINDOW_S + STEP_S)
     return llm
+
+
+@pytest.fixture(scope="module")
+def clock(llm: Any) -> StoppedClock:
+    guard_clock = connector_halves(llm)[0].ops.guard.clock
+    assert isinstance(guard_clock, StoppedClock)
+    return guard_clock
 
 
 def tokens(llm: Any, name: str) -> list[int]:
@@ -61,20 +91,14 @@ def tokens(llm: Any, name: str) -> list[int]:
     return ids[: CHUNK + 1]
 
 
-def evict_host(llm: Any, keys: list[bytes]) -> None:
-    scheduler, _ = connector_halves(llm)
-    for filler in FILLERS:
-        settle(scheduler)
-        if not any(scheduler.manager.host.contains(k) for k in keys):
-            break
-        generate(llm, tokens(llm, filler), max_tokens=1)
-    settle(scheduler)
-    assert not any(scheduler.manager.host.contains(k) for k in keys)
+def evict(llm: Any, keys: list[bytes]) -> None:
+    """Push `keys` out of the host tier and out of vLLM's device prefix cache."""
+    evict_host(llm, keys, lambda name: tokens(llm, name))
     assert llm.reset_prefix_cache()
 
 
 def test_slow_tier_is_rolled_back_within_sustain_s(
-    llm: Any, caplog: pytest.LogCaptureFixture
+    llm: Any, clock: StoppedClock, caplog: pytest.LogCaptureFixture
 ) -> None:
     scheduler, _ = connector_halves(llm)
     guard, value = scheduler.ops.guard, scheduler.manager.metrics.value
@@ -85,16 +109,21 @@ def test_slow_tier_is_rolled_back_within_sustain_s(
     ref = generate(llm, slow_prompt)  # vLLM's own device prefix cache, at kvtier's hit length
     assert ref.num_cached_tokens == hit
     assert guard.rollbacks == 0 and value("kvtier_tier_enabled", tier="slow") == 1
-    evict_host(llm, scheduler.hasher.keys(slow_prompt) + scheduler.hasher.keys(other))
+    evict(llm, scheduler.hasher.keys(slow_prompt) + scheduler.hasher.keys(other))
 
     with caplog.at_level(logging.WARNING, logger="kvtier.ops.guard"):
         slow = generate(llm, slow_prompt)
-        over = time.monotonic()
         assert slow.kv_transfer_params["kvtier"]["tokens"]["slow"] == hit
         assert slow.outputs[0].token_ids == ref.outputs[0].token_ids
-        while scheduler.manager.is_enabled("slow"):
-            assert time.monotonic() - over < SUSTAIN_S + 3.0, "the guard did not act"
-            generate(llm, tokens(llm, "chess")[:8], max_tokens=1)
+        # Each short request is an engine step, and each step checks the guard. At the first
+        # check after the slow TTFT, p99 is over budget; the guard acts once it stayed over for
+        # `sustain_s` of its clock, not before.
+        clock.advance(STEP_S)
+        generate(llm, tokens(llm, "chess")[:8], max_tokens=1)
+        assert guard.over_since is not None and scheduler.manager.is_enabled("slow")
+        clock.advance(SUSTAIN_S)
+        generate(llm, tokens(llm, "chess")[:8], max_tokens=1)
+        assert not scheduler.manager.is_enabled("slow")
     assert value("kvtier_tier_enabled", tier="slow") == 0
     assert value("kvtier_slo_rollbacks_total") == 1
     # The signals: the request's wait for its promotion, by source tier; health; configuration.
@@ -109,7 +138,7 @@ def test_slow_tier_is_rolled_back_within_sustain_s(
     assert seen is not None and float(seen.group(1)) > DELAY_S and "disabled tier 'slow'" in line
 
     # Serving goes on without the tier: its chunks are recomputed, with the same answer.
-    evict_host(llm, scheduler.hasher.keys(other))
+    evict(llm, scheduler.hasher.keys(other))
     again = generate(llm, other)
     assert again.kv_transfer_params["kvtier"]["tokens"]["slow"] == 0
     assert again.outputs[0].token_ids == recomputed

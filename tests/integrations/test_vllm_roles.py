@@ -20,8 +20,9 @@ import pytest
 from kvtier.cli import main
 from kvtier.integrations.vllm.serving.launch import connector_config
 from tests.integrations.conftest import _model_path, connector_halves
+from tests.integrations.engine_steps import generate
 from tests.integrations.shared_helpers import settle
-from tests.integrations.test_vllm_tiers import CHUNK, LLM_ARGS, extra_config, generate, tokens
+from tests.integrations.test_vllm_tiers import CHUNK, LLM_ARGS, extra_config, tokens
 from tests.services.redis_server import free_port
 
 pytestmark = pytest.mark.slow

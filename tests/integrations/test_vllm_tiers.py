@@ -20,6 +20,7 @@ import pytest
 
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves, run_child
 from tests.integrations.dynamo_indexer import NOTHING, Indexer, require_indexer
+from tests.integrations.engine_steps import evict_host, generate
 from tests.integrations.kv_event_helpers import (
     assert_names_device_blocks,
     decoded,
@@ -74,14 +75,6 @@ def llm(make_llm: Callable[..., Any], fs_dir: Path) -> Any:
     publisher.publish = publish
     llm.test_events, llm.test_endpoint = published, f"tcp://127.0.0.1:{port}"
     return llm
-
-
-def generate(llm: Any, prompt: list[int], max_tokens: int = 6, **kvtier: Any) -> Any:
-    from vllm import SamplingParams
-
-    extra = {"kv_transfer_params": {"kvtier": kvtier}} if kvtier else None
-    params = SamplingParams(temperature=0.0, max_tokens=max_tokens, extra_args=extra)
-    return llm.generate([{"prompt_token_ids": prompt}], params, use_tqdm=False)[0]
 
 
 def tokens(llm: Any, name: str) -> list[int]:
@@ -204,24 +197,13 @@ def test_tenants_never_reuse_each_others_chunks(llm: Any, tier: str) -> None:
                                "recomputed": len(prompt) - hit}
 
 
-def evict_host(llm: Any, keys: list[bytes]) -> None:
-    scheduler, _ = connector_halves(llm)
-    for filler in ("library", "birds", "railway", "chess"):
-        settle(scheduler)
-        if not any(scheduler.manager.host.contains(k) for k in keys):
-            break
-        generate(llm, tokens(llm, filler), max_tokens=1)
-    settle(scheduler)
-    assert not any(scheduler.manager.host.contains(k) for k in keys)
-
-
 def test_corrupted_fs_files_are_recomputed_and_counted(llm: Any, fs_dir: Path) -> None:
     scheduler, _ = connector_halves(llm)
     prompt = tokens(llm, "garden")
     keys = scheduler.hasher.keys(prompt)
     computed = generate(llm, prompt)
     assert computed.num_cached_tokens == 0
-    evict_host(llm, keys)
+    evict_host(llm, keys, lambda name: tokens(llm, name))
     files = [p for p in fs_dir.glob("*/*/*") if any(k.hex() == p.name for k in keys)]  # chunks only
     assert len(files) == len(keys)
     for path in files:
