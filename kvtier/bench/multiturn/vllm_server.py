@@ -5,9 +5,11 @@
 kvtier's or a baseline connector's, when it has one;
 `kvtier.integrations.vllm.serving.serve.vllm_command`) in its own session and process group, isolated in a
 private temp dir (`kvtier.integrations.vllm.serving.launch.isolated_env`), with the baselines' tree
-on its `PYTHONPATH` when it loads a baseline, with its output in `log_path`, and waits for `/health`.
-On exit, on an error and on Ctrl-C it stops the whole process group (SIGTERM, then SIGKILL after
-`stop_timeout_s`), so nothing it started is left running.
+on its `PYTHONPATH` when it loads a baseline, with its output appended to `log_path`, and waits for
+`/health`. On exit, on an error and on Ctrl-C it stops the whole process group
+(`kvtier.bench.process_group.stop_process_group`: SIGTERM, SIGKILL of what is left after
+`stop_timeout_s`, then removal of the shared-memory segments it left), so nothing it started is
+left running or in /dev/shm.
 """
 
 from __future__ import annotations
@@ -16,7 +18,6 @@ import contextlib
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -28,7 +29,9 @@ from pathlib import Path
 from types import TracebackType
 from typing import Any
 
+from kvtier.bench.engine_log import open_log
 from kvtier.bench.multiturn.configs import baselines_root
+from kvtier.bench.process_group import stop_process_group
 from kvtier.errors import KVTierError
 from kvtier.integrations.vllm.serving.launch import connector_config, isolated_env
 from kvtier.integrations.vllm.serving.serve import vllm_command
@@ -107,6 +110,7 @@ class VLLMServer:
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self._tmp: Path | None = None
+        self._started = 0.0
 
     @property
     def base_url(self) -> str:
@@ -128,13 +132,15 @@ class VLLMServer:
         self._tmp = Path(tempfile.mkdtemp(prefix="kvtier-bench-server-"))
         self.port = free_port()
         env = self.settings.env(self._tmp)
-        self.log_path.parent.mkdir(parents=True, exist_ok=True)
-        with self.log_path.open("ab") as log:
-            log.write(f"$ {json.dumps(self.settings.argv(self.port))}\n".encode())
-            log.flush()
+        log = open_log(self.log_path)
+        try:
+            os.write(log, f"$ {json.dumps(self.settings.argv(self.port))}\n".encode())
+            self._started = time.time()
             self.proc = subprocess.Popen(self.settings.argv(self.port), stdout=log,
                                          stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                                          env=env, start_new_session=True)
+        finally:
+            os.close(log)
         deadline = time.monotonic() + self.start_timeout_s
         while True:
             if self.proc.poll() is not None:
@@ -154,25 +160,16 @@ class VLLMServer:
         return ""
 
     def stop(self) -> None:
-        """Stop the server's process group and remove its temp dir; idempotent."""
+        """Stop the server's process group (nothing of it left running or in /dev/shm) and remove
+        its temp dir; idempotent."""
         proc, self.proc = self.proc, None
         if proc is not None:
-            stop_process_group(proc, self.stop_timeout_s)
+            removed = stop_process_group(proc, self.stop_timeout_s, self._started)
+            if removed:
+                with os.fdopen(open_log(self.log_path), "a") as text:
+                    text.write(f"kvtier: removed from /dev/shm what the server left: "
+                               f"{', '.join(removed)}\n")
         if self._tmp is not None:
             shutil.rmtree(self._tmp, ignore_errors=True)
             self._tmp = None
 
-
-def stop_process_group(proc: subprocess.Popen[bytes], term_timeout_s: float) -> None:
-    """SIGTERM the process group `proc` leads, SIGKILL it if `proc` outlives `term_timeout_s`;
-    afterwards no process of the group is left (stragglers get SIGKILL too)."""
-    for sig, wait_s in ((signal.SIGTERM, term_timeout_s), (signal.SIGKILL, 10.0)):
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, sig)
-        try:
-            proc.wait(timeout=wait_s)
-            break
-        except subprocess.TimeoutExpired:
-            continue
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(proc.pid, signal.SIGKILL)
