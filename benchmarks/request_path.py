@@ -17,6 +17,7 @@ as one more file.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import os
 import signal
@@ -120,7 +121,7 @@ def main() -> None:
         time.sleep(0.01)
     engine_seq = [str(Path(c).resolve().relative_to(PACKAGE)) for c in calls
                   if Path(c).resolve().is_relative_to(PACKAGE)]
-    hops = sum(1 for a, b in zip(engine_seq, engine_seq[1:], strict=False) if a != b)
+    hops = sum(1 for a, b in itertools.pairwise(engine_seq) if a != b)
     engine = sorted({*engine_seq, "integrations/vllm/connector.py"})
     tier_files = kvtier_files(out.read_text().split())
     every = sorted({*engine, *tier_files})
