@@ -12,6 +12,7 @@ kvtier's that does not import is an error, always.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 from collections.abc import Callable, Iterator
@@ -46,34 +47,38 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield tmp
 
 
-@pytest.fixture(scope="module")
-def make_llm(vllm_env: Path) -> Iterator[Callable[..., Any]]:
-    model = _model_path()
-    started: list[Any] = []
+@contextlib.contextmanager
+def running_llm(extra_config: dict[str, Any], **kwargs: Any) -> Iterator[Any]:
+    """One in-process engine with the KVTierConnector configured by `extra_config` (vLLM's options:
+    the suite's defaults, then `kwargs`), shut down on exit; call it within `vllm_env`. Its shutdown
+    reaches the connector's: the host region is gone at once (checked)."""
+    from vllm import LLM
 
-    def make(extra_config: dict[str, Any], **kwargs: Any) -> Any:
-        from vllm import LLM
-
-        options: dict[str, Any] = {
-            "enforce_eager": True,
-            "block_size": BLOCK_SIZE,
-            "num_gpu_blocks_override": DEVICE_BLOCKS,
-            "kv_cache_memory_bytes": 64 << 20,
-            "max_model_len": 1024,
-            "max_num_seqs": 4,
-            "seed": 0,
-        }
-        options.update(kwargs)
-        llm = LLM(model=str(model), kv_transfer_config=transfer_config(extra_config), **options)
-        started.append(llm)
-        return llm
-
-    yield make
-    for llm in reversed(started):
+    options: dict[str, Any] = {
+        "enforce_eager": True,
+        "block_size": BLOCK_SIZE,
+        "num_gpu_blocks_override": DEVICE_BLOCKS,
+        "kv_cache_memory_bytes": 64 << 20,
+        "max_model_len": 1024,
+        "max_num_seqs": 4,
+        "seed": 0,
+    }
+    options.update(kwargs)
+    llm = LLM(model=str(_model_path()), kv_transfer_config=transfer_config(extra_config), **options)
+    try:
+        yield llm
+    finally:
         region = connector_halves(llm)[0].manager.region
         llm.llm_engine.engine_core.shutdown()
-        # The engine's shutdown reaches the connector's: the host region is gone at once.
         assert region is None or not os.path.exists(region.path), region.path
+
+
+@pytest.fixture(scope="module")
+def make_llm(vllm_env: Path) -> Iterator[Callable[..., Any]]:
+    """`make(extra_config, **kwargs)` starts an engine (`running_llm`); all are shut down at the end
+    of the module, the last started first."""
+    with contextlib.ExitStack() as engines:
+        yield lambda extra_config, **kwargs: engines.enter_context(running_llm(extra_config, **kwargs))
 
 
 def connector_halves(llm: Any) -> tuple[Any, Any]:
