@@ -79,7 +79,7 @@ def seaweed(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SeaweedServer]
 @pytest.fixture(scope="module")
 def shared_tiers(seaweed: SeaweedServer, redis_server: RedisServer) -> list[dict[str, Any]]:
     """The obj and redis tiers every instance of this module shares (a fresh bucket and prefix)."""
-    return [{"type": "obj", **seaweed.tier_options(seaweed.new_bucket()), "connect_timeout_s": 1.0,
+    return [{"type": "obj", **seaweed.bucket_options(seaweed.new_bucket()), "connect_timeout_s": 1.0,
              "read_timeout_s": 3.0},
             {"type": "redis", "url": redis_server.url, "key_prefix": fresh_prefix()}]
 

@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from kvtier.bench.chaos.services import free_ports
 from kvtier.errors import ConfigError
 from kvtier.format.chunks import ChunkError, TierEventKind
 from kvtier.host.region import HostRegion
@@ -31,7 +32,7 @@ from tests.conftest import (
     wait_jobs,
     wait_until,
 )
-from tests.services.s3 import SeaweedServer, free_ports
+from tests.services.s3 import SeaweedServer
 
 OBJECT_BYTES = chunkfmt.HEADER_BYTES + ROW_BYTES
 OTHER_FP = "ffeeddccbbaa99887766554433221100"
@@ -257,7 +258,7 @@ def test_a_killed_server_fails_jobs_as_values_then_the_tier_recovers(tmp_path: P
     server.start()
     tier: ObjTier | None = None
     try:
-        options = server.tier_options(server.new_bucket())
+        options = server.bucket_options(server.new_bucket())
         tier = ObjTier(ctx, **options, connect_timeout_s=1.0, read_timeout_s=3.0)
         before = [random_key() for _ in range(4)]
         data = store(tier, ctx, before)
@@ -303,7 +304,7 @@ def test_a_hung_server_fails_jobs_within_the_timeouts_and_lookups_answer(tmp_pat
     server.start()
     tier: ObjTier | None = None
     try:
-        tier = ObjTier(ctx, **server.tier_options(server.new_bucket()), connect_timeout_s=1.0,
+        tier = ObjTier(ctx, **server.bucket_options(server.new_bucket()), connect_timeout_s=1.0,
                        read_timeout_s=1.5, io_threads=4)
         before = [random_key() for _ in range(4)]
         store(tier, ctx, before)
