@@ -3,16 +3,12 @@ complete at once and whose loads each complete `delay_s` seconds after they were
 
 from __future__ import annotations
 
-from kvtier.tiers.base import Job
-from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.base import Job, JobKind
 from tests.tiers.plugin_tier import DelayedMemoryTier
 
 
 class SlowLoadTier(DelayedMemoryTier):
-    """Stores at memory speed; every load sleeps `delay_s` (the tier's process is not blocked)."""
+    """Stores at memory speed; every load takes `delay_s` (the tier's process is not blocked)."""
 
-    def submit_store(self, job: Job) -> None:
-        MemoryTier.submit_store(self, job)
-        with self._lock:
-            self._held.extend((0.0, r) for r in MemoryTier.get_finished_jobs(self))
-        self.ctx.wakeup()
+    def delay_of(self, job: Job) -> float:
+        return self.delay_s if job.kind is JobKind.LOAD else 0.0

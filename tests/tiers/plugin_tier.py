@@ -14,7 +14,8 @@ from kvtier.tiers.memory import MemoryTier
 
 
 class DelayedMemoryTier(MemoryTier):
-    """Completes each job `delay_s` seconds after it was submitted."""
+    """Completes each job `delay_of(job)` seconds (`delay_s` unless a subclass says otherwise)
+    after it was submitted; the tier's process is never blocked meanwhile."""
 
     def __init__(self, ctx: TierContext, *, delay_s: float = 0.5) -> None:
         super().__init__(ctx)
@@ -22,19 +23,26 @@ class DelayedMemoryTier(MemoryTier):
         self._held: list[tuple[float, JobResult]] = []
         self._lock = threading.Lock()
 
+    def delay_of(self, job: Job) -> float:
+        """How long `job`'s result is held before `get_finished_jobs` reports it."""
+        return self.delay_s
+
     def submit_store(self, job: Job) -> None:
         super().submit_store(job)
-        self._hold()
+        self._hold(self.delay_of(job))
 
     def submit_load(self, job: Job) -> None:
         super().submit_load(job)
-        self._hold()
+        self._hold(self.delay_of(job))
 
-    def _hold(self) -> None:
-        due = time.monotonic() + self.delay_s
+    def _hold(self, delay_s: float) -> None:
+        due = time.monotonic() + delay_s
         with self._lock:
             self._held.extend((due, r) for r in MemoryTier.get_finished_jobs(self))
-        threading.Timer(self.delay_s, self.ctx.wakeup).start()
+        if delay_s > 0:
+            threading.Timer(delay_s, self.ctx.wakeup).start()
+        else:
+            self.ctx.wakeup()
 
     def get_finished_jobs(self) -> list[JobResult]:
         now = time.monotonic()
