@@ -7,8 +7,9 @@ Each run starts two real vLLM servers with kvtier (CPU backend, embedded SmolLM2
 preset's sizes: 64-token blocks, a device cache of about 4 conversations and a host tier of about
 8 per instance, each instance's engine bound to a core of its own), then drives them as one fleet
 with `kvtier bench multiturn --endpoints A,B --route R` (the cpu preset's conversations: 384 +
-128 tokens per turn, 6 turns, 4 in flight, 16 output tokens), and stops them. The
-configurations:
+128 tokens per turn, 6 turns, 4 in flight, 16 output tokens), and stops them (`VLLMServer`: each
+server's whole process group, leaving nothing in /dev/shm; on Ctrl-C and SIGTERM too). Their
+output goes to `server-<i>.log` in each run's directory. The configurations:
 
 - `round-robin host`: no shared tier, each turn of a conversation to the instance after its
   previous turn's (the worst case for locality: no turn finds its previous turn's KV on its own
@@ -37,6 +38,7 @@ import json
 import os
 import secrets
 import shlex
+import signal
 import subprocess
 import sys
 import tempfile
@@ -148,7 +150,12 @@ def digest(points: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def _raise_interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt(f"signal {signum}")
+
+
 def main() -> None:
+    signal.signal(signal.SIGTERM, _raise_interrupt)  # stop the servers on the way out
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--conversations", type=int, default=16)
@@ -169,6 +176,7 @@ def main() -> None:
             "command": neutral_path(shlex.join(["python", "-m", "benchmarks.bench_fleet", *sys.argv[1:]])),
             "conversations": args.conversations, "rounds": args.rounds, "configs": configs,
             "started": time.strftime("%Y-%m-%d %H:%M:%S"), "cpus": os.cpu_count()}
+    print(f"vLLM's logs: {args.out}/round<r>-<config>/server-<i>.log", file=sys.stderr, flush=True)
     try:
         for r in range(args.rounds):
             for config in configs[r % len(configs):] + configs[: r % len(configs)]:

@@ -21,6 +21,9 @@ With the defaults the conversations' prefixes outgrow the device cache from the 
 the host tier from the third or fourth turn on, so later turns are served from host memory and
 then from the fs tier. Each turn's time to first token and the sources of its prompt tokens are
 printed as it runs (stderr) and side by side at the end (stdout; one JSON object with `--json`).
+The engines' own output (vLLM's logs, torch's and transformers' warnings and progress bars) goes
+to a log file whose path is printed first (`--log-file`, default a new file in the temp
+directory; `kvtier.bench.engine_log`); with `-v` it goes to the terminal.
 """
 
 from __future__ import annotations
@@ -31,11 +34,12 @@ import json
 import sys
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.engine_log import default_log, engine_output
 from kvtier.bench.multiturn.chats import CHATS, check_sizes, max_turns
 from kvtier.bench.multiturn.configs import BenchContext, EngineConfig, resolve
 from kvtier.bench.multiturn.conversation import Conversation, Script, WorkloadSpec
@@ -48,6 +52,7 @@ from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
 from kvtier.integrations.vllm.serving.launch import in_process_env
 
 SOURCES = (DEVICE, HOST, "fs", RECOMPUTED)
+Say = Callable[[str], None]
 
 
 @dataclass(frozen=True)
@@ -63,6 +68,8 @@ class DemoSettings:
     reply_tokens: int
     fs_dir: Path | None
     check_replies: bool = False
+    log_path: Path | None = None
+    """Where the engines' output goes (None: the terminal)."""
     block_size: int = 32
     dtype: str = "float32"
 
@@ -86,33 +93,29 @@ def round_robin(conversations: int, turns: int) -> Iterator[tuple[int, int]]:
             yield conv, turn
 
 
-def _progress(msg: str) -> None:
-    print(msg, file=sys.stderr, flush=True)
-
-
 def _split(record: RequestRecord) -> dict[str, int]:
     """The record's prompt-token split with every demo source (0 where none came from it)."""
     return {**dict.fromkeys(SOURCES, 0), **(record.tokens or {})}
 
 
-def _turn_printer(label: str) -> OnRequest:
+def _turn_printer(label: str, say: Say) -> OnRequest:
     def show(r: RequestRecord) -> None:
         split = " ".join(f"{source} {count}" for source, count in _split(r).items())
-        _progress(f"  {label:8} conversation {r.conversation} turn {r.turn}: {r.prompt_tokens:4} "
+        say(f"  {label:8} conversation {r.conversation} turn {r.turn}: {r.prompt_tokens:4} "
                   f"prompt tokens, TTFT {r.ttft_s * 1000:7.1f} ms  ({split})")
     return show
 
 
 def serve_pass(engine_settings: ServerSettings, spec: WorkloadSpec, scripts: Sequence[Script],
-               label: str) -> tuple[list[RequestRecord], list[Conversation]]:
-    """One pass of the chats on a fresh engine (after its warm-up request): the records, in
-    serving order, and the conversations as they ended. Raises RuntimeError when a request
-    failed or the turns were not served in `round_robin` order."""
+               label: str, say: Say) -> tuple[list[RequestRecord], list[Conversation]]:
+    """One pass of the chats on a fresh engine (after its warm-up request), each turn shown with
+    `say`: the records, in serving order, and the conversations as they ended. Raises
+    RuntimeError when a request failed or the turns were not served in `round_robin` order."""
     with InProcessEngine(engine_settings) as engine:
         engine.warm_up()
         chats = [Conversation(i, spec, engine.tokenizer, script=script)
                  for i, script in enumerate(scripts)]
-        records, _ = engine.run_point(spec, label, _turn_printer(label), chats)
+        records, _ = engine.run_point(spec, label, _turn_printer(label, say), chats)
     for r in records:
         if r.error:
             raise RuntimeError(f"{label}: conversation {r.conversation} turn {r.turn}: {r.error}")
@@ -141,19 +144,25 @@ def run_demo(s: DemoSettings) -> dict[str, Any]:
                                s.fs_dir if s.fs_dir is not None else tmp)
         kvtier, alone = resolve("host+fs", context), resolve("no-offload", context)
         stack.enter_context(in_process_env(tmp))
-        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
-        _progress(f"kvtier pass: {s.device_blocks} device blocks of {s.block_size} tokens, host tier "
-                  f"{s.host_chunks} chunks, fs tier under {context.work_dir}")
+        terminal = stack.enter_context(engine_output(s.log_path))
+
+        def say(msg: str) -> None:
+            print(msg, file=terminal, flush=True)
+
+        if s.log_path is not None:
+            say(f"vLLM's log: {s.log_path}")
+        say(f"kvtier pass: {s.device_blocks} device blocks of {s.block_size} tokens, host tier "
+            f"{s.host_chunks} chunks, fs tier under {context.work_dir}")
         with_kvtier, chats = serve_pass(s.engine_settings(kvtier, block_bytes), spec,
-                                        CHATS[:s.conversations], "kvtier")
-        _progress("baseline pass: same engine, no connector (vLLM's own prefix cache only)")
+                                        CHATS[:s.conversations], "kvtier", say)
+        say("baseline pass: same engine, no connector (vLLM's own prefix cache only)")
         baseline, _ = serve_pass(s.engine_settings(alone, block_bytes), spec,
-                                 [chat.transcript() for chat in chats], "baseline")
+                                 [chat.transcript() for chat in chats], "baseline", say)
         check: dict[str, Any] = {}
         if s.check_replies:
-            _progress("check pass: no connector, every reply generated")
+            say("check pass: no connector, every reply generated")
             _, alone_chats = serve_pass(s.engine_settings(alone, block_bytes), spec,
-                                        CHATS[:s.conversations], "check")
+                                        CHATS[:s.conversations], "check", say)
             check["replies_match"] = _replies(chats) == _replies(alone_chats)
     return {
         "model": s.model.name, "dtype": s.dtype, "device_blocks": s.device_blocks,
@@ -223,6 +232,11 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--check-replies", action="store_true",
                    help="serve the chats once more without kvtier and compare the replies")
     p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--log-file", type=Path, default=None,
+                   help="the engines' output (vLLM's logs, warnings) goes to this file "
+                        "(default: a new file in the temp directory)")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="the engines' output on the terminal, and debug logging")
     p.set_defaults(func=run_command)
 
 
@@ -244,9 +258,10 @@ def run_command(args: argparse.Namespace) -> int:
                 model = prepare_smollm2()
         elif not (model / "config.json").is_file():
             raise KVTierError(f"--model {model}: not a model directory (no config.json)")
+        log_path = None if args.verbose else args.log_file or default_log("kvtier-demo-")
         settings = DemoSettings(model, args.conversations, args.turns, args.device_blocks,
                                 args.host_chunks, args.max_model_len, args.reply_tokens, args.fs_dir,
-                                args.check_replies)
+                                args.check_replies, log_path)
         report = run_demo(settings)
     except (ValueError, ModelPrepError) as e:
         raise KVTierError(str(e)) from e

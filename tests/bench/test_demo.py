@@ -1,9 +1,11 @@
 """`kvtier demo`: the chat workload, bad flags, the report table, and (slow) a small real run whose
-JSON has per-turn TTFT and token splits that add up, with host/fs hits only in the kvtier run."""
+JSON has per-turn TTFT and token splits that add up, with host/fs hits only in the kvtier run, and
+whose terminal shows kvtier's lines only, vLLM's in the log file it names."""
 
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -19,6 +21,10 @@ from kvtier.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"device", "host", "fs", "recomputed"}
+VLLM_LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[")
+"""A line of vLLM's logger (its format: level, date, time, [file:line])."""
+KVTIER_LINES = ("vLLM's log: ", "kvtier pass: ", "baseline pass: ", "  kvtier   conversation ",
+                "  baseline conversation ")
 
 
 def test_round_robin_serves_every_conversation_before_the_next_turn() -> None:
@@ -75,13 +81,19 @@ def test_report_table_means_per_turn() -> None:
 
 
 @pytest.mark.slow
-def test_small_real_demo_json() -> None:
+def test_small_real_demo_json(tmp_path: Path) -> None:
+    log = tmp_path / "vllm.log"
     argv = [sys.executable, "-m", "kvtier.cli", "demo", "--json", "--conversations", "2",
             "--turns", "3", "--device-blocks", "16", "--max-model-len", "480",
-            "--host-chunks", "12", "--reply-tokens", "8"]
+            "--host-chunks", "12", "--reply-tokens", "8", "--log-file", str(log)]
     done = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert done.returncode == 0, (done.stderr[-3000:], log.read_text()[-3000:] if log.exists() else "")
     assert "conversation 1 turn 3" in done.stderr  # progress while it runs
+    assert not VLLM_LINE.search(done.stderr + done.stdout)
+    lines = done.stderr.splitlines()
+    assert lines[0] == f"vLLM's log: {log}"
+    assert [line for line in lines if not line.startswith(KVTIER_LINES)] == []
+    assert VLLM_LINE.search(log.read_text()), "vLLM's lines are in the log"
     report = json.loads(done.stdout)
     runs = {name: report[name] for name in ("kvtier", "baseline")}
     for name, turns in runs.items():
@@ -99,7 +111,7 @@ def test_small_real_demo_json() -> None:
 
 @pytest.mark.slow
 def test_demo_on_a_hybrid_model_reloads_and_keeps_the_replies(
-    capsys: pytest.CaptureFixture[str],
+    tmp_path: Path, capsys: pytest.CaptureFixture[str],
 ) -> None:
     """`kvtier demo --model` on the tiny Gemma3 (sliding-window + full attention layers, vLLM's
     hybrid manager on): later turns reload from host or fs, and `--check-replies` finds every
@@ -112,10 +124,12 @@ def test_demo_on_a_hybrid_model_reloads_and_keeps_the_replies(
     model = build_tiny_model("gemma3")
     argv = ["demo", "--model", str(model), "--json", "--check-replies", "--conversations", "4",
             "--turns", "3", "--device-blocks", "64", "--max-model-len", "480", "--host-chunks", "12",
-            "--reply-tokens", "8"]
+            "--reply-tokens", "8", "--log-file", str(tmp_path / "vllm.log")]
     capsys.readouterr()
     assert main(argv) == 0
-    report = json.loads(capsys.readouterr().out)
+    shown = capsys.readouterr()
+    assert not VLLM_LINE.search(shown.err) and VLLM_LINE.search((tmp_path / "vllm.log").read_text())
+    report = json.loads(shown.out)
     assert report["model"] == model.name and report["replies_match"] is True
     later = [t for t in report["kvtier"] if t["turn"] > 1]
     assert all(t["tokens"]["host"] + t["tokens"]["fs"] > 0 for t in later), later

@@ -5,7 +5,8 @@ prints the table (or the summary as JSON with `--json`), writes the summary and 
 `--out` (default `bench-results/chaos-<preset>-<time>.json`), and exits 0 when the run passed, 1
 when a check failed (`kvtier.bench.chaos.report`). `--duration` makes any preset run rounds for that
 many seconds (the soak's mode). The fs tier goes on a tmpfs it mounts (root needed; otherwise a
-plain directory and no ENOSPC fault).
+plain directory and no ENOSPC fault). The engines' output (vLLM's logs and warnings) goes to a log
+beside the results (`<out>` with `.vllm.log` for `.json`), to the terminal with `-v`.
 """
 
 from __future__ import annotations
@@ -38,6 +39,8 @@ def add_parser(bsub: argparse._SubParsersAction[argparse.ArgumentParser]) -> Non
     p.add_argument("--out", type=Path, default=None, help="results JSON file")
     p.add_argument("--work-dir", type=Path, default=None, help="servers' data (default: a temp dir)")
     p.add_argument("--json", action="store_true", help="print the summary as JSON")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="the engines' output on the terminal, and debug logging")
     p.set_defaults(func=run_chaos)
 
 
@@ -55,6 +58,7 @@ def _model(given: Path | None) -> Path:
 
 def run_chaos(args: argparse.Namespace) -> int:
     from kvtier.bench.chaos import presets, report, runner
+    from kvtier.bench.engine_log import engine_output
     from kvtier.integrations.vllm.serving.launch import in_process_env
 
     try:
@@ -74,8 +78,11 @@ def run_chaos(args: argparse.Namespace) -> int:
         work = args.work_dir or Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-chaos-")))
         vllm_tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-vllm-")))
         stack.enter_context(in_process_env(vllm_tmp))
-        with contextlib.redirect_stdout(sys.stderr):
-            raw = runner.run(preset, model, work, args.seed)
+        log_path = None if args.verbose else out.with_suffix(".vllm.log")
+        terminal = stack.enter_context(engine_output(log_path))
+        if log_path is not None:
+            print(f"vLLM's log: {log_path}", file=terminal, flush=True)
+        raw = runner.run(preset, model, work, args.seed)
     meta["loadavg_end"] = list(os.getloadavg())
     summary = report.summarize(raw, expect_corruptions=preset.pace is not None,
                                soak=preset.sample_every_s is not None,

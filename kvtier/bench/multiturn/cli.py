@@ -5,8 +5,9 @@ embedded SmolLM2 model, point by point: at each point every configuration runs `
 (default 3; rounds in rotated order), each run on a fresh vLLM server. It shows progress (rich) on
 stderr, and writes results.json, results.csv and results.png to `--out` (default
 `bench-results/multiturn-<preset>-<time>`); the table (median [min-max] over the runs) goes to
-stdout. The vllm-native and lmcache configurations load our baselines (vLLM's own tiering,
-LMCache) from benchmarks/baselines/ (run from kvtier's source tree; lmcache needs
+stdout. The engines' output (vLLM's logs and warnings) goes to vllm.log there, in-process
+engines' to the terminal with `-v`. The vllm-native and lmcache configurations load our baselines
+(vLLM's own tiering, LMCache) from benchmarks/baselines/ (run from kvtier's source tree; lmcache needs
 scripts/install_lmcache.sh). Workload and cache sizes
 come from the preset unless given; `--endpoint URL` drives a running server instead (one
 configuration, labelled `--label`), and `--endpoints URL,URL[,...]` several running servers as one
@@ -139,6 +140,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--trace", type=Path, default=None,
                    help="write each kvtier run's connector trace (trace_path) into this directory")
     p.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
+    p.add_argument("-v", "--verbose", action="store_true", default=argparse.SUPPRESS,
+                   help="in-process engines' output on the terminal (default: in --out's vllm.log, "
+                        "where servers' output always goes), and debug logging")
     p.set_defaults(func=run_multiturn, accepts_passthrough=True)
     from kvtier.bench.chaos import cli as chaos_cli
 
@@ -254,6 +258,7 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
 
 
 def run_multiturn(args: argparse.Namespace) -> int:
+    from kvtier.bench.engine_log import LOG_NAME, engine_output
     from kvtier.bench.multiturn.progress import RichHooks
     from kvtier.bench.multiturn.sweep import run_sweep
 
@@ -274,8 +279,13 @@ def run_multiturn(args: argparse.Namespace) -> int:
 
             vllm_tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="kvtier-vllm-")))
             stack.enter_context(in_process_env(vllm_tmp))
+        log_path = out / LOG_NAME if plan.mode != "endpoint" else None  # no engine: no log
+        quiet = log_path is not None and not args.verbose
+        terminal = stack.enter_context(engine_output(log_path if quiet else None))
         points: list[dict[str, Any]] = []
-        hooks = stack.enter_context(RichHooks(plan.spec.turns))
+        hooks = stack.enter_context(RichHooks(plan.spec.turns, terminal if quiet else None))
+        if log_path is not None and (quiet or plan.mode == "server"):
+            hooks.console.log(f"vLLM's log: {log_path}")
 
         def emit(point: dict[str, Any]) -> None:
             points.append(point)
@@ -284,8 +294,7 @@ def run_multiturn(args: argparse.Namespace) -> int:
 
         started = time.monotonic()
         try:
-            with contextlib.redirect_stdout(sys.stderr):
-                run_sweep(plan, hooks, emit)
+            run_sweep(plan, hooks, emit)
         except ValueError as e:
             raise KVTierError(str(e)) from e
         meta.update(seconds=round(time.monotonic() - started, 1), loadavg_end=list(os.getloadavg()))

@@ -1,9 +1,9 @@
-"""Progress of a sweep on stderr with rich: a bar per point (requests done), a line per event."""
+"""Progress of a sweep on the terminal with rich: a bar per point (requests done), a line per event."""
 
 from __future__ import annotations
 
 from types import TracebackType
-from typing import Any
+from typing import Any, TextIO
 
 from rich.console import Console
 from rich.progress import (
@@ -20,14 +20,18 @@ from kvtier.bench.multiturn.sweep import Hooks
 
 
 class RichHooks(Hooks):
-    """`sweep.Hooks` drawn with rich on stderr; a context manager around the sweep."""
+    """`sweep.Hooks` drawn with rich; a context manager around the sweep. On `terminal` (the stream
+    `engine_log.engine_output` gives, while everything else written to stdout and stderr goes to
+    the log), or on stderr (None), where what the engine prints meanwhile shows above the bars."""
 
-    def __init__(self, turns: int) -> None:
+    def __init__(self, turns: int, terminal: TextIO | None = None) -> None:
         self.turns = turns
-        self.console = Console(stderr=True)
+        self.console = Console(file=terminal, stderr=terminal is None)
+        captures = terminal is None
         self.progress = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                                  TextColumn("{task.fields[status]}"), TimeElapsedColumn(),
-                                 console=self.console)
+                                 console=self.console, redirect_stdout=captures,
+                                 redirect_stderr=captures)
         self._task: TaskID | None = None
         self._failed = 0
 

@@ -8,10 +8,11 @@ tier files (removed afterwards), one unmeasured warm-up request, then the point.
 uses the tag "n<n>" (r = 0) or "n<n>r<r>" for its text: every configuration sees the same
 conversations in a round, and no run's prefixes help another.
 
-`mode` "server" starts a vLLM OpenAI server per run (`server.VLLMServer`) and drives it over HTTP
-with streaming; "inprocess" builds an in-process engine per run (`engine_run.InProcessEngine`);
-"endpoint" drives already running servers (`Plan.endpoints`: one, or a fleet routed by
-`Plan.route`, see `fleet`) under the label `Plan.configs[0]` and starts nothing.
+`mode` "server" starts a vLLM OpenAI server per run (`vllm_server.VLLMServer`, its output appended
+to `Plan.log_dir`/vllm.log) and drives it over HTTP with streaming; "inprocess" builds an
+in-process engine per run (`engine_run.InProcessEngine`); "endpoint" drives already running servers
+(`Plan.endpoints`: one, or a fleet routed by `Plan.route`, see `fleet`) under the label
+`Plan.configs[0]` and starts nothing.
 
 The hit-quality split: with kvtier, its counters (per request in process, `/metrics` deltas for a
 server); otherwise vLLM's own counters (`native_split`: device prefix cache, and with a baseline
@@ -38,6 +39,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from kvtier.bench.engine_log import LOG_NAME
 from kvtier.bench.multiturn import configs as config_registry
 from kvtier.bench.multiturn import scrape
 from kvtier.bench.multiturn.conversation import Tokenizer, WorkloadSpec
@@ -240,8 +242,7 @@ def _engine_run(plan: Plan, run: Run, hooks: Hooks, emit: Emit) -> None:
         config = config_registry.resolve(run.config, replace(plan.context, work_dir=work_dir))
         settings = _settings(plan, config)
         if plan.mode == "server":
-            log = plan.log_dir / f"server-{run.config.replace('+', '-')}.log"
-            with VLLMServer(settings, log) as server:
+            with VLLMServer(settings, plan.log_dir / LOG_NAME) as server:
                 _served_point(plan, run, [server.base_url], hooks, emit, config.kvtier is not None)
         elif plan.mode == "inprocess":
             from kvtier.bench.multiturn.engine_run import InProcessEngine
