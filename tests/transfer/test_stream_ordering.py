@@ -12,8 +12,6 @@ after the device reached its end event; nothing blocks the caller but `close`.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -31,13 +29,6 @@ from tests.transfer.helpers import NUM_SLOTS, Case, case
 
 SCHEDULES = [COPIES_FIRST, COMPUTE_FIRST, LOADS_FIRST, 1, 2, 3]
 KINDS = ["flash_nhd", "sliding_groups", "mla", "fp8"]
-
-
-@pytest.fixture
-def region() -> Iterator[HostRegion]:
-    r = HostRegion.create(NUM_SLOTS * 8192)
-    yield r
-    r.close()
 
 
 def setup(region: HostRegion, kind: str) -> tuple[Case, EmulatedDevice, StreamTransfer]:

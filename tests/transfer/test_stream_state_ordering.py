@@ -15,8 +15,6 @@ random orders. What holds under every schedule, for gated delta net and Mamba2 s
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-
 import pytest
 import torch
 
@@ -24,17 +22,10 @@ from kvtier.host.region import HostRegion
 from kvtier.transfer.stream import StreamTransfer
 from tests.format.helpers import random_kv, same
 from tests.transfer.emulated_device import COMPUTE_FIRST, COPIES_FIRST, LOADS_FIRST, EmulatedDevice
-from tests.transfer.helpers import NUM_SLOTS, Case, case
+from tests.transfer.helpers import Case, case
 from tests.transfer.state_helpers import STATE_KINDS, StateCase, state_case
 
 SCHEDULES = [COPIES_FIRST, COMPUTE_FIRST, LOADS_FIRST, 1, 2, 3]
-
-
-@pytest.fixture
-def region() -> Iterator[HostRegion]:
-    r = HostRegion.create(NUM_SLOTS * 8192)
-    yield r
-    r.close()
 
 
 def setup(
