@@ -2,8 +2,9 @@
 
 The host region is attached by name (`HostRegion.attach`), so the rank may live in another process
 than the host tier that owns the region. Rows are viewed as a uint8 `[num_slots, row_bytes]` tensor
-over the shared mapping (no copy); `kvtier.format.layout.CopyPlan` defines the canonical format. Each job
-has ended when `submit_*` returns, and the next `poll` reports it.
+over the shared mapping (no copy); `kvtier.transfer.copy_plan.CopyPlan` copies between the engine's
+blocks and those rows, in the canonical format of `kvtier.format.layout`. Each job has ended when
+`submit_*` returns, and the next `poll` reports it.
 """
 
 from __future__ import annotations
