@@ -47,6 +47,12 @@ def vllm_env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
         yield tmp
 
 
+@pytest.fixture(scope="module")
+def fs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """An empty directory for the fs tier of the module's engine."""
+    return tmp_path_factory.mktemp("fs")
+
+
 @contextlib.contextmanager
 def running_llm(extra_config: dict[str, Any], **kwargs: Any) -> Iterator[Any]:
     """One in-process engine with the KVTierConnector configured by `extra_config` (vLLM's options:

@@ -19,11 +19,6 @@ pytestmark = pytest.mark.slow
 
 
 @pytest.fixture(scope="module")
-def fs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fs")
-
-
-@pytest.fixture(scope="module")
 def llm(make_llm: Callable[..., Any], fs_dir: Path) -> Any:
     return make_llm({"cpu_bytes_to_use": 16 * ROW_BYTES, "blocks_per_chunk": 2,
                      "admission_policy": ["priority"],

@@ -51,11 +51,6 @@ def extra_config(fs_dir: Path) -> dict[str, Any]:
 
 
 @pytest.fixture(scope="module")
-def fs_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    return tmp_path_factory.mktemp("fs")
-
-
-@pytest.fixture(scope="module")
 def llm(make_llm: Callable[..., Any], fs_dir: Path) -> Any:
     """The engine; it publishes its KV events on ZMQ at `llm.test_endpoint` and keeps each batch
     in `llm.test_events` too."""
