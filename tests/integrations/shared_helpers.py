@@ -109,6 +109,23 @@ class EngineProcess:
                 raise AssertionError(f"process group {self.proc.pid} did not stop in {timeout_s} s")
             time.sleep(0.001)
 
+    def unread_tcp_bytes(self) -> int:
+        """Bytes peers sent to the engine or its tier processes that wait unread in their TCP
+        receive queues, on connections they accepted or that wait in their listening sockets'
+        backlogs. A frozen instance reads nothing: a request sent to it piles up there."""
+        inodes = set()
+        for pid in _group_pids(self.proc.pid):
+            with contextlib.suppress(FileNotFoundError, PermissionError):
+                for fd in os.listdir(f"/proc/{pid}/fd"):
+                    with contextlib.suppress(OSError):
+                        link = os.readlink(f"/proc/{pid}/fd/{fd}")
+                        if link.startswith("socket:["):
+                            inodes.add(link[len("socket:[") : -1])
+        rows = _tcp_sockets()
+        listening = {local for local, state, _, inode in rows if state == TCP_LISTEN and inode in inodes}
+        return sum(unread for local, state, unread, inode in rows
+                   if state != TCP_LISTEN and (inode in inodes or (inode == "0" and local in listening)))
+
     def close(self) -> None:
         """Shut the engine down (stdin closed), or SIGKILL it if it does not exit in time."""
         if self.proc.poll() is None:
@@ -149,16 +166,36 @@ STOPPED = frozenset("TtZX")
 """/proc thread states of a thread that runs no code: stopped, traced, zombie, dead."""
 
 
+TCP_LISTEN = "0A"
+"""The state of a listening socket in /proc/net/tcp."""
+
+
+def _group_pids(pgid: int) -> list[str]:
+    """The pids of the processes in process group `pgid`."""
+    return [pid for pid in filter(str.isdigit, os.listdir("/proc"))
+            if _stat_fields(f"/proc/{pid}/stat")[2:3] == [str(pgid)]]
+
+
 def _group_thread_states(pgid: int) -> list[str]:
     """The /proc state letter of every thread of every process in process group `pgid`."""
     states = []
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        if _stat_fields(f"/proc/{pid}/stat")[2:3] != [str(pgid)]:
-            continue
+    for pid in _group_pids(pgid):
         with contextlib.suppress(FileNotFoundError):
             for tid in os.listdir(f"/proc/{pid}/task"):
                 states += _stat_fields(f"/proc/{pid}/task/{tid}/stat")[:1]
     return states
+
+
+def _tcp_sockets() -> list[tuple[str, str, int, str]]:
+    """(local address, state, bytes unread in its receive queue, inode) of every TCP socket of
+    this network namespace; inode "0" for a connection still in a listening socket's backlog."""
+    rows = []
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        with contextlib.suppress(FileNotFoundError), open(table) as f:
+            for line in f.readlines()[1:]:
+                fields = line.split()
+                rows.append((fields[1], fields[3], int(fields[4].split(":")[1], 16), fields[9]))
+    return rows
 
 
 def _stat_fields(path: str) -> list[str]:

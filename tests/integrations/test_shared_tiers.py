@@ -267,14 +267,23 @@ def test_a_killed_mid_transfer_b_recomputes(
     prompts: dict[str, list[int]], monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """A is frozen (SIGSTOP, every thread of its process group stopped) the moment B submits its
-    p2p load, so B's tier is waiting on A's bytes, then SIGKILLed: the load fails and B's request
-    is recomputed."""
+    p2p load, then SIGKILLed once B's request waits unread at A (so B's tier is waiting on A's
+    bytes): the load fails and B's request is recomputed."""
     scheduler, _ = connector_halves(llm)
     prompt = prompts[RECOMPUTED["kill"]]
     p2p = scheduler.manager.tiers["p2p"]
     submit = p2p.submit_load
     loads: list[Any] = []
-    killer = threading.Timer(0.5, instance_a.signal, args=(signal.SIGKILL,))
+    unread_at_kill: list[int] = []
+
+    def kill_once_a_holds_a_request() -> None:
+        deadline = time.monotonic() + 30
+        while not instance_a.unread_tcp_bytes() and time.monotonic() < deadline:
+            time.sleep(0.005)
+        unread_at_kill.append(instance_a.unread_tcp_bytes())
+        instance_a.signal(signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_once_a_holds_a_request, daemon=True)
 
     def freeze_then_submit(job: Any) -> None:
         if not loads:
@@ -286,16 +295,16 @@ def test_a_killed_mid_transfer_b_recomputes(
     monkeypatch.setattr(p2p, "submit_load", freeze_then_submit)
     metrics = scheduler.accounting.metrics
     failures = metrics.value("kvtier_failures_total", tier="p2p", op="load")
-    start = time.monotonic()
 
     try:
         again = generate(llm, prompt, "p2p")
     finally:
-        killer.cancel()
+        if killer.is_alive():
+            killer.join(60)
         with contextlib.suppress(ProcessLookupError):
             instance_a.signal(signal.SIGKILL)
 
-    assert time.monotonic() - start < 15
+    assert unread_at_kill and unread_at_kill[0] > 0, "B's request never reached the frozen A"
     assert [len(job.keys) for job in loads] == [hit_of(prompt) // CHUNK]
     assert again["kvtier"]["tokens"] == split(prompt)
     assert again["tokens"] == computed_by_a[RECOMPUTED["kill"]]["tokens"]
