@@ -13,7 +13,7 @@ tests/integrations/test_trace_record.py; a real `kvtier serve` server, scraped b
 every dashboard query, in tests/integrations/test_shutdown.py, and the seeds' pilot line in
 tests/integrations/test_serve_seeds.py; the SLO guard and `kvtier ctl` on a real engine in
 tests/integrations/test_vllm_guard.py and tests/ops/test_control.py; `kvtier tier-bench` in
-tests/tiers/test_obj.py and tests/tiers/test_p2p.py.
+tests/tiers/obj/test_obj.py and tests/tiers/p2p/test_p2p.py.
 """
 
 from __future__ import annotations

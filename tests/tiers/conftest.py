@@ -9,12 +9,12 @@ import pytest
 from kvtier.bench.chaos.valkey_cluster import cluster_binary
 from tests.services.redis_cluster import Cluster, start_cluster
 from tests.services.redis_server import fresh_prefix
-from tests.tiers.p2p_helpers import Peer, peer_maker
+from tests.tiers.p2p.helpers import Peer, peer_maker
 
 
 @pytest.fixture
 def make_peer() -> Iterator[Callable[..., Peer]]:
-    """Starts p2p peers (`p2p_helpers.peer_maker`), shut down after the test."""
+    """Starts p2p peers (`tests.tiers.p2p.helpers.peer_maker`), shut down after the test."""
     with peer_maker() as make:
         yield make
 

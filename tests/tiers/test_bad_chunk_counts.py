@@ -23,7 +23,7 @@ from kvtier.tiers.fs.index import scan_layout_dir
 from kvtier.tiers.fs.tier import FsTier
 from kvtier.tiers.process import TierProcess
 from tests.conftest import LAYOUT_FP, fill_slot, random_key, wait_jobs
-from tests.tiers.fs_helpers import chunk_path, load_keys, make_ctx, store_keys
+from tests.tiers.fs.helpers import chunk_path, load_keys, make_ctx, store_keys
 from tests.tiers.process_helpers import make_proc, reported_counts
 
 

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from kvtier.tiers.base import Job, JobKind, LookupResult
 from tests.conftest import fill_slot, random_key, settle_lookup, wait_jobs
-from tests.tiers.p2p_helpers import address, ctx_of, store
+from tests.tiers.p2p.helpers import address, ctx_of, store
 
 TTL_S = 60.0
 

@@ -26,7 +26,7 @@ from kvtier.tiers.fs.fsck import fsck
 from kvtier.tiers.fs.tier import FsTier
 from tests.conftest import random_key
 from tests.optional import NATIVE_OFF
-from tests.tiers.fs_helpers import (
+from tests.tiers.fs.helpers import (
     LAYOUT_FP,
     OTHER_FP,
     all_files,

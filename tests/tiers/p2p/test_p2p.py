@@ -27,7 +27,7 @@ from kvtier.tiers.p2p import P2PTier, protocol
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.fetch import Fetcher
 from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, fill_slot, random_key, settle_lookup, wait_jobs
-from tests.tiers.p2p_helpers import CURVE_KEY, FP, SECRET, address, ctx_of, data_address, store
+from tests.tiers.p2p.helpers import CURVE_KEY, FP, SECRET, address, ctx_of, data_address, store
 from tests.tiers.process_helpers import bench_count, report_now, reported_counts
 
 

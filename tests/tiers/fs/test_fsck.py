@@ -14,7 +14,7 @@ import pytest
 from kvtier.tiers.fs.fsck import STRAY, WRONG_DIR, add_fsck_parser, fsck
 from kvtier.tiers.fs.tier import FsTier
 from tests.conftest import random_key
-from tests.tiers.fs_helpers import (
+from tests.tiers.fs.helpers import (
     LAYOUT_FP,
     OTHER_FP,
     all_files,

@@ -24,7 +24,7 @@ from kvtier.tiers.p2p import P2PTier, protocol
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.process import TierProcess
 from tests.conftest import ROW_BYTES, fill_slot, random_key, settle_lookup, wait_jobs
-from tests.tiers.p2p_helpers import FP, SECRET, address, ctx_of, data_address
+from tests.tiers.p2p.helpers import FP, SECRET, address, ctx_of, data_address
 from tests.tiers.process_helpers import reported_counts
 
 pytestmark = pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
