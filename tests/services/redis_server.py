@@ -101,9 +101,14 @@ def stop_server(server: RedisServer) -> None:
     shutil.rmtree(server.root, ignore_errors=True)
 
 
-def _session_server(binary_name: str) -> Iterator[RedisServer]:
+def require(binary_name: str) -> None:
+    """Skip the calling test where `binary_name` is not installed (a failure in CI)."""
     if shutil.which(binary_name) is None:
         pytest.skip(f"{binary_name} is not installed")
+
+
+def _session_server(binary_name: str) -> Iterator[RedisServer]:
+    require(binary_name)
     server = start_server(binary_name)
     yield server
     stop_server(server)
@@ -138,6 +143,7 @@ def valkey_tier_options(valkey_server: RedisServer) -> dict[str, object]:
 @pytest.fixture
 def redis_server_factory() -> Iterator[Callable[..., RedisServer]]:
     """Start redis-servers with extra options (e.g. "--maxmemory", "4mb"); all stopped afterwards."""
+    require("redis-server")
     started: list[RedisServer] = []
 
     def start(*extra: str) -> RedisServer:
