@@ -13,7 +13,6 @@ shows that it does not.
 
 from __future__ import annotations
 
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -25,6 +24,7 @@ import torch
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
 from tests.integrations.kv_spy import KVSpy
 from tests.integrations.prompts import PROMPTS
+from tests.integrations.shared_helpers import settle
 
 pytestmark = pytest.mark.slow
 
@@ -67,15 +67,6 @@ def generate(llm: Any, prompt: str | list[int], max_tokens: int = 8, skip_load: 
     request = prompt if isinstance(prompt, str) else {"prompt_token_ids": prompt}
     out = llm.generate([request], params, use_tqdm=False)[0]
     return Result(list(out.prompt_token_ids), list(out.outputs[0].token_ids), out.num_cached_tokens)
-
-
-def settle(scheduler: Any, timeout_s: float = 20.0) -> None:
-    """Wait until every cascade and promotion finished (so host rows are no longer pinned)."""
-    deadline = time.monotonic() + timeout_s
-    while scheduler.manager.in_flight:
-        assert time.monotonic() < deadline, "tier jobs did not finish"
-        time.sleep(0.02)
-        scheduler.manager.poll()
 
 
 def host_loads(scheduler: Any) -> float:
