@@ -57,7 +57,7 @@ class Spy:
         self.stored: dict[bytes, dict[int, bytes]] = {}
         self.loaded: dict[bytes, dict[int, bytes]] = {}
         plan, tensors = worker.transfer.plan, worker.transfer.layer_tensors
-        states = worker.states.copier.tensors if worker.states is not None else []
+        states = worker.transfer.states.tensors if worker.transfer.states is not None else []
         bpc = plan.blocks_per_chunk
         save, start_load = worker.save, worker.start_load
 
@@ -138,7 +138,7 @@ def reload_check(llm: Any, spy: Spy, prompt: str, reference: Result, tier: str, 
 
     llm.reset_prefix_cache()
     if poison is not None:
-        state_tensors = [t for parts in worker.states.copier.tensors for t in parts] if states else []
+        state_tensors = [t for parts in worker.transfer.states.tensors for t in parts] if states else []
         for tensor in [*worker.transfer.layer_tensors, *state_tensors]:
             tensor.fill_(poison)
     again = generate(llm, prompt + TAIL)

@@ -103,7 +103,7 @@ def _record(half: Any, op: str, jobs: Any) -> None:
 
 
 def _record_states(half: Any, op: str, jobs: Any) -> None:
-    copier = half.states.copier
+    copier = half.transfer.states
     for job in jobs:
         for layer, (parts, block) in enumerate(zip(copier.tensors, job.block_ids, strict=True)):
             for p, (part, tensor) in enumerate(zip(copier.layout.parts, parts, strict=True)):

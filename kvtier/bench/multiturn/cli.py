@@ -147,7 +147,7 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     from kvtier.bench.chaos import cli as chaos_cli
 
     chaos_cli.add_parser(bsub)
-    from kvtier.bench import plots
+    from kvtier.bench import results_page as plots
 
     r = bsub.add_parser("report", help="table, CSV and PNG from saved results.json files; with none, "
                                        "BENCHMARKS.md's plots from benchmarks/results/")
@@ -304,17 +304,3 @@ def run_multiturn(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_report(args: argparse.Namespace) -> int:
-    try:
-        metas, points = report.load(args.results)
-    except ValueError as e:
-        raise KVTierError(str(e)) from e
-    title = args.title or (metas[0].get("title", "kvtier bench multiturn") if len(metas) == 1
-                           else "kvtier bench multiturn: " + ", ".join(str(m.get("label")) for m in metas))
-    args.out.mkdir(parents=True, exist_ok=True)
-    report.write_csv(args.out / "report.csv", points)
-    if points:
-        report.plot(args.out / "report.png", points, title)
-    print(report.table(points))
-    print(f"report: {args.out / 'report.csv'}, {args.out / 'report.png'}", file=sys.stderr)
-    return 0
