@@ -90,8 +90,12 @@ class TierProcess:
         restart_backoff_s: float = 1.0,
         lookup_ttl_s: float = 2.0,
         metrics: KVTierMetrics | None = None,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self.spec = spec
+        self.clock = clock
+        """What job and lookup ages, answer lifetimes and restart back-offs are measured by (startup
+        and the bounded waits block in real time)."""
         self.name = spec.tier_name
         self.metrics = KVTierMetrics() if metrics is None else metrics
         """Where the tier's own counts go (`tier_counter`, `bad_chunks`, `tier_gauge`)."""
@@ -195,7 +199,7 @@ class TierProcess:
         self.poll()
         if not self.is_up:
             return [LookupResult.MISS] * len(keys)
-        now = time.monotonic()
+        now = self.clock()
         out, ask = self._answers.lookup(keys, now)
         if ask:
             self._next_req += 1
@@ -213,7 +217,7 @@ class TierProcess:
         `timeout_s` already had its wait: a slow tier costs each question one wait, not one per
         engine step until it answers.
         """
-        start = time.monotonic()
+        start = self.clock()
         self._await(lambda: any(start - asked < timeout_s for _, asked in self._asked.values()),
                     timeout_s)
 
@@ -260,7 +264,7 @@ class TierProcess:
         if not self.is_up:
             self._finished.append(JobResult(job.job_id, success=False))
             return
-        self._jobs[job.job_id] = (job, time.monotonic())
+        self._jobs[job.job_id] = (job, self.clock())
         self._send(JobRequest(job))
 
     def _send(self, msg: Message) -> None:
@@ -275,7 +279,7 @@ class TierProcess:
             except queue.Empty:
                 break
             self._handle(gen_id, msg)
-        now = time.monotonic()
+        now = self.clock()
         if self._gen is not None and self._gen.ready:
             oldest = min((t for _, t in self._jobs.values()), default=now)
             oldest = min((t for _, t in self._asked.values()), default=oldest)
@@ -321,7 +325,7 @@ class TierProcess:
                 continue
             self._backoff = self._base_backoff
             # What a job proved about its keys is a fresh lookup answer.
-            now = time.monotonic()
+            now = self.clock()
             if entry[0].kind is JobKind.LOAD or self._stores_prove_hits:
                 for key in result.successful_keys:
                     self._answers.put(key, LookupResult.HIT, now)
@@ -339,7 +343,7 @@ class TierProcess:
         if len(asked[0]) != len(reply.results):
             self._mark_down("error", f"{len(reply.results)} answers to {len(asked[0])} keys")
             return
-        now = time.monotonic()
+        now = self.clock()
         for key, result in zip(asked[0], reply.results, strict=True):
             self._answers.unask(key)
             # RETRY is not an answer: the next lookup asks the tier again.
@@ -362,7 +366,7 @@ class TierProcess:
         self._fail_in_flight()
         if self._closed:
             return
-        self._restart_at = time.monotonic() + self._backoff
+        self._restart_at = self.clock() + self._backoff
         log.warning("tier %s is down: %s; restarting in %.1f s", self.name, why, self._backoff)
         self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
 

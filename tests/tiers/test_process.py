@@ -4,15 +4,18 @@ from __future__ import annotations
 
 import os
 import signal
+import threading
 import time
+from collections.abc import Callable
 
 import pytest
 
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
-from tests.conftest import fill_slot, random_key, settle_lookup, wait_jobs
-from tests.tiers.process_helpers import make_proc
+from kvtier.tiers.process import TierProcess
+from tests.conftest import fill_slot, random_key, settle_lookup, wait_jobs, wait_until
+from tests.tiers.process_helpers import make_proc, report_now
 
 PLUGIN = "tests.tiers.plugin_tier"
 
@@ -46,77 +49,69 @@ def test_killed_tier_fails_in_flight_jobs_and_restarts(region: HostRegion, ctx: 
     proc.start()
     try:
         first_pid = proc.pid
+        assert first_pid is not None
         fill_slot(ctx, 0)
         proc.submit_store(Job(1, JobKind.STORE, (random_key(),), (0,)))
         proc.submit_load(Job(2, JobKind.LOAD, (random_key(),), (1,)))
-        time.sleep(0.2)
+        report_now(proc)  # the tier took both jobs (its report follows them) and holds them
+        assert proc.last_usage is not None and proc.last_usage.chunks == 1
         assert proc.get_finished_jobs() == []
+        killed_at = time.time()
         os.kill(first_pid, signal.SIGKILL)
-        start = time.monotonic()
-        results = wait_jobs(proc, 2, timeout_s=5)
-        assert time.monotonic() - start < 5
+        results = wait_jobs(proc, 2)
         assert sorted(r.job_id for r in results) == [1, 2]
         assert not any(r.success for r in results)
+        # Its exit, not the job timeout (60 s), failed them; the failure is stamped in Unix time.
         assert proc.last_failure is not None and proc.last_failure[0] == "exited"
-        assert abs(proc.last_failure[1] - time.time()) < 10
+        assert killed_at <= proc.last_failure[1] <= time.time()
         # While down: lookups are misses and new jobs fail at once; nothing blocks.
         assert proc.lookup([random_key()]) == [LookupResult.MISS]
         proc.submit_store(Job(3, JobKind.STORE, (random_key(),), (0,)))
         assert [r.success for r in proc.get_finished_jobs()] == [False]
-        deadline = time.monotonic() + 10
-        while not proc.is_up and time.monotonic() < deadline:
-            proc.get_finished_jobs()
-            time.sleep(0.01)
-        assert proc.is_up and proc.pid != first_pid and proc.restarts == 1
+        wait_until(lambda: up(proc), "the killed tier restarted")
+        assert proc.pid != first_pid and proc.restarts == 1
         assert settle_lookup(proc, [random_key()]) == [LookupResult.MISS]
     finally:
         proc.shutdown()
 
 
 def test_hung_tier_is_marked_down_after_the_job_timeout(region: HostRegion, ctx: TierContext) -> None:
-    proc = make_proc(region, "memory", job_timeout_s=0.5, restart_backoff_s=60)
+    clock = StoppedClock()
+    proc = make_proc(region, "memory", job_timeout_s=0.5, restart_backoff_s=60, clock=clock)
     proc.start()
     try:
         pid = proc.pid
+        assert pid is not None
         os.kill(pid, signal.SIGSTOP)
         fill_slot(ctx, 0)
         proc.submit_store(Job(1, JobKind.STORE, (random_key(),), (0,)))
-        start = time.monotonic()
-        [result] = wait_jobs(proc, 1, timeout_s=5)
+        clock.advance(0.5)  # unanswered for exactly the job timeout: not hung yet
+        assert proc.get_finished_jobs() == [] and proc.is_up and proc.last_failure is None
+        clock.advance(0.125)
+        [result] = proc.get_finished_jobs()
         assert not result.success
-        assert 0.4 < time.monotonic() - start < 5
         assert not proc.is_up
         assert proc.last_failure is not None and proc.last_failure[0] == "hung"
-        with pytest.raises(ProcessLookupError):
-            for _ in range(100):
-                os.kill(pid, 0)
-                time.sleep(0.02)
+        wait_until(lambda: gone(pid), "the hung process killed and reaped")
     finally:
         proc.shutdown()
 
 
 def test_backoff_doubles_on_repeated_failures(region: HostRegion) -> None:
-    proc = make_proc(region, "memory", restart_backoff_s=0.1)
+    clock = StoppedClock()
+    proc = make_proc(region, "memory", restart_backoff_s=1.0, clock=clock)
     proc.start()
     try:
-        gaps = []
-        for _ in range(3):
-            deadline = time.monotonic() + 10
-            while not proc.is_up and time.monotonic() < deadline:
-                proc.get_finished_jobs()
-                time.sleep(0.005)
-            assert proc.is_up
+        for n, backoff in enumerate([1.0, 2.0, 4.0], start=1):
+            assert proc.pid is not None
             os.kill(proc.pid, signal.SIGKILL)
-            while proc.is_up:
-                proc.get_finished_jobs()
-                time.sleep(0.005)
-            down_at = time.monotonic()
-            while proc.pid is None:
-                proc.get_finished_jobs()
-                time.sleep(0.005)
-            gaps.append(time.monotonic() - down_at)
-        assert gaps[0] >= 0.09 and gaps[1] >= 0.19 and gaps[2] >= 0.39
-        assert proc.restarts == 3
+            wait_until(lambda: down(proc), "the killed tier marked down")
+            clock.advance(backoff - 0.125)
+            assert down(proc), f"restart #{n} came before its back-off of {backoff} s"
+            clock.advance(0.125)
+            proc.poll()
+            assert proc.pid is not None and proc.restarts == n
+            wait_until(lambda: up(proc), f"restart #{n} came up")
     finally:
         proc.shutdown()
 
@@ -140,38 +135,85 @@ def test_option_error_names_the_tier_entry_and_option(region: HostRegion) -> Non
 
 
 def test_a_retry_answer_is_asked_again_not_cached(region: HostRegion) -> None:
-    proc = make_proc(region, "RetryOnceTier", PLUGIN)
+    # The proxy's clock stands still: a cached RETRY would never expire, and no HIT would come.
+    proc = make_proc(region, "RetryOnceTier", PLUGIN, clock=StoppedClock())
     proc.start()
     try:
         key = random_key()
-        answers = []
-        deadline = time.monotonic() + proc.lookup_ttl_s / 2
-        while LookupResult.HIT not in answers and time.monotonic() < deadline:
-            answers = proc.lookup([key])
-            time.sleep(0.01)
-        assert answers == [LookupResult.HIT], "a tier's RETRY must not stick in the proxy's cache"
+        wait_until(lambda: proc.lookup([key]) == [LookupResult.HIT],
+                   "a tier's RETRY asked again (it must not stick in the proxy's cache)")
     finally:
         proc.shutdown()
 
 
 def test_a_lookup_waits_once_for_a_stopped_tier(region: HostRegion) -> None:
-    proc = make_proc(region, "memory")
+    clock = StoppedClock()
+    proc = make_proc(region, "memory", clock=clock)
     proc.start()
     try:
         assert proc.pid is not None
         os.kill(proc.pid, signal.SIGSTOP)  # a tier that cannot answer in time
         try:
-            assert proc.lookup([random_key()]) == [LookupResult.RETRY]
-            start = time.monotonic()
-            proc.await_answers(0.3)
-            assert time.monotonic() - start >= 0.29  # the fresh question got its wait
-            time.sleep(0.05)
-            start = time.monotonic()
-            proc.await_answers(0.3)
-            assert time.monotonic() - start < 0.1  # the same question, now stale, is not waited on
+            stale = random_key()
+            assert proc.lookup([stale]) == [LookupResult.RETRY]
+            clock.advance(60.0)
+            # A question older than the wait already had its wait: the call returns while the
+            # tier is still stopped, unanswered.
+            returned = in_thread(lambda: proc.await_answers(30.0))
+            wait_until(returned.is_set, "a wait on a stale question returned")
+            assert proc.lookup([stale]) == [LookupResult.RETRY]
+            # A fresh question gets its wait: the call returns with the answer, once there is one.
+            fresh = random_key()
+            assert proc.lookup([fresh]) == [LookupResult.RETRY]
+            returned = in_thread(lambda: proc.await_answers(60.0))
         finally:
             os.kill(proc.pid, signal.SIGCONT)
-        key = random_key()
-        assert settle_lookup(proc, [key]) == [LookupResult.MISS]
+        wait_until(returned.is_set, "a wait on a fresh question returned with its answer")
+        assert proc.lookup([fresh]) == [LookupResult.MISS]
+        assert settle_lookup(proc, [random_key()]) == [LookupResult.MISS]
     finally:
         proc.shutdown()
+
+
+class StoppedClock:
+    """A clock that moves only when `advance` is called (times exact in binary)."""
+
+    def __init__(self) -> None:
+        self.now = 1024.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def advance(self, seconds: float) -> None:
+        self.now += seconds
+
+
+def up(proc: TierProcess) -> bool:
+    proc.poll()
+    return proc.is_up
+
+
+def down(proc: TierProcess) -> bool:
+    """Whether the proxy found its process gone (it is not started again meanwhile)."""
+    proc.poll()
+    return proc.pid is None
+
+
+def gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
+def in_thread(call: Callable[[], object]) -> threading.Event:
+    """Run `call` on a daemon thread; the event is set once it returned."""
+    returned = threading.Event()
+
+    def run() -> None:
+        call()
+        returned.set()
+
+    threading.Thread(target=run, daemon=True).start()
+    return returned
