@@ -16,7 +16,7 @@ from kvtier.engine.tiering_start import start_manager
 from kvtier.errors import ConfigError
 from kvtier.manager import PrefixLookup, TieringManager
 from kvtier.tiers.base import LookupResult
-from tests.conftest import LAYOUT_FP, random_key
+from tests.conftest import LAYOUT_FP, random_key, wait_until
 from tests.manager_helpers import (
     HOST_SLOTS,
     ROW,
@@ -276,14 +276,12 @@ def test_killed_tier_turns_hits_into_misses_and_comes_back(manager: TieringManag
     evict_all(manager)
     os.kill(manager.tiers["memory"].pid, signal.SIGKILL)
     os.kill(manager.tiers["fs"].pid, signal.SIGKILL)
-    time.sleep(0.1)
+    wait_until(lambda: tiers_ok(manager, lambda t: t.last_failure is not None),
+               "both killed tiers marked down")
+    assert {t.last_failure[0] for t in manager.tiers.values()} == {"exited"}
     assert settle(manager, keys) == PrefixLookup(0, pending=False)
     manager.host.check()
-    deadline = time.monotonic() + 10
-    while not all(t.is_up for t in manager.tiers.values()):
-        manager.poll()
-        assert time.monotonic() < deadline
-        time.sleep(0.01)
+    wait_until(lambda: tiers_ok(manager, lambda t: t.is_up), "both tiers restarted")
     # The fs tier kept its files across the restart.
     assert settle(manager, keys).ready == 3
 
@@ -303,6 +301,12 @@ def test_bad_second_tier_shuts_down_the_first(tmp_path: Path) -> None:
                if "kvtier.tiers.runner" in " ".join(p.cmdline()) and p.status() != "zombie"
                and _session(p.pid) == session]
     assert runners == [], "the first tier's process must be shut down"
+
+
+def tiers_ok(m: TieringManager, ok) -> bool:
+    """Whether `ok` holds of every tier of `m`, after the replies received so far were handled."""
+    m.poll()
+    return all(ok(t) for t in m.tiers.values())
 
 
 def _session(pid: int) -> int | None:
