@@ -25,7 +25,8 @@ from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.process import TierProcess, TierSpec
-from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, settle_lookup, wait_jobs
+from tests.conftest import LAYOUT_FP, ROW_BYTES, SLOTS, settle_lookup, wait_jobs, wait_until
+from tests.tiers.process_helpers import reported_counts
 
 SECRET = "chaos-test-secret-0123456789"
 
@@ -93,16 +94,6 @@ def _load(spy: TierSpy, keys: list[bytes], job_id: int) -> set[bytes]:
     return set(result.successful_keys)
 
 
-def _bad_chunks(proc: TierProcess) -> int:
-    version = proc.stats_version
-    proc.request_stats()
-    deadline = time.monotonic() + 10
-    while proc.stats_version == version and time.monotonic() < deadline:
-        proc.poll()
-        time.sleep(0.01)
-    return int(proc.metrics.tier_counts(proc.name).bad_chunks)
-
-
 def test_a_peer_serving_bad_rows_is_refused_detected_and_repaired(peer_and_requester) -> None:
     medium, fs, spy, ledger, requester = peer_and_requester
     keys = fs.keys()
@@ -117,9 +108,9 @@ def test_a_peer_serving_bad_rows_is_refused_detected_and_repaired(peer_and_reque
         assert _load(spy, [key, other], 10 + n) == {other}
         assert ledger.counts()["outcomes"]["detected"] == n + 1, kind
         assert medium.verify(key) is True and medium.read(key) == good  # repaired
-    assert _bad_chunks(requester) == len(KINDS)
-    time.sleep(1.1)  # the requester's answer for a refused key (MISS) expires
-    assert settle_lookup(spy, keys) == [LookupResult.HIT] * 4
+    assert reported_counts(requester).bad_chunks == len(KINDS)
+    # The answers a refusal left (MISS, cached for the p2p tier's `lookup_ttl_s`) expire.
+    wait_until(lambda: settle_lookup(spy, keys) == [LookupResult.HIT] * 4, "the repaired keys found")
     assert _load(spy, keys, 20) == set(keys)
     assert ledger.counts()["outcomes"]["served"] == 0
 
@@ -138,9 +129,8 @@ def test_a_killed_peer_fails_loads_as_values_then_serves_again(peer_and_requeste
     medium.peer.start()
     ledger.blind("p2p", 0.0, time.monotonic())
     assert medium.feed(fs) == 4
-    deadline = time.monotonic() + 10  # as an engine does: load what its lookups find
-    while settle_lookup(spy, keys) != [LookupResult.HIT] * 4 and time.monotonic() < deadline:
-        time.sleep(0.1)
+    # as an engine does: load what its lookups find
+    wait_until(lambda: settle_lookup(spy, keys) == [LookupResult.HIT] * 4, "the restarted peer's keys")
     assert _load(spy, keys, 2) == set(keys)
     assert ledger.counts()["outcomes"] == {"detected": 0, "served": 0, "overwritten": 0, "lost": 1,
                                            "unread": 0, "open": 0}
@@ -178,7 +168,7 @@ def test_an_injection_never_races_a_load_and_a_load_during_one_is_counted_once(p
     ledger.injected("p2p", keys[0], "swap", start)
     [result] = wait_jobs(spy, 1)
     assert not result.success
-    assert ledger.counts()["outcomes"]["detected"] == 1 == _bad_chunks(requester)
+    assert ledger.counts()["outcomes"]["detected"] == 1 == reported_counts(requester).bad_chunks
     assert medium.verify(keys[0]) is True  # repaired
 
 
