@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+from types import SimpleNamespace
 
 import httpx
 import pytest
 
-from kvtier.bench.multiturn import endpoint_run
+from kvtier.bench.multiturn import chat_client, endpoint_run
 from kvtier.bench.multiturn.chat_client import ChatClient, LoopLag
 from kvtier.bench.multiturn.conversation import WorkloadSpec
 from kvtier.bench.multiturn.summary import RequestRecord
@@ -119,15 +120,22 @@ def test_scheduler_fifo_concurrency_and_replies(monkeypatch: pytest.MonkeyPatch,
     assert client["prep_ms"]["p50"] > 0 and client["loop_lag_ms"]["max"] >= 0
 
 
-def test_loop_lag_sees_a_blocked_loop() -> None:
-    async def go() -> dict[str, float]:
+def test_loop_lag_sees_a_blocked_loop(monkeypatch: pytest.MonkeyPatch) -> None:
+    now = [0.0]  # the sampler's clock, moved by hand
+    monkeypatch.setattr(chat_client, "time", SimpleNamespace(perf_counter=lambda: now[0]))
+
+    async def go() -> list[float]:
         lag = LoopLag(0.001)
         lag.start()
-        await asyncio.sleep(0.02)
-        import time
+        while len(lag.samples) < 2:  # the ticker sleeps again, its clock read
+            await asyncio.sleep(0)
+        now[0] += 0.05  # the loop is blocked for 50 ms of its clock: the ticker wakes ~50 ms late
+        seen = len(lag.samples)
+        while len(lag.samples) == seen:
+            await asyncio.sleep(0)
+        stats = await lag.stop()
+        assert stats["max"] == pytest.approx(49.0)
+        return lag.samples
 
-        time.sleep(0.05)  # the loop is blocked: the ticker wakes ~50 ms late
-        await asyncio.sleep(0.01)
-        return await lag.stop()
-
-    assert asyncio.run(go())["max"] >= 40
+    samples = asyncio.run(go())
+    assert samples[:-1] == [0.0] * (len(samples) - 1) and samples[-1] == pytest.approx(0.049)
