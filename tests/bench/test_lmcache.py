@@ -4,7 +4,7 @@ on the same engine settings. LMCache's hits are real: it reloads tokens (counted
 external), recomputes fewer than vLLM alone, and every greedy reply is the one vLLM alone gives;
 and once its engine is shut down no LMCache thread is left to keep the process alive.
 
-Skipped where LMCache is not installed (a benchmark-only dependency: scripts/install_lmcache.sh).
+Skipped where LMCache is not installed, an optional need (`tests.optional.LMCACHE`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ import pytest
 from kvtier.bench.multiturn import configs, presets, sweep
 from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.integrations.vllm.serving.launch import in_process_env
+from tests.optional import LMCACHE
 
-pytestmark = [
-    pytest.mark.slow,
-    pytest.mark.skipif(importlib.util.find_spec("lmcache") is None,
-                       reason="lmcache is not installed (scripts/install_lmcache.sh installs it)"),
-]
+pytestmark = [pytest.mark.slow, LMCACHE.skipif(importlib.util.find_spec("lmcache") is None)]
 
 BLOCK_SIZE = 32
 SPEC = WorkloadSpec(160, 64, 3, 4, 2, 4)  # the smoke preset's workload
