@@ -22,6 +22,8 @@ from kvtier.transfer import make_transfer
 
 LAYERS, HEADS, HEAD_DIM, BLOCK = 2, 2, 8, 4
 ROW_BYTES = 4096  # 2 layers * 2 (K, V) * 2 heads * 4 tokens * 8 dims * 2 bytes = 512, padded
+KEYS = (b"a" * 32, b"b" * 32)
+"""Two chunk keys for the copies the copier tests make."""
 
 
 def geometry(blocks_per_chunk: int = 1, tp_size: int = 1) -> EngineGeometry:

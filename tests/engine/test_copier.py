@@ -22,6 +22,7 @@ from tests.engine.fakes import (
     BLOCK,
     HEAD_DIM,
     HEADS,
+    KEYS,
     ROW_BYTES,
     copier,
     geometry,
@@ -30,8 +31,6 @@ from tests.engine.fakes import (
     rank_store,
     store_in_child,
 )
-
-KEYS = (b"a" * 32, b"b" * 32)
 
 
 @pytest.fixture

@@ -10,9 +10,8 @@ ran it, and one that fails there fails its request's load."""
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Iterator, Sequence
+from collections.abc import Sequence
 
-import pytest
 import torch
 
 from kvtier.engine.copier import CopyDriver
@@ -25,18 +24,9 @@ from kvtier.host.region import HostRegion
 from kvtier.transfer import Transfer
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.stream import StreamTransfer
-from tests.engine.fakes import ROW_BYTES, copier, geometry, kv_caches
+from tests.engine.fakes import KEYS, ROW_BYTES, copier, geometry, kv_caches
 from tests.format.helpers import random_kv, same
 from tests.transfer.emulated_device import COMPUTE_FIRST, COPIES_FIRST, EmulatedDevice
-
-KEYS = (b"a" * 32, b"b" * 32)
-
-
-@pytest.fixture
-def region() -> Iterator[HostRegion]:
-    r = HostRegion.create(8 * ROW_BYTES)
-    yield r
-    r.close()
 
 
 def two_group_worker(device: EmulatedDevice, caches: dict[str, torch.Tensor]) -> CopyDriver:
