@@ -124,7 +124,7 @@ def reload_check(llm: Any, spy: Spy, prompt: str, reference: Result, tier: str, 
     chunk = scheduler.geometry.chunk_tokens
     keys = scheduler.hasher.keys(first.prompt)[: (len(first.prompt) - 1) // chunk]
     assert len(keys) >= 3
-    states = state_keys(scheduler.states.layout, keys[-1]) if scheduler.geometry.states else []
+    states = state_keys(scheduler.geometry.states.layout, keys[-1]) if scheduler.geometry.states else []
     settle(scheduler)
     host = scheduler.manager.host
     assert all(host.contains(k) for k in [*keys, *states])
