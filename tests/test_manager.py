@@ -38,6 +38,16 @@ def manager(request, tmp_path: Path) -> Iterator[TieringManager]:
     m.shutdown()
 
 
+def in_tiers_only(m: TieringManager, n: int) -> list[bytes]:
+    """`n` new keys, stored in the host tier, cascaded to every tier, then evicted from the host
+    tier: only the tiers hold them."""
+    keys = [random_key() for _ in range(n)]
+    store_in_host(m, keys)
+    drain(m)
+    evict_all(m)
+    return keys
+
+
 def test_cascade_then_promotion_restores_identical_rows(manager: TieringManager) -> None:
     keys = [random_key() for _ in range(4)]
     rows = store_in_host(manager, keys)
@@ -57,20 +67,14 @@ def test_cascade_then_promotion_restores_identical_rows(manager: TieringManager)
 
 
 def test_promotion_from_a_chosen_tier(manager: TieringManager) -> None:
-    keys = [random_key() for _ in range(2)]
-    store_in_host(manager, keys)
-    drain(manager)
-    evict_all(manager)
+    keys = in_tiers_only(manager, 2)
     assert settle(manager, keys, tiers=["fs"]).ready == 2
     assert chunks(manager, "fs", "load") == 2
     assert chunks(manager, "memory", "load") == 0
 
 
 def test_promotions_report_their_source_tier_and_outcome(manager: TieringManager) -> None:
-    keys = [random_key() for _ in range(3)]
-    store_in_host(manager, keys)
-    drain(manager)
-    evict_all(manager)
+    keys = in_tiers_only(manager, 3)
     store_in_host(manager, keys[:1])
     drain(manager)
     before = manager.metrics.snapshot()
@@ -108,10 +112,7 @@ def test_prefix_stops_at_the_first_chunk_no_tier_holds(manager: TieringManager) 
 
 
 def test_no_host_space_means_no_promotion(manager: TieringManager) -> None:
-    keys = [random_key() for _ in range(2)]
-    store_in_host(manager, keys)
-    drain(manager)
-    evict_all(manager)
+    keys = in_tiers_only(manager, 2)
     pinned = [random_key() for _ in range(HOST_SLOTS)]
     assert manager.host.reserve(pinned) is not None
     assert settle(manager, keys) == PrefixLookup(0, pending=False)
@@ -164,10 +165,7 @@ def test_a_promotion_never_evicts_the_prefix_it_extends(manager: TieringManager)
 
 
 def test_a_finished_promotion_is_held_until_released(manager: TieringManager) -> None:
-    keys = [random_key() for _ in range(2)]
-    store_in_host(manager, keys)
-    drain(manager)
-    evict_all(manager)
+    keys = in_tiers_only(manager, 2)
     assert settle(manager, keys).ready == 2
     drain(manager)  # the promotion's cascade to the other tier
     assert [manager.host.pin_count(k) for k in keys] == [1, 1]
@@ -180,10 +178,7 @@ def test_a_finished_promotion_is_held_until_released(manager: TieringManager) ->
 
 
 def test_a_promotion_released_while_in_flight_is_not_held(manager: TieringManager) -> None:
-    keys = [random_key() for _ in range(2)]
-    store_in_host(manager, keys)
-    drain(manager)
-    evict_all(manager)
+    keys = in_tiers_only(manager, 2)
     assert manager.lookup_prefix(keys, tiers=["fs"]).pending
     manager.release(keys)  # e.g. the request was aborted while its chunks were being promoted
     assert settle(manager, keys, promote=False).ready == 2
@@ -213,10 +208,7 @@ def test_a_caller_may_wait_for_the_promotion_it_started(manager: TieringManager)
 
 
 def test_without_promote_a_lookup_takes_what_the_host_tier_holds(manager: TieringManager) -> None:
-    keys = [random_key() for _ in range(4)]
-    store_in_host(manager, keys)
-    drain(manager)
-    evict_all(manager)
+    keys = in_tiers_only(manager, 4)
     store_in_host(manager, keys[:1])
     drain(manager)
     assert manager.lookup_prefix(keys, promote=False) == PrefixLookup(1, pending=False)
@@ -255,10 +247,7 @@ def test_a_cascade_is_no_reuse_for_the_host_eviction_order(manager: TieringManag
 def test_a_new_prompt_is_answered_within_the_lookup_wait(tmp_path: Path, wait_s: float) -> None:
     m = start("lru", [{"type": "fs", "root_dir": str(tmp_path / "fs")}], tier_lookup_wait_s=wait_s)
     try:
-        stored = [random_key() for _ in range(2)]
-        store_in_host(m, stored)
-        drain(m)
-        evict_all(m)
+        stored = in_tiers_only(m, 2)
         fresh = [random_key() for _ in range(3)]
         first = m.lookup_prefix(fresh)
         # Without a wait the tier's answer is not there yet: "ask again"; with one, a miss now.
@@ -270,10 +259,7 @@ def test_a_new_prompt_is_answered_within_the_lookup_wait(tmp_path: Path, wait_s:
 
 
 def test_killed_tier_turns_hits_into_misses_and_comes_back(manager: TieringManager) -> None:
-    keys = [random_key() for _ in range(3)]
-    store_in_host(manager, keys)
-    drain(manager)
-    evict_all(manager)
+    keys = in_tiers_only(manager, 3)
     os.kill(manager.tiers["memory"].pid, signal.SIGKILL)
     os.kill(manager.tiers["fs"].pid, signal.SIGKILL)
     wait_until(lambda: tiers_ok(manager, lambda t: t.last_failure is not None),
@@ -325,10 +311,7 @@ def test_region_too_large_for_shm_is_a_config_error() -> None:
 
 
 def test_a_partly_answered_run_is_promoted_whole_once_known(manager: TieringManager) -> None:
-    keys = [random_key() for _ in range(3)]
-    store_in_host(manager, keys)
-    drain(manager)
-    evict_all(manager)
+    keys = in_tiers_only(manager, 3)
     fs = manager.tiers["fs"]
     real = fs.lookup
     partial = [LookupResult.HIT, LookupResult.RETRY, LookupResult.RETRY]
