@@ -394,10 +394,12 @@ def test_reset_cache_empties_the_host_tier(sched: Planner) -> None:
 
 
 def memory_tier_scheduler(**extra: object) -> Planner:
-    """A planner over a host tier of 8 rows and a real memory tier process named "mem"."""
+    """A planner over a host tier of 8 rows and a real memory tier process named "mem". A lookup
+    waits for the tier's answer however loaded the machine is: these tests are about what the
+    planner does with an answer, not about an answer that comes late."""
     config = KVTierConfig.from_dict({
         "cpu_bytes_to_use": 8 * ROW_BYTES, "secondary_tiers": [{"type": "memory", "name": "mem"}],
-        **extra})
+        "tier_lookup_wait_s": 30.0, **extra})
     s = Planner(config, geometry(), 1)
     blocks: dict[str, list[int]] = {}
     s.bind_block_ids(lambda req_id: (blocks[req_id],))
