@@ -105,7 +105,8 @@ class CopyDriver:
 
     def start_load(self, meta: StepPlan) -> None:
         """Queue every load of `meta` host → device. Called once per step, by vLLM's
-        `start_load_kv`; the loading requests are not in this step's forward pass. A load without
+        `start_load_kv`: after launching the step's forward pass, which the loading requests are
+        not in, or for synchronous loads before it, which then waits for them. A load without
         pinned host rows fails at once."""
         self._copy_states(meta, load=True)
         for job in meta.loads:
@@ -114,6 +115,8 @@ class CopyDriver:
                 self._transfer(meta).submit_load(job.job_id, job.block_ids, job.slots)
             else:
                 self._ended(job.job_id, False, 0.0)
+        if any(job.sync and job.slots for job in meta.loads):
+            self._transfer(meta).forward_reads_loads()
         self._collect()
 
     def save(self, meta: StepPlan) -> None:

@@ -61,8 +61,9 @@ class Transfer(ABC):
         """Copy host row `slots[i]` into engine blocks `block_ids[i]`.
 
         Before: the rows are pinned READY and the blocks are allocated to a request outside the
-        forward pass. When `poll` reports the job ok, the blocks hold the chunks' KV; until `poll`
-        reports it (ok or not), the rows must stay pinned and the blocks unread.
+        forward pass. The copy is ordered after every pass queued so far, stores or not. When
+        `poll` reports the job ok, the blocks hold the chunks' KV; until `poll` reports it (ok or
+        not), the rows must stay pinned and the blocks unread.
         """
 
     def add_states(self, copier: StateCopier) -> None:
@@ -97,6 +98,11 @@ class Transfer(ABC):
     def before_forward(self) -> None:
         """Called before each step's forward pass is launched; an asynchronous transfer orders the
         pass after the copies still reading blocks it may overwrite. No-op for synchronous copies."""
+
+    def forward_reads_loads(self) -> None:
+        """The coming forward pass reads the blocks of the loads submitted so far (synchronous
+        loads, submitted before it is launched): an asynchronous transfer orders it after them.
+        No-op for synchronous copies."""
 
     def forward_done(self) -> None:
         """Called once the step's forward pass was launched, before its stores are submitted.

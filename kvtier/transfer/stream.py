@@ -27,17 +27,16 @@ Hazards, and what orders them (the compute stream is the one vLLM runs the forwa
    of a request aborted while loading until then (`Scheduler.finish_requests`). A request's state
    load is queued before its chunk loads, on the same stream, and `poll` keeps stream order, so a
    failed state load is reported before the request's last chunk load.
-4. A load must not write a block that an earlier step still uses (vLLM may free a block on the CPU
-   while a forward pass that touches it is still queued, and reallocate it to the loading request),
-   nor one a running store still reads: the load stream waits on the last forward pass's event and
-   on the last store still running. With recurrent layers, vLLM 0.32 also zeroes, on the compute
-   stream before the step's forward pass (`new_block_ids_to_zero`), the whole pages (every layer's
-   bytes, state layers' included) of the attention blocks it allocated in the step; a block freed
-   and given again in one scheduling pass can be in that list and in a load of the same step, so a
-   transfer carrying states makes each load wait for a compute event recorded when it is submitted
-   (after that zeroing; it also waits for the step's forward pass, the price of the guarantee).
-   Without recurrent layers vLLM zeroes nothing (mixed-precision caches, the other case, are
-   refused by `engine_geometry`).
+4. A load must not write a block that an earlier step still uses, nor one a running store still
+   reads. With asynchronous scheduling vLLM frees a block on the CPU while a forward pass that
+   writes it may still be queued on the device (a step with no stores as much as one with), and
+   gives it to the loading request; with recurrent layers it also zeroes, on the compute stream
+   (`new_block_ids_to_zero`), the pages of blocks it allocated in the step, which a load of the
+   same step may target. So every load waits for an event recorded on the compute stream when
+   it is submitted (after every pass and zeroing queued so far: vLLM 0.32 submits asynchronous
+   loads after launching the step's pass, synchronous ones before it) and for the last store
+   still running. A synchronous load feeds the step's own pass: `forward_reads_loads` makes the
+   compute stream wait for it.
 5. A job that failed part way may have queued some copies: it is reported (failed) only after its
    event, so nothing writes into its rows or blocks once kvtier or vLLM reuse them.
 6. The host rows must stay mapped and pinned while copies use them: `close` waits for every job
@@ -148,6 +147,7 @@ class StreamTransfer(Transfer):
         self._ended: list[CopyResult] = []
         self._forward: CopyEvent | None = None
         self._last_store: CopyEvent | None = None
+        self._last_load: CopyEvent | None = None
 
     def attach(self, region_name: str, shm_dir: str) -> None:
         if self._region is not None and self._region.name == region_name:
@@ -176,6 +176,10 @@ class StreamTransfer(Transfer):
 
     def forward_done(self) -> None:
         self._forward = self.streams.mark_compute()
+
+    def forward_reads_loads(self) -> None:
+        if self._last_load is not None and not self._last_load.query():
+            self.streams.compute_waits(self._last_load)
 
     @property
     def device(self) -> torch.device:
@@ -208,12 +212,13 @@ class StreamTransfer(Transfer):
             self.streams.compute_waits(end)
 
     def _load(self, job_id: int, what: str, chunks: int, copy: Copy | None) -> None:
-        """Hazard 4: after the queued forward passes and the running stores; with recurrent layers,
-        after the block zeroing vLLM queued in this step (a compute event recorded now)."""
-        after = [e for e in (self._forward, self._last_store) if e is not None and not e.query()]
-        if self.states is not None:
-            after.append(self.streams.mark_compute())
-        self._launch(job_id, Direction.LOAD, what, chunks, after, copy)
+        """Hazard 4: after everything queued on the compute stream now, and the running stores."""
+        after = [self.streams.mark_compute()]
+        if self._last_store is not None and not self._last_store.query():
+            after.append(self._last_store)
+        end = self._launch(job_id, Direction.LOAD, what, chunks, after, copy)
+        if end is not None:
+            self._last_load = end
 
     def _launch(
         self,
@@ -280,7 +285,7 @@ class StreamTransfer(Transfer):
             job.end.synchronize()
             self._ended.append(job.result(self.streams.seconds(job.start, job.end)))
         self._running = []
-        self._forward = self._last_store = None
+        self._forward = self._last_store = self._last_load = None
         self._rows = None
         if self._region is not None:
             self._region.close()

@@ -26,7 +26,7 @@ from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.stream import StreamTransfer
 from tests.engine.fakes import KEYS, ROW_BYTES, copier, geometry, kv_caches
 from tests.format.helpers import random_kv, same
-from tests.transfer.emulated_device import COMPUTE_FIRST, COPIES_FIRST, EmulatedDevice
+from tests.transfer.emulated_device import COMPUTE_FIRST, COPIES_FIRST, LOADS_FIRST, EmulatedDevice
 
 
 def two_group_worker(device: EmulatedDevice, caches: dict[str, torch.Tensor]) -> CopyDriver:
@@ -149,4 +149,33 @@ def test_a_state_load_failing_on_the_device_fails_its_request(region: HostRegion
     assert worker.take_finished_loads() == {"r3"} and worker.take_failed_loads() == {"r3"}
     out = worker.take_report()
     assert out is not None and out.loads == {4: (1, False), 5: (1, True), 6: (1, False)}
+    worker.shutdown()
+
+
+def test_a_load_waits_for_a_pass_of_a_step_without_stores(region: HostRegion) -> None:
+    """Step 1 stores block 2; step 2 has no stores and its forward pass writes block 7; step 3
+    loads the stored row into block 7. The load must run after step 2's pass, however late the
+    device runs that pass: else the pass overwrites the loaded block."""
+    device, caches = EmulatedDevice(), kv_caches(16)
+    first = next(iter(caches.values()))
+    stored = first[2].clone()
+    worker = copier(geometry(), 0, caches, lambda plan, tensors: StreamTransfer(plan, tensors, device))
+    worker.save(StepPlan(region.name, "/dev/shm", stores=(ChunkCopy(1, "r1", KEYS[:1], ((2,),), (0,)),)))
+    device.run(COMPUTE_FIRST)
+    assert worker.take_report() is not None
+
+    def step_two_pass() -> None:  # a request that is gone by step 3 still writes block 7
+        for kv in caches.values():
+            kv[7].fill_(0)
+
+    worker.before_forward()
+    device.compute(step_two_pass)
+    worker.start_load(StepPlan(region.name, "/dev/shm"))
+    worker.save(StepPlan(region.name, "/dev/shm"))
+
+    worker.before_forward()
+    worker.start_load(StepPlan(region.name, "/dev/shm", loads=(ChunkCopy(2, "r2", KEYS[:1], ((7,),), (0,)),)))
+    device.run(LOADS_FIRST)
+    assert worker.take_finished_loads() == {"r2"}
+    assert torch.equal(first[7].view(torch.int16), stored.view(torch.int16))
     worker.shutdown()

@@ -285,20 +285,26 @@ def test_stores_wait_for_the_forward_pass_and_the_next_pass_waits_for_them(regio
     worker.shutdown()
 
 
-def test_loads_wait_for_the_last_forward_pass_and_running_stores(region: HostRegion) -> None:
+def test_loads_wait_for_everything_on_the_compute_stream_and_running_stores(region: HostRegion) -> None:
+    """Each load waits for a compute event recorded when it was submitted (every pass queued so
+    far, in steps with stores or without) and for the last store still running; a synchronous
+    load makes the compute stream wait for it."""
     streams = ScriptedStreams()
     worker = async_worker(streams)
     worker.before_forward()
     worker.start_load(meta(region, loads=(ChunkCopy(1, "a", KEYS, ((1,), (2,)), (0, 1)),)))
-    assert streams.launches[-1].after == []  # nothing ran before
+    assert streams.launches[-1].after == [streams.compute_marks[-1]]
     worker.save(meta(region, stores=(ChunkCopy(2, "b", KEYS, ((3,), (4,)), (2, 3)),)))
-    forward, store = streams.compute_marks[-1], streams.launches[-1]
+    store = streams.launches[-1]
     worker.before_forward()
     worker.start_load(meta(region, loads=(ChunkCopy(3, "c", KEYS, ((5,), (6,)), (4, 5)),)))
-    assert streams.launches[-1].after == [forward, store.end]
+    assert streams.launches[-1].after == [streams.compute_marks[-1], store.end]
     streams.complete_all()
-    worker.start_load(meta(region, loads=(ChunkCopy(4, "d", KEYS, ((7,), (8,)), (6, 7)),)))
-    assert streams.launches[-1].after == []
+    waited = list(streams.compute_waited)
+    sync = ChunkCopy(4, "d", KEYS, ((7,), (8,)), (6, 7), sync=True)
+    worker.start_load(meta(region, loads=(sync,)))
+    assert streams.launches[-1].after == [streams.compute_marks[-1]]
+    assert streams.compute_waited == [*waited, streams.launches[-1].end]
     worker.shutdown()
 
 
