@@ -142,13 +142,25 @@ def check_rows(layout: CanonicalLayout, rows: torch.Tensor) -> None:
 
 
 def host_rows(buf: memoryview, row_bytes: int, num_slots: int, offset: int = 0) -> torch.Tensor:
-    """uint8 `[num_slots, row_bytes]` tensor over `buf[offset:]`, sharing its memory (no copy)."""
+    """uint8 `[num_slots, row_bytes]` tensor over `buf[offset:]`, sharing its memory (no copy).
+
+    The tensor holds an export of `buf` (through a numpy array its storage keeps alive), so a
+    mapping under it cannot be unmapped while the tensor or a view of it lives: closing the
+    mapping then leaves it to go with the last of them (`HostRegion.close`). Without numpy (an
+    image with torch alone, never one with vLLM, which needs numpy) the tensor holds no export:
+    its mapping must outlive it."""
     if offset < 0 or offset + num_slots * row_bytes > buf.nbytes:
         raise ValueError(
             f"{num_slots} rows of {row_bytes} bytes at offset {offset} "
             f"do not fit in a buffer of {buf.nbytes} bytes"
         )
-    flat = torch.frombuffer(buf, dtype=torch.uint8, count=num_slots * row_bytes, offset=offset)
+    count = num_slots * row_bytes
+    try:
+        import numpy as np
+    except ModuleNotFoundError:
+        flat = torch.frombuffer(buf, dtype=torch.uint8, count=count, offset=offset)
+    else:
+        flat = torch.from_numpy(np.frombuffer(buf, dtype=np.uint8, count=count, offset=offset))
     return flat.view(num_slots, row_bytes)
 
 

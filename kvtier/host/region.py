@@ -191,9 +191,10 @@ class HostRegion:
         if self._pinner is not None:
             self._pinner.unregister(self.address)
             self._pinner = None
-        self.buf.release()
-        # Views exported by users (numpy, torch) may still be alive; the mapping then goes with them.
+        # Tensors over the rows (`host_rows`) may still be alive: the mapping then stays until the
+        # last of them is gone, never unmapped under them.
         with contextlib.suppress(BufferError):
+            self.buf.release()
             self._mmap.close()
         self._mmap = None
         if self.owner:

@@ -88,3 +88,17 @@ def test_an_attached_region_is_mapped_whole_before_its_first_copy() -> None:
             assert _resident_kib(attached.address) == 64 * 4
         finally:
             attached.close()
+
+
+def test_rows_outlive_a_closed_region_without_a_fault() -> None:
+    """A tensor over the rows keeps the mapping: closing the region under it (the owner's file
+    removed, the pin gone) never unmaps memory the tensor still reads."""
+    script = (
+        "from kvtier.format.layout import host_rows; from kvtier.host.region import HostRegion\n"
+        "r = HostRegion.create(1 << 20); rows = host_rows(r.buf, 4096, 256)[3:]; rows.fill_(7)\n"
+        "r.close(); import os; assert not os.path.exists(r.path)\n"
+        "print(int(rows.sum()))\n"
+    )
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == [str(7 * 253 * 4096)]
