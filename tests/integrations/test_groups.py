@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from vllm.config import ParallelConfig
 from vllm.v1.attention.backends.registry import MambaAttentionBackendEnum
 from vllm.v1.kv_cache_interface import (
     FullAttentionSpec,
@@ -22,6 +23,7 @@ from kvtier.engine.geometry import NULL_BLOCK, load_blocks, store_blocks
 from kvtier.errors import ConfigError
 from kvtier.format.layout import SKIP_BLOCK
 from kvtier.integrations.vllm.model.groups import layer_groups
+from kvtier.integrations.vllm.model.read_geometry import refuse_context_parallel
 
 GEOMETRY = {"block_size": 32, "num_kv_heads": 2, "head_size": 64, "dtype": torch.float32}
 
@@ -81,3 +83,11 @@ def test_block_ids_group_by_group() -> None:
     assert store_blocks(ids, 2, 2) is None  # beyond the blocks allocated
     assert load_blocks(ids, 0, 2) == (SKIP_BLOCK, SKIP_BLOCK, 1, 2)
     assert load_blocks(([5, NULL_BLOCK],), 0, 2) == (5, SKIP_BLOCK)
+
+
+@pytest.mark.parametrize("key", ["decode_context_parallel_size", "prefill_context_parallel_size"])
+def test_context_parallelism_is_refused_naming_its_key(key: str) -> None:
+    """A rank holding part of each block's tokens cannot write whole chunks: refused at startup."""
+    refuse_context_parallel(ParallelConfig(tensor_parallel_size=2))
+    with pytest.raises(ConfigError, match=key):
+        refuse_context_parallel(ParallelConfig(tensor_parallel_size=2, **{key: 2}))

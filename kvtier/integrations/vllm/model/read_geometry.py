@@ -22,7 +22,7 @@ from kvtier.integrations.vllm.model.kv_dtype import stored_kv_dtype
 from kvtier.integrations.vllm.model.state_groups import state_groups
 
 if TYPE_CHECKING:
-    from vllm.config import VllmConfig
+    from vllm.config import ParallelConfig, VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
@@ -45,6 +45,16 @@ def model_name(model: str, served_model_name: str | list[str] | None) -> str:
     return f"{path.resolve().name}@config-{digest}"
 
 
+def refuse_context_parallel(parallel: ParallelConfig) -> None:
+    """ConfigError when vLLM shards a request's tokens across ranks (decode or prefill context
+    parallelism): each rank then holds part of a block's tokens, while a kvtier chunk is every
+    token of its blocks, written by one rank per head shard."""
+    for key in ("decode_context_parallel_size", "prefill_context_parallel_size"):
+        size = getattr(parallel, key, 1)
+        if size != 1:
+            raise ConfigError(key, size, "1: kvtier does not hold KV sharded by tokens across ranks")
+
+
 def engine_geometry(
     vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, blocks_per_chunk: int
 ) -> EngineGeometry:
@@ -53,8 +63,9 @@ def engine_geometry(
     Supported: KV cache groups of full and sliding-window attention or MLA (`groups.layer_groups`),
     with gated-delta-net and Mamba2 state groups beside them (`states.state_groups`), K and V of
     the same head size (MLA: one latent), a KV cache dtype `kv_dtype.stored_kv_dtype` holds
-    (unquantized or fp8).
+    (unquantized or fp8), no context parallelism (`refuse_context_parallel`).
     """
+    refuse_context_parallel(vllm_config.parallel_config)
     found = layer_groups(kv_cache_config)
     spec = found.spec
     if spec.head_size_v != spec.head_size and not found.latent:
