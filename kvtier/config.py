@@ -1,13 +1,23 @@
 """kvtier settings: the `kv_connector_extra_config` JSON dict parsed into typed, checked values.
 
 Every error is a `ConfigError` naming the key (a dotted path such as `secondary_tiers[1].root_dir`),
-the value and what is allowed; an unknown key is reported with the closest known key. Parsing has no
-side effect: nothing is created or started here.
+the value and what is allowed; an unknown key is reported with the closest known key, never with its
+value (a misspelt secret stays secret). Parsing has no side effect: nothing is created or started
+here.
+
+Secrets: a tier option that declares a `show` (`common.options`: the S3 secret key, a redis URL's
+password, the p2p secret and CURVE key) is a secret. `redact` gives a config with each shown as its
+option's `show` makes it, for printing; `split_secrets` takes them out of a config, and
+`secrets_env` names an environment variable that gives them back at parse time, as a JSON object
+`{tier name: {option: value}}`: `kvtier serve` hands vLLM its config that way, so no secret is on
+the child's command line (`/proc/PID/cmdline` is readable by every local user).
 """
 
 from __future__ import annotations
 
+import json
 import math
+import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -18,13 +28,15 @@ from kvtier.ops.guard import SLOGuardConfig
 from kvtier.policies.base import AdmissionPolicy, AdmissionSettings, AdmitAll, EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.registry import resolve_admission, resolve_eviction
-from kvtier.tiers.registry import check_tier_options, resolve_tier
+from kvtier.tiers.common.options import HIDDEN, Option
+from kvtier.tiers.registry import check_tier_options, declared_options, resolve_tier
 
 HASH_ALGORITHMS = ("sha256", "blake3")
 SECONDARY_MIN_PRIORITY = 35
 """A secondary tier's default `min_retention_priority` (TensorRT-LLM's default cut-off)."""
 TIER_KEYS = ("type", "module_path", "name", "min_retention_priority")
 """The keys of a `secondary_tiers` entry that kvtier reads; the others are the tier's options."""
+MAX_PRIORITY = 100
 
 
 @dataclass(frozen=True)
@@ -34,7 +46,8 @@ class TierConfig:
     type: str
     name: str
     module_path: str | None = None
-    options: dict[str, Any] = field(default_factory=dict)
+    options: dict[str, Any] = field(default_factory=dict, repr=False)
+    """The tier's own options, secrets included (so never in the repr)."""
     min_retention_priority: int = SECONDARY_MIN_PRIORITY
     """The lowest request retention priority the `priority` admission policy admits here."""
 
@@ -51,8 +64,15 @@ class KVTierConfig:
     admission_policy_module_path: str | None = None
     admission_min_seen: int = 2
     host_min_retention_priority: int = 0
+    max_client_priority: int = MAX_PRIORITY
+    """The highest retention priority a request may have (0-100): a client's `priority` option, or
+    its vLLM priority mapped, above it is lowered to it, so API clients cannot rank their chunks
+    above what the operator allows. The default, 100, caps nothing."""
     hash_algorithm: str = "sha256"
     secondary_tiers: tuple[TierConfig, ...] = ()
+    secrets_env: str | None = None
+    """An environment variable holding secret tier options, `{tier name: {option: value}}` in JSON,
+    merged into `secondary_tiers` at parse time (see the module doc). None: none."""
     tier_job_timeout_s: float = 60.0
     tier_restart_backoff_s: float = 1.0
     tier_lookup_wait_s: float = 0.01
@@ -98,14 +118,15 @@ class KVTierConfig:
         return [f.name for f in fields(cls) if not f.name.endswith(("_class", "_classes"))]
 
     @classmethod
-    def from_dict(cls, raw: Mapping[str, Any]) -> KVTierConfig:
-        """Parse and validate a config dict."""
+    def from_dict(cls, raw: Mapping[str, Any], environ: Mapping[str, str] | None = None) -> KVTierConfig:
+        """Parse and validate a config dict; `secrets_env` is read from `environ` (default: this
+        process's environment)."""
         if not isinstance(raw, Mapping):
-            raise ConfigError("kv_connector_extra_config", raw, "must be a JSON object")
+            raise ConfigError("kv_connector_extra_config", HIDDEN, "must be a JSON object")
         known = cls.field_names()
         for key in raw:
             if key not in known:
-                raise ConfigError(key, raw[key], unknown_name_message(str(key), known))
+                raise ConfigError(key, HIDDEN, unknown_name_message(str(key), known))
         if "cpu_bytes_to_use" not in raw:
             raise ConfigError("cpu_bytes_to_use", None, "required: the host region size in bytes")
         policy = _string(raw, "eviction_policy", "lru")
@@ -115,6 +136,8 @@ class KVTierConfig:
         hash_algorithm = _string(raw, "hash_algorithm", "sha256")
         if hash_algorithm not in HASH_ALGORITHMS:
             raise ConfigError("hash_algorithm", hash_algorithm, f"one of {HASH_ALGORITHMS}")
+        secrets_env = _optional_string(raw, "secrets_env")
+        secrets = _env_secrets(secrets_env, os.environ if environ is None else environ)
         return cls(
             cpu_bytes_to_use=_int(raw, "cpu_bytes_to_use", None, minimum=1),
             blocks_per_chunk=_int(raw, "blocks_per_chunk", 1, minimum=1),
@@ -124,8 +147,10 @@ class KVTierConfig:
             admission_policy_module_path=admission_mp,
             admission_min_seen=_int(raw, "admission_min_seen", 2, minimum=1),
             host_min_retention_priority=_priority(raw, "host_min_retention_priority", 0),
+            max_client_priority=_priority(raw, "max_client_priority", MAX_PRIORITY),
             hash_algorithm=hash_algorithm,
-            secondary_tiers=_tiers(raw.get("secondary_tiers", [])),
+            secondary_tiers=_tiers(raw.get("secondary_tiers", []), secrets),
+            secrets_env=secrets_env,
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
             tier_lookup_wait_s=_float(raw, "tier_lookup_wait_s", 0.01, minimum=0.0),
@@ -212,26 +237,88 @@ def _optional_string(raw: Mapping[str, Any], key: str) -> str | None:
     return value
 
 
-def _tiers(value: object) -> tuple[TierConfig, ...]:
+def _tiers(value: object, secrets: Mapping[str, Mapping[str, Any]]) -> tuple[TierConfig, ...]:
+    """The `secondary_tiers` entries, each with its options from `secrets` (by tier name) added."""
     if not isinstance(value, list):
-        raise ConfigError("secondary_tiers", value, "must be a list of tier objects")
+        raise ConfigError("secondary_tiers", HIDDEN, "must be a list of tier objects")
     tiers: list[TierConfig] = []
     names: set[str] = set()
     for i, entry in enumerate(value):
         key = f"secondary_tiers[{i}]"
         if not isinstance(entry, Mapping):
-            raise ConfigError(key, entry, 'must be an object such as {"type": "fs", ...}')
+            raise ConfigError(key, HIDDEN, 'must be an object such as {"type": "fs", ...}')
         if "type" not in entry:
             raise ConfigError(f"{key}.type", None, "required: the tier type")
-        options = {k: v for k, v in entry.items() if k not in TIER_KEYS}
-        cls = resolve_tier(key, entry["type"], entry.get("module_path"))
-        check_tier_options(key, cls, options)
         name = entry.get("name", entry["type"])
         if not isinstance(name, str) or not name.replace("_", "").replace("-", "").isalnum():
             raise ConfigError(f"{key}.name", name, "letters, digits, '-' and '_' only")
         if name in names:
             raise ConfigError(f"{key}.name", name, "tier names must be unique; set a distinct name")
         names.add(name)
+        options = {k: v for k, v in entry.items() if k not in TIER_KEYS}
+        for option in secrets.get(name, {}):
+            if option in options:
+                raise ConfigError(f"{key}.{option}", HIDDEN, "given both here and in secrets_env; "
+                                  "give it once")
+        options.update(secrets.get(name, {}))
+        cls = resolve_tier(key, entry["type"], entry.get("module_path"))
+        check_tier_options(key, cls, options)
         minimum = _priority(entry, "min_retention_priority", SECONDARY_MIN_PRIORITY, f"{key}.")
         tiers.append(TierConfig(entry["type"], name, entry.get("module_path"), options, minimum))
+    if unknown := sorted(secrets.keys() - names):
+        raise ConfigError("secrets_env", HIDDEN, f"names tiers not in secondary_tiers: {unknown}")
     return tuple(tiers)
+
+
+def _env_secrets(name: str | None, environ: Mapping[str, str]) -> dict[str, dict[str, Any]]:
+    """The secret tier options in the environment variable `name` (none when `name` is None)."""
+    if name is None:
+        return {}
+    if name not in environ:
+        raise ConfigError("secrets_env", name, "names an environment variable that is not set")
+    try:
+        secrets = json.loads(environ[name])
+    except json.JSONDecodeError:
+        secrets = None
+    if not isinstance(secrets, dict) or not all(
+            isinstance(v, dict) and all(isinstance(k, str) for k in v) for v in secrets.values()):
+        raise ConfigError("secrets_env", name, "the variable must hold a JSON object "
+                          "{tier name: {option: value}}")
+    return secrets
+
+
+def _secret_options(entry: Mapping[str, Any]) -> dict[str, Option]:
+    """The secret options (those with a `show`) that the tier of `entry` declares, by name."""
+    declared = declared_options(resolve_tier("secondary_tiers", entry["type"], entry.get("module_path")))
+    return {o.name: o for o in declared or () if o.show is not None}
+
+
+def redact(extra: Mapping[str, Any]) -> dict[str, Any]:
+    """A copy of the config `extra` (one `from_dict` accepts) with each secret tier option shown as
+    its option's `show` makes it: a config safe to print or log."""
+    out = dict(extra)
+    tiers = []
+    for entry in extra.get("secondary_tiers", []):
+        secret = _secret_options(entry)
+        tiers.append({k: secret[k].show(v) if k in secret and v is not None else v  # type: ignore[misc]
+                      for k, v in entry.items()})
+    if tiers:
+        out["secondary_tiers"] = tiers
+    return out
+
+
+def split_secrets(extra: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, dict[str, Any]]]:
+    """The config `extra` (one `from_dict` accepts) without its secret tier options, and those
+    options by tier name: what `secrets_env` gives back."""
+    out = dict(extra)
+    secrets: dict[str, dict[str, Any]] = {}
+    tiers = []
+    for entry in extra.get("secondary_tiers", []):
+        secret = _secret_options(entry)
+        tiers.append({k: v for k, v in entry.items() if k not in secret})
+        taken = {k: v for k, v in entry.items() if k in secret}
+        if taken:
+            secrets[entry.get("name", entry["type"])] = taken
+    if tiers:
+        out["secondary_tiers"] = tiers
+    return out, secrets

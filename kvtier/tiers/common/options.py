@@ -10,7 +10,9 @@ would give. What needs the tier's context (a bound in host rows, a reachable ser
 file) is checked by the constructor after this.
 
 Errors are `ConfigError`s naming the key, the value (or `HIDDEN` for a secret, or what `show` makes
-of it) and what is allowed; an unknown option is reported with the closest known one.
+of it) and what is allowed; an unknown option is reported with the closest known one and never
+with its value (a misspelt secret option is still a secret). An option with a `show` is a secret
+(`kvtier.config.redact` prints it through `show`, `split_secrets` keeps it off command lines).
 """
 
 from __future__ import annotations
@@ -145,9 +147,9 @@ def check_options(options: Sequence[Option], given: Mapping[str, object], prefix
     declared one), a required one missing, or a value of the wrong kind or out of bounds.
     """
     declared = {o.name: o for o in options}
-    for name, value in given.items():
+    for name in given:
         if name not in declared:
-            raise ConfigError(f"{prefix}{name}", value, unknown_name_message(name, declared))
+            raise ConfigError(f"{prefix}{name}", HIDDEN, unknown_name_message(name, declared))
     out: dict[str, Any] = {}
     for o in options:
         if o.name in given:

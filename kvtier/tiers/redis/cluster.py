@@ -81,13 +81,15 @@ class ClusterLink:
     def __init__(
         self, seeds: Sequence[str], *, option: str, connections: int, socket_timeout_s: float,
         connect_timeout_s: float, reconnect_interval_s: float, book: TierBook, on_down: Callable[[], None],
+        password: str | None = None,
     ) -> None:
         self.url = ", ".join(redact_url(u) for u in seeds)
         self._option = option
         self._template = urlsplit(seeds[0])
         self._link_options: dict[str, Any] = dict(
             connections=connections, socket_timeout_s=socket_timeout_s, connect_timeout_s=connect_timeout_s,
-            reconnect_interval_s=reconnect_interval_s, book=book, on_down=on_down, probe=False)
+            reconnect_interval_s=reconnect_interval_s, book=book, on_down=on_down, probe=False,
+            password=password)
         self.reconnect_interval_s = float(reconnect_interval_s)
         self._lock = threading.Lock()
         self._links: dict[Addr, RedisLink] = {}

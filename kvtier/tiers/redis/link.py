@@ -88,9 +88,11 @@ class RedisLink:
     def __init__(
         self, url: str, *, connections: int, socket_timeout_s: float, connect_timeout_s: float,
         reconnect_interval_s: float, book: TierBook, on_down: Callable[[], None], probe: bool = True,
+        password: str | None = None,
     ) -> None:
+        """`password` (from the tier's `password_file`) is used in place of one in `url`."""
         self.url = redact_url(url)
-        given = [urlsplit(url).password, dict(parse_qsl(urlsplit(url).query)).get("password")]
+        given = [urlsplit(url).password, dict(parse_qsl(urlsplit(url).query)).get("password"), password]
         self._secrets = {form for pw in given if pw for form in (pw, unquote(pw))}
         self.reconnect_interval_s = float(reconnect_interval_s)
         self._book = book
@@ -106,6 +108,8 @@ class RedisLink:
             kwargs: dict[str, Any] = {"socket_timeout": socket_timeout_s,
                                       "socket_connect_timeout": connect_timeout_s, **_parse_url(url)}
             kwargs.update(max_connections=connections, retry=Retry(NoBackoff(), 0))
+            if password is not None:
+                kwargs["password"] = password
             self._pool = redis.ConnectionPool(**kwargs)
         except (ValueError, TypeError, RedisError) as e:
             raise ConfigError("url", self.url, self.scrub(f"not a usable redis URL: {e}")) from None

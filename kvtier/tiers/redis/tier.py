@@ -23,7 +23,8 @@ Failures are values: a key that could not be moved fails its job. A connection e
 the server (a cluster: that node, whose keys only fail) down for `reconnect_interval_s`: meanwhile
 its batches fail at once and lookups answer MISS;
 then the next batch reconnects, so the tier recovers without a restart. Each failure cause is logged
-once per `book.LOG_INTERVAL_S`. The password in `url` never appears in logs, errors or reprs.
+once per `book.LOG_INTERVAL_S`. The password in `url` never appears in logs, errors or reprs; to
+keep it out of the config altogether, `password_file` names a file holding it, read once at start.
 """
 
 from __future__ import annotations
@@ -62,6 +63,26 @@ def _shown_url(url: object) -> object:
     return redact_url(url) if isinstance(url, str) else url
 
 
+def _read_password(path: str | None, url: str | None, urls: Sequence[str] | None) -> str | None:
+    """The password in the file `path` (its first line; None when `path` is None); ConfigError
+    naming `password_file` when it cannot be read, is empty, or a URL carries a password too."""
+    if path is None:
+        return None
+    for u in [url] if urls is None else urls:
+        if u is not None and (urlsplit(u).password or "password=" in urlsplit(u).query.lower()):
+            raise ConfigError("password_file", path, "a URL already gives a password: give it in "
+                              "one place")
+    try:
+        with open(path, encoding="utf-8") as f:
+            password = f.readline().rstrip("\r\n")
+    except (OSError, UnicodeDecodeError) as e:
+        why = e.strerror if isinstance(e, OSError) else "not UTF-8 text"
+        raise ConfigError("password_file", path, f"cannot be read: {why}") from None
+    if not password:
+        raise ConfigError("password_file", path, "holds no password (its first line is empty)")
+    return password
+
+
 def _open_link(o: dict[str, Any], book: TierBook, on_down: Callable[[], None]) -> Link:
     """The link to the server or cluster the checked options `o` name (see `RedisTier.OPTIONS`);
     ConfigError naming the option when they do not name one, or name the wrong kind."""
@@ -80,7 +101,7 @@ def _open_link(o: dict[str, Any], book: TierBook, on_down: Callable[[], None]) -
     kwargs: dict[str, Any] = dict(
         connections=o["io_threads"] + 2, socket_timeout_s=o["socket_timeout_s"],
         connect_timeout_s=o["connect_timeout_s"], reconnect_interval_s=o["reconnect_interval_s"],
-        book=book, on_down=on_down)
+        book=book, on_down=on_down, password=_read_password(o["password_file"], url, urls))
     if urls is not None or cluster:
         return ClusterLink(urls or [url], option="url" if urls is None else "urls", **kwargs)
     link = RedisLink(url, **kwargs)
@@ -116,6 +137,7 @@ class RedisTier(BookedTier):
         Option("urls", Kind.TEXTS, test=lambda url: urlsplit(url).scheme in CLUSTER_SCHEMES,
                allowed="must be a list of redis:// or rediss:// URLs (seed nodes of a cluster)",
                show=_shown_url),
+        Option("password_file", Kind.TEXT),
         Option("cluster", Kind.BOOL, None),
         Option("key_prefix", Kind.TEXT, "kvtier", test=word,
                allowed="must be a non-empty string without spaces"),
@@ -130,8 +152,10 @@ class RedisTier(BookedTier):
         seconds("lookup_wait_s", 0.005, low=0),
     )
     """`url` (redis://, rediss:// or unix://; its query arguments such as `ssl_ca_certs` are
-    redis-py's) or `urls` (seed nodes of a Redis/Valkey Cluster), `cluster` (null: a cluster when
-    `urls` is given or `url` is a cluster node; true: `url` must be one; false: it must not be),
+    redis-py's) or `urls` (seed nodes of a Redis/Valkey Cluster), `password_file` (a file whose
+    first line is the server's password, read at start; the URLs then give none), `cluster`
+    (null: a cluster when `urls` is given or `url` is a cluster node; true: `url` must be one;
+    false: it must not be),
     `key_prefix`, `ttl_s` (null: no expiry), `io_threads`, `pipeline_depth` and
     `batch_bytes` (a batch's bound in keys and bytes), `socket_timeout_s` and `connect_timeout_s`
     (how long a dead or hung server can hold a batch), `reconnect_interval_s` (how long the server

