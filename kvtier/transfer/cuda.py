@@ -5,7 +5,9 @@
 - `CudaHostPinner` registers the host region's mapping with `cudaHostRegister` (flag
   `cudaHostRegisterPortable`: pinned for every CUDA context of the process), so torch's
   `non_blocking` copies between it and the device are DMA queued on a stream; without it, a copy
-  to pageable memory returns only once done. Each TP rank pins its own mapping of the one region.
+  to pageable memory returns only once done. Each TP rank pins its own mapping of the one region,
+  on a thread of its own (`kvtier.transfer.pinning`); a failed call's error is cleared from the
+  thread (`clear_last_error`), never left for the next kernel launch to report.
 - `CudaStreams` queues stores and loads on two dedicated streams (so device → host and host →
   device copies overlap), orders them with `torch.cuda.Event`s, and times them with the events'
   device clock. The compute stream is the current stream of the calling thread: vLLM calls the
@@ -16,6 +18,7 @@ Nothing here is imported on a machine without CUDA unless KV tensors live on a C
 
 from __future__ import annotations
 
+import ctypes
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -39,18 +42,41 @@ def _event(timing: bool = False) -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
 
 
+def _runtime_library() -> ctypes.CDLL | None:
+    """The CUDA runtime library this process loaded (torch's), for what torch does not bind."""
+    with open("/proc/self/maps") as maps:
+        paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
+    return ctypes.CDLL(min(paths)) if paths else None
+
+
+def clear_last_error() -> None:
+    """Reset this thread's CUDA last error: a failed runtime call leaves it set, and the next
+    kernel launch check in the thread would raise it as its own error."""
+    library = _runtime_library()
+    if library is not None:
+        library.cudaGetLastError()
+
+
 class CudaHostPinner:
-    """Pins host memory with the CUDA runtime (`cudaHostRegister` / `cudaHostUnregister`)."""
+    """Pins host memory with the CUDA runtime (`cudaHostRegister` / `cudaHostUnregister`), from
+    any thread, in `device`'s context (a thread's default device would be device 0)."""
+
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
 
     def register(self, address: int, size: int) -> None:
-        err = int(_cudart().cudaHostRegister(address, size, HOST_REGISTER_PORTABLE))
-        if err != 0:
-            raise RuntimeError(f"cudaHostRegister of {size} bytes at {address:#x}: cudaError {err}")
+        with torch.cuda.device(self.device):
+            err = int(_cudart().cudaHostRegister(address, size, HOST_REGISTER_PORTABLE))
+            if err != 0:
+                clear_last_error()
+                raise RuntimeError(f"cudaHostRegister of {size} bytes at {address:#x}: cudaError {err}")
 
     def unregister(self, address: int) -> None:
-        err = int(_cudart().cudaHostUnregister(address))
-        if err != 0:
-            log.warning("cudaHostUnregister at %#x failed with cudaError %d", address, err)
+        with torch.cuda.device(self.device):
+            err = int(_cudart().cudaHostUnregister(address))
+            if err != 0:
+                clear_last_error()
+                log.warning("cudaHostUnregister at %#x failed with cudaError %d", address, err)
 
 
 class CudaStreams(CopyStreams):
@@ -98,4 +124,4 @@ def cuda_transfer(
 ) -> StreamTransfer:
     """The asynchronous transfer for KV tensors on one CUDA device, pinning the host region."""
     device = layer_tensors[0].device
-    return StreamTransfer(plan, layer_tensors, CudaStreams(device), CudaHostPinner(), staging_bytes)
+    return StreamTransfer(plan, layer_tensors, CudaStreams(device), CudaHostPinner(device), staging_bytes)

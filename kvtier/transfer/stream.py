@@ -40,8 +40,10 @@ Hazards, and what orders them (the compute stream is the one vLLM runs the forwa
 5. A job that failed part way may have queued some copies: it is reported (failed) only after its
    event, so nothing writes into its rows or blocks once kvtier or vLLM reuse them.
 6. The host rows must stay mapped and pinned while copies use them: `close` waits for every job
-   still running (the only blocking call, at shutdown or when the region changes) before
-   unpinning and unmapping; those jobs are reported by the next `poll`.
+   still running and for the region's pinning (`RegionPin`, on a thread of its own from attach)
+   to end (the only blocking call, at shutdown or when the region changes) before unpinning and
+   unmapping; those jobs are reported by the next `poll`. A tensor over the rows keeps the
+   mapping alive after that (`host_rows`).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ from kvtier.format.layout import host_rows
 from kvtier.host.region import HostPinner, HostRegion
 from kvtier.transfer.base import CopyResult, Transfer
 from kvtier.transfer.copy_plan import CopyPlan
+from kvtier.transfer.pinning import RegionPin
 from kvtier.transfer.staged import DEFAULT_STAGING_BYTES, StagedCopy
 
 log = logging.getLogger("kvtier.transfer")
@@ -142,6 +145,8 @@ class StreamTransfer(Transfer):
         self.pinner = pinner
         self.ordered_before_forward = False  # True once vLLM calls `before_forward`
         self._region: HostRegion | None = None
+        self.pin: RegionPin | None = None
+        """The pinning of the attached region (hazard 6), when there is a pinner."""
         self._rows: torch.Tensor | None = None
         self._running: list[_Running] = []
         self._ended: list[CopyResult] = []
@@ -155,16 +160,7 @@ class StreamTransfer(Transfer):
         self.close()
         region = HostRegion.attach(region_name, shm_dir=shm_dir)
         if self.pinner is not None:
-            try:
-                region.pin(self.pinner)
-            except Exception as exc:
-                log.warning(
-                    "kvtier could not pin host region %s (%d bytes): %s; device copies to and from "
-                    "it stay correct but run synchronously",
-                    region.name,
-                    region.size,
-                    exc,
-                )
+            self.pin = RegionPin(region, self.pinner)
         row_bytes = self.plan.layout.row_bytes
         self._rows = host_rows(region.buf, row_bytes, region.size // row_bytes)
         self._region = region
@@ -287,6 +283,9 @@ class StreamTransfer(Transfer):
         self._running = []
         self._forward = self._last_store = self._last_load = None
         self._rows = None
+        if self.pin is not None:
+            self.pin.wait()
+            self.pin = None
         if self._region is not None:
             self._region.close()
             self._region = None

@@ -318,6 +318,7 @@ def test_close_waits_for_running_copies_then_unpins(region: HostRegion) -> None:
     )
     transfer.attach(region.name, "/dev/shm")
     transfer.attach(region.name, "/dev/shm")
+    assert transfer.pin is not None and transfer.pin.wait(30)
     [(address, size, first_bytes)] = pinner.registered
     assert size == region.size and first_bytes == MARK
     transfer.forward_done()
@@ -341,6 +342,8 @@ def test_a_region_that_cannot_be_pinned_still_copies(
     worker = async_worker(streams, FakePinner(fail=True))
     with caplog.at_level(logging.WARNING, logger="kvtier.transfer"):
         worker.save(meta(region, stores=(ChunkCopy(1, "r", KEYS, ((1,), (2,)), (0, 1)),)))
+        transfer = worker.transfer
+        assert isinstance(transfer, StreamTransfer) and transfer.pin is not None and transfer.pin.wait(30)
     assert "could not pin host region" in caplog.text and "cudaError 2" in caplog.text
     streams.complete_all()
     out = worker.take_report()
