@@ -21,10 +21,12 @@ import heapq
 import os
 import re
 import secrets
+import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 from kvtier.tiers.common.io_tier import KeyIndex
+from kvtier.tiers.fs.safe_files import HostileFile, LayoutDir, open_dir
 
 KEY_BYTES = 32
 LAYOUT_DIR_RE = re.compile(r"^[0-9a-f]{32}$")
@@ -61,47 +63,79 @@ class ScannedFile:
 
 @dataclass
 class ScanResult:
-    """What a scan of one layout directory found (stat only, no file is read)."""
+    """What a scan of one layout directory found (stat only, no file is read). Paths are
+    `layout_dir/<fan-out>/<name>`: remove them with `remove_scanned`."""
 
     files: list[ScannedFile] = field(default_factory=list)
     wrong_size: list[str] = field(default_factory=list)
+    not_regular: list[str] = field(default_factory=list)
     stale_temps: list[str] = field(default_factory=list)
+
+
+def _scan_fanout(fd: int, fan: str, base: str, expected_size: int, temp_grace_s: float,
+                 now: float, result: ScanResult) -> None:
+    for entry in os.scandir(fd):
+        path = os.path.join(base, fan, entry.name)
+        with contextlib.suppress(FileNotFoundError):
+            if CHUNK_NAME_RE.match(entry.name) and fanout_name(entry.name) == fan:
+                st = entry.stat(follow_symlinks=False)
+                if not stat.S_ISREG(st.st_mode):
+                    result.not_regular.append(path)
+                elif st.st_size != expected_size:
+                    result.wrong_size.append(path)
+                else:
+                    result.files.append(
+                        ScannedFile(bytes.fromhex(entry.name), st.st_size, st.st_mtime)
+                    )
+            elif TEMP_NAME_RE.match(entry.name):
+                st = entry.stat(follow_symlinks=False)
+                if now - st.st_mtime > temp_grace_s:
+                    result.stale_temps.append(path)
 
 
 def scan_layout_dir(
     layout_dir: str, expected_size: int, temp_grace_s: float, now: float
 ) -> ScanResult:
-    """Published chunk files of `layout_dir`, plus files certainly bad without reading them: chunk
-    files of the wrong size, and temp files older than `temp_grace_s` (their writer is gone).
+    """Published chunk files of `layout_dir`, plus entries certainly bad without reading them:
+    chunk names that are not regular files (a FIFO, a symlink) or have the wrong size, and temp
+    files older than `temp_grace_s` (their writer is gone).
 
-    Entries may vanish while scanning (another instance evicting): they are skipped. A layout
-    directory that does not exist scans as empty.
+    The walk goes through directory fds opened without following links: a fan-out directory that
+    is a symlink is not entered, so nothing outside `layout_dir` is listed. Entries may vanish
+    while scanning (another instance evicting): they are skipped. A layout directory that does not
+    exist, or is not a directory, scans as empty.
     """
     result = ScanResult()
     try:
-        fanouts = [e for e in os.scandir(layout_dir) if FANOUT_DIR_RE.match(e.name)]
-    except FileNotFoundError:
+        top = open_dir(layout_dir)
+    except (FileNotFoundError, HostileFile):
         return result
-    for fan in fanouts:
-        try:
-            entries = list(os.scandir(fan.path))
-        except (FileNotFoundError, NotADirectoryError):
-            continue
-        for entry in entries:
-            with contextlib.suppress(FileNotFoundError):
-                if CHUNK_NAME_RE.match(entry.name) and fanout_name(entry.name) == fan.name:
-                    st = entry.stat(follow_symlinks=False)
-                    if st.st_size != expected_size:
-                        result.wrong_size.append(entry.path)
-                    else:
-                        result.files.append(
-                            ScannedFile(bytes.fromhex(entry.name), st.st_size, st.st_mtime)
-                        )
-                elif TEMP_NAME_RE.match(entry.name):
-                    st = entry.stat(follow_symlinks=False)
-                    if now - st.st_mtime > temp_grace_s:
-                        result.stale_temps.append(entry.path)
+    try:
+        fanouts = [e.name for e in os.scandir(top) if FANOUT_DIR_RE.match(e.name)]
+        for fan in fanouts:
+            try:
+                fd = open_dir(fan, top)
+            except (FileNotFoundError, HostileFile):
+                continue
+            try:
+                _scan_fanout(fd, fan, layout_dir, expected_size, temp_grace_s, now, result)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(top)
     return result
+
+
+def remove_scanned(layout: LayoutDir, path: str) -> bool:
+    """Remove the entry `path` of a `ScanResult` of `layout` (never through a link); True when it
+    was there to remove."""
+    fan, name = os.path.split(os.path.relpath(path, layout.path))
+    try:
+        with layout.sub(fan) as fd:
+            os.unlink(name, dir_fd=fd)
+    except OSError:
+        return False
+    return True
 
 
 @dataclass

@@ -1,8 +1,9 @@
 """Reading and writing one chunk file: zero-copy vectored I/O between a host row and the file.
 
 A chunk file is the `chunkfmt` header followed by the row. Writes go to a temp file in the target
-directory, are checked for completeness, and are published by `os.replace`; the temp file never
-outlives a failed write. Reads fill the caller's header buffer and row with one `preadv`, then
+directory (named relative to its fd, created with the tier's file mode whatever the umask, never
+through a symlink), are checked for completeness, and are published by `os.replace`; the temp file
+never outlives a failed write. Reads fill the caller's header buffer and row with one `preadv`, then
 verify everything before the row may be used.
 
 With O_DIRECT, every buffer must be page-aligned and a multiple of the page size: the header buffers
@@ -21,10 +22,10 @@ import os
 from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs.index import temp_name
+from kvtier.tiers.fs.safe_files import create_file
 from kvtier.tiers.fs.store_helper import NativeWriter
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
-O_CLOEXEC: int = getattr(os, "O_CLOEXEC", 0)
 PAGE = mmap.PAGESIZE
 
 
@@ -48,7 +49,7 @@ def probe_direct_io(directory: str) -> bool:
     path = os.path.join(directory, temp_name("probe"))
     page = mmap.mmap(-1, PAGE)
     try:
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL | O_DIRECT | O_CLOEXEC, 0o644)
+        fd = create_file(path, 0o600, os.O_RDWR | O_DIRECT)
         try:
             return os.pwrite(fd, page, 0) == PAGE and os.preadv(fd, [page], 0) == PAGE
         finally:
@@ -74,17 +75,18 @@ def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
 
 
 def write_chunk(
-    path: str, name: str, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview,
-    direct: bool, native: NativeWriter | None = None,
+    dir_fd: int, name: str, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview,
+    direct: bool, mode: int, native: NativeWriter | None = None,
 ) -> None:
-    """Publish `row` as the chunk file `path` (named `name`), through `native` when given. Raises
-    OSError; FileNotFoundError means the directory of `path` is missing."""
+    """Publish `row` as the chunk file `name` of the directory `dir_fd`, with permission bits
+    `mode`, through `native` when given. Raises OSError; FileNotFoundError means the directory is
+    gone."""
     chunkfmt.pack_header(memoryview(header), key, layout_fp, row)
-    tmp = os.path.join(os.path.dirname(path), temp_name(name))
+    tmp = temp_name(name)
     if native is not None:
-        native.write_chunk(tmp, path, memoryview(header), row, direct)
+        native.write_chunk(dir_fd, tmp, name, memoryview(header), row, direct, mode)
         return
-    fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC | (O_DIRECT * direct), 0o644)
+    fd = create_file(tmp, mode, os.O_WRONLY | (O_DIRECT * direct), dir_fd)
     try:
         try:
             bufs = [memoryview(header), row]
@@ -97,10 +99,10 @@ def write_chunk(
                 bufs = _advance(bufs, n)
         finally:
             os.close(fd)
-        os.replace(tmp, path)
+        os.replace(tmp, name, src_dir_fd=dir_fd, dst_dir_fd=dir_fd)
     except BaseException:
         with contextlib.suppress(OSError):
-            os.unlink(tmp)
+            os.unlink(tmp, dir_fd=dir_fd)
         raise
 
 

@@ -2,7 +2,7 @@
 
 From Python, each system call of a store (open, pwritev, close, rename) releases and retakes the
 GIL; on 2 cores that measured about 20% slower than the same calls made from C with the GIL released
-once (BENCHMARKS.md, fs tier). `NativeWriter.write_chunk` makes the four calls in one ctypes call,
+once (BENCHMARKS.md, fs tier). `NativeWriter.write_chunk` makes these calls in one ctypes call,
 and ctypes releases the GIL for its duration. The shared object is built once per source version
 (`kvtier.clib.build`). Without a working C compiler, or with `KVTIER_NATIVE=0`, `load()` returns
 None and the fs tier keeps its pure-Python path: behaviour is the same either way.
@@ -32,15 +32,17 @@ class NativeWriter:
     def __init__(self, lib: ctypes.CDLL) -> None:
         self._fn = lib.kvtier_write_chunk
         self._fn.restype = ctypes.c_int
-        self._fn.argtypes = [ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p, ctypes.c_size_t,
-                             ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
+        self._fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_char_p, ctypes.c_void_p,
+                             ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int,
+                             ctypes.c_int]
 
-    def write_chunk(self, tmp: str, final: str, header: memoryview, row: memoryview,
-                    direct: bool) -> None:
-        """Write header + row to the new file `tmp`, then rename it over `final`; raises OSError
-        (FileNotFoundError when the directory is missing). `tmp` is gone after a failure."""
-        rc = self._fn(os.fsencode(tmp), os.fsencode(final), _address(header), len(header),
-                      _address(row), len(row), int(direct))
+    def write_chunk(self, dir_fd: int, tmp: str, final: str, header: memoryview, row: memoryview,
+                    direct: bool, mode: int) -> None:
+        """Write header + row to the new file `tmp` (mode `mode`), then rename it over `final`,
+        both names in the directory `dir_fd`; raises OSError (FileNotFoundError when the directory
+        is gone). `tmp` is gone after a failure."""
+        rc = self._fn(dir_fd, os.fsencode(tmp), os.fsencode(final), _address(header), len(header),
+                      _address(row), len(row), int(direct), mode)
         if rc < 0:
             raise OSError(-rc, os.strerror(-rc), tmp)
 

@@ -13,6 +13,13 @@ work when its own queue is empty); a maintenance thread rescans the directory ev
 `rescan_interval_s`. I/O goes straight between the host-region row and the file (`preadv` /
 `pwritev`), with O_DIRECT when the filesystem supports it, so the page cache holds no second copy.
 
+Files are private to the serving user (0600, directories 0700) whatever the umask, unless
+`shared_group` opens them to the root's group (0660, directories 2770). Nothing in the root is
+trusted: chunk files are opened without following links or blocking and used only when regular
+files, and every fan-out directory is opened without following links from the layout directory's
+fd, so a planted FIFO or symlink is a counted bad chunk and a fan-out replaced by a symlink is
+replaced by a directory again (`safe_files`); no file outside `root_dir` is ever written or read.
+
 Invariants: a load never leaves a row it reports as loaded unverified (header fields and checksum
 match); a bad file is counted, removed and reported as a failed key; `max_bytes` bounds the bytes of
 the chunk files this instance knows of (eviction by last use; a load refreshes the file's mtime so
@@ -26,6 +33,7 @@ import contextlib
 import errno
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Sequence
@@ -49,9 +57,15 @@ from kvtier.tiers.common.options import (
     seconds,
 )
 from kvtier.tiers.fs import store_helper
-from kvtier.tiers.fs.index import FsIndex, fanout_name, key_name, scan_layout_dir, temp_name
+from kvtier.tiers.fs.index import (
+    FsIndex,
+    fanout_name,
+    key_name,
+    remove_scanned,
+    scan_layout_dir,
+    temp_name,
+)
 from kvtier.tiers.fs.io import (
-    O_CLOEXEC,
     O_DIRECT,
     PAGE,
     address,
@@ -59,6 +73,14 @@ from kvtier.tiers.fs.io import (
     probe_direct_io,
     read_chunk,
     write_chunk,
+)
+from kvtier.tiers.fs.safe_files import (
+    HostileFile,
+    LayoutDir,
+    create_file,
+    modes,
+    open_regular,
+    tighten,
 )
 
 MTIME_REFRESH_S = 1.0
@@ -79,10 +101,12 @@ class FsTier(PerKeyTier):
         Option("direct_io", Kind.BOOL, allowed="must be true, false or null (auto-detect)"),
         seconds("rescan_interval_s", 60.0, nullable=True),
         seconds("temp_grace_s", 600.0, low=0),
+        Option("shared_group", Kind.BOOL, False),
     )
     """`root_dir`; `max_bytes` (null: unbounded; at least one chunk file); `n_read_threads` and
     `n_write_threads` (the I/O pool); `direct_io` (null: when the filesystem supports it);
-    `rescan_interval_s` (null: never rescan) and `temp_grace_s` (a temp file older is stale)."""
+    `rescan_interval_s` (null: never rescan) and `temp_grace_s` (a temp file older is stale);
+    `shared_group` (files and directories readable and writable by the root's group too)."""
 
     def __init__(self, ctx: TierContext, **options: Any) -> None:
         super().__init__(ctx)
@@ -91,6 +115,8 @@ class FsTier(PerKeyTier):
         at_least("max_bytes", o["max_bytes"], self.file_bytes, "one chunk file")
         self.root_dir = os.path.abspath(o["root_dir"])
         self.layout_dir = os.path.join(self.root_dir, ctx.layout_fingerprint)
+        self.modes = modes(bool(o["shared_group"]))
+        self._layout = LayoutDir(self.root_dir, ctx.layout_fingerprint, self.modes)
         self.temp_grace_s = float(o["temp_grace_s"])
         self._check_writable()
         self.direct_io = self._choose_direct_io(o["direct_io"])
@@ -113,16 +139,26 @@ class FsTier(PerKeyTier):
     # ---- setup -------------------------------------------------------------------------------
 
     def _check_writable(self) -> None:
-        probe = os.path.join(self.layout_dir, temp_name("probe"))
+        """Create `root_dir` (when missing), the layout directory and its fan-outs with the tier's
+        modes, tighten those this user made under other modes, and write a probe file."""
+        probe = temp_name("probe")
         try:
-            os.makedirs(self.layout_dir, exist_ok=True)
-            # Every fan-out directory exists up front: a store never pays a mkdir on its path.
-            for i in range(256):
+            if not os.path.isdir(self.root_dir):
+                os.makedirs(os.path.dirname(self.root_dir), exist_ok=True)
                 with contextlib.suppress(FileExistsError):
-                    os.mkdir(os.path.join(self.layout_dir, f"{i:02x}"))
-            fd = os.open(probe, os.O_WRONLY | os.O_CREAT | os.O_EXCL | O_CLOEXEC, 0o644)
-            os.close(fd)
-            os.unlink(probe)
+                    os.mkdir(self.root_dir, self.modes.dir)
+                    tighten(self.root_dir, self.modes.dir)
+            top = self._layout.open_top(create=True)
+            try:
+                tighten(self.layout_dir, self.modes.dir)
+                # Every fan-out directory exists up front: a store never pays a mkdir on its path.
+                for i in range(256):
+                    with self._layout.sub(f"{i:02x}", create=True):
+                        tighten(f"{i:02x}", self.modes.dir, top)
+                os.close(create_file(probe, self.modes.file, dir_fd=top))
+                os.unlink(probe, dir_fd=top)
+            finally:
+                os.close(top)
         except OSError as e:
             why = f"cannot create and write {self.layout_dir}: {e.strerror}"
             raise ConfigError("root_dir", self.root_dir, why) from None
@@ -147,13 +183,15 @@ class FsTier(PerKeyTier):
     # ---- contract ----------------------------------------------------------------------------
 
     def lookup(self, keys: Sequence[ChunkKey]) -> list[LookupResult]:
+        """HIT for a key whose name is a regular file (a hint: the load verifies)."""
         out: list[LookupResult] = []
         for key in keys:
             name = key_name(key)
-            out.append(
-                LookupResult.HIT if name is not None and os.path.exists(self._path(name))
-                else LookupResult.MISS
-            )
+            try:
+                hit = name is not None and stat.S_ISREG(os.lstat(self._path(name)).st_mode)
+            except OSError:
+                hit = False
+            out.append(LookupResult.HIT if hit else LookupResult.MISS)
         return out
 
     def usage(self) -> TierUsage:
@@ -187,10 +225,24 @@ class FsTier(PerKeyTier):
 
     def _store_key(self, key: ChunkKey, slot: int) -> bool:
         name = key.hex()
-        path = self._path(name)
-        row = self.ctx.slot_view(slot)
-        with contextlib.suppress(FileNotFoundError):
-            os.utime(path)
+        try:
+            # Our subdirectories may have been removed (made again), or replaced by something
+            # other than a directory (replaced again); root_dir itself is never recreated.
+            with self._layout.sub(fanout_name(name), create=True) as dir_fd:
+                return self._store_in(dir_fd, name, key, slot)
+        except OSError as e:
+            self._faillog.failed(f"store:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
+            return False
+
+    def _store_in(self, dir_fd: int, name: str, key: ChunkKey, slot: int) -> bool:
+        """Store `key` as `name` in the fan-out directory `dir_fd`; a regular file already there is
+        kept (its mtime refreshed), anything else at the name is replaced. Raises OSError."""
+        try:
+            present = stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
+        except FileNotFoundError:
+            present = False
+        if present:
+            os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
             if self._index.add(key, self.file_bytes, time.time()):
                 self._book.event(TierEventKind.STORED, key)
             return True
@@ -200,10 +252,8 @@ class FsTier(PerKeyTier):
             self._faillog.failed("store:max_bytes", OSError(errno.ENOSPC, "every file is being read"))
             return False
         try:
-            self._write(name, path, key, row)
-        except OSError as e:
-            self._faillog.failed(f"store:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
-            return False
+            write_chunk(dir_fd, name, self._header_buf(), key, self._fp, self.ctx.slot_view(slot),
+                        self.direct_io, self.modes.file, self._native)
         finally:
             self._index.release(self.file_bytes)
         if self._index.add(key, self.file_bytes, time.time()):
@@ -211,48 +261,31 @@ class FsTier(PerKeyTier):
         self._book.count(TierCounter.STORED)
         return True
 
-    def _write(self, name: str, path: str, key: bytes, row: memoryview) -> None:
-        header = self._header_buf()
-        try:
-            write_chunk(path, name, header, key, self._fp, row, self.direct_io, self._native)
-        except FileNotFoundError:
-            # Our subdirectories may have been removed; root_dir itself is never recreated.
-            for d in (self.layout_dir, os.path.dirname(path)):
-                with contextlib.suppress(FileExistsError):
-                    os.mkdir(d)
-            write_chunk(path, name, header, key, self._fp, row, self.direct_io, self._native)
+    def _unlink(self, name: str) -> None:
+        """Remove the chunk file `name` if it is there (never through a link)."""
+        with contextlib.suppress(OSError), self._layout.sub(fanout_name(name)) as dir_fd:
+            os.unlink(name, dir_fd=dir_fd)
 
     def _evict(self, victims: list[bytes]) -> None:
         for key in victims:
             name = key_name(key)
             if name is not None:
-                with contextlib.suppress(FileNotFoundError):
-                    os.unlink(self._path(name))
+                self._unlink(name)
             self._book.event(TierEventKind.REMOVED, key)
             self._book.count(TierCounter.EVICTIONS)
 
     def _load_key(self, key: ChunkKey, slot: int) -> bool:
-        path = self._path(key.hex())
-        row = self.ctx.slot_view(slot)
+        name = key.hex()
         self._index.pin(key)
         try:
-            try:
-                fd = os.open(path, os.O_RDONLY | O_CLOEXEC | (O_DIRECT * self.direct_io))
-            except FileNotFoundError:
-                self._book.count(TierCounter.LOAD_MISSES)
-                self._forget(key)
+            with self._layout.sub(fanout_name(name)) as dir_fd:
+                now = self._load_in(dir_fd, name, key, slot)
+            if now is None:
                 return False
-            try:
-                bad = read_chunk(fd, self._header_buf(), key, self._fp, row)
-                if bad is not None:
-                    self._drop_bad(path, fd, key, bad)
-                    return False
-                now = time.time()
-                if now - os.fstat(fd).st_mtime > MTIME_REFRESH_S:
-                    with contextlib.suppress(OSError):
-                        os.utime(fd)
-            finally:
-                os.close(fd)
+        except FileNotFoundError:
+            self._book.count(TierCounter.LOAD_MISSES)
+            self._forget(key)
+            return False
         except OSError as e:
             self._faillog.failed(f"load:{errno.errorcode.get(e.errno or 0, e.errno)}", e)
             return False
@@ -265,13 +298,38 @@ class FsTier(PerKeyTier):
         self._book.count(TierCounter.LOADED)
         return True
 
-    def _drop_bad(self, path: str, fd: int, key: bytes, reason: ChunkError) -> None:
+    def _load_in(self, dir_fd: int, name: str, key: ChunkKey, slot: int) -> float | None:
+        """Load the chunk file `name` of the fan-out directory `dir_fd` into `slot`; the time of
+        the load, or None when the file was bad (counted and removed). Raises FileNotFoundError
+        when there is no file, OSError for I/O errors."""
+        try:
+            fd = open_regular(name, os.O_RDONLY | (O_DIRECT * self.direct_io), dir_fd)
+        except HostileFile:
+            self._bad(ChunkError.MAGIC, f"removed {self._path(name)}: not a regular file")
+            with contextlib.suppress(OSError):
+                os.unlink(name, dir_fd=dir_fd)
+            self._forget(key)
+            return None
+        try:
+            bad = read_chunk(fd, self._header_buf(), key, self._fp, self.ctx.slot_view(slot))
+            if bad is not None:
+                self._drop_bad(dir_fd, name, fd, key, bad)
+                return None
+            now = time.time()
+            if now - os.fstat(fd).st_mtime > MTIME_REFRESH_S:
+                with contextlib.suppress(OSError):
+                    os.utime(fd)
+            return now
+        finally:
+            os.close(fd)
+
+    def _drop_bad(self, dir_fd: int, name: str, fd: int, key: bytes, reason: ChunkError) -> None:
         """Remove a bad chunk file, unless another instance has replaced it meanwhile."""
-        self._bad(reason, f"removed bad chunk file {path}")
+        self._bad(reason, f"removed bad chunk file {self._path(name)}")
         with contextlib.suppress(OSError):
-            mine, now = os.fstat(fd), os.stat(path)
+            mine, now = os.fstat(fd), os.stat(name, dir_fd=dir_fd, follow_symlinks=False)
             if (mine.st_dev, mine.st_ino) == (now.st_dev, now.st_ino):
-                os.unlink(path)
+                os.unlink(name, dir_fd=dir_fd)
         self._forget(key)
 
     # ---- bookkeeping -------------------------------------------------------------------------
@@ -282,16 +340,13 @@ class FsTier(PerKeyTier):
         marker = self._index.start_scan()
         found = scan_layout_dir(self.layout_dir, self.file_bytes, self.temp_grace_s, time.time())
         for path in found.stale_temps:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        removed = 0
-        for path in found.wrong_size:
-            # A load may have found the file bad and removed it since the scan: counted once.
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-                removed += 1
-        if removed:
-            self._book.bad(ChunkError.LENGTH, removed)
+            remove_scanned(self._layout, path)
+        # A load may have found a file bad and removed it since the scan: counted once.
+        for reason, paths in ((ChunkError.LENGTH, found.wrong_size),
+                              (ChunkError.MAGIC, found.not_regular)):
+            removed = sum(remove_scanned(self._layout, path) for path in paths)
+            if removed:
+                self._book.bad(reason, removed)
         appeared, vanished = self._index.merge_scan(marker, found.files)
         self._book.count(TierCounter.RESCANS)
         if not initial:
