@@ -8,6 +8,8 @@ from __future__ import annotations
 
 import os
 import random
+import subprocess
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,8 +17,8 @@ from pathlib import Path
 import pytest
 import redis
 
-from kvtier.bench.chaos.corrupt import CORRUPTIONS
-from kvtier.bench.chaos.ledger import Ledger, TierSpy
+from kvtier.bench.chaos.corrupt import CORRUPTIONS, WRONG_SIZE
+from kvtier.bench.chaos.ledger import Ledger, TierSpy, process_started
 from kvtier.bench.chaos.media import ClusterMedium, FsMedium
 from kvtier.bench.chaos.peer import KINDS, Peer, PeerMedium, peer_address, tier_options
 from kvtier.bench.chaos.valkey_cluster import Cluster
@@ -197,3 +199,37 @@ def test_a_store_the_ledger_could_not_check_is_checked_at_the_next_load() -> Non
     ledger.loaded("obj", [replaced, kept], time.monotonic())
     outcomes = ledger.counts()["outcomes"]
     assert (outcomes["overwritten"], outcomes["served"], outcomes["open"]) == (1, 1, 0)
+
+
+def test_wrong_sizes_in_place_before_a_restart_were_detected_by_its_scan() -> None:
+    """An fs tier process's first scan removes (and counts) the copies of a wrong size, with no
+    REMOVED event; a store of such a key may complete before the spy first sees the new process,
+    so the medium shows a valid copy. Those in place before the process started are detected; a
+    swap (same size) and a wrong size made after the start are judged by the medium."""
+    medium: dict[bytes, bool | None] = {}
+    ledger = Ledger(lambda tier, key: medium.get(key))
+    cut, swapped, late = os.urandom(32), os.urandom(32), os.urandom(32)
+    for key, kind in ((cut, "truncate"), (swapped, "swap")):
+        medium[key] = True  # stored again since
+        ledger.injected("fs", key, kind, time.monotonic())
+    started = time.monotonic()
+    medium[late] = False
+    ledger.injected("fs", late, "extend", time.monotonic())
+    ledger.recheck("fs", started, WRONG_SIZE)
+    assert ledger.counts()["outcomes"]["detected"] == 1 and ledger.open_count("fs") == 2
+    ledger.store_finished("fs", (swapped,), {swapped})
+    assert ledger.counts()["outcomes"]["overwritten"] == 1
+
+
+def test_a_process_start_is_read_on_the_monotonic_clock() -> None:
+    started = process_started(os.getpid())
+    assert started is not None and started <= time.monotonic()
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(30)"])
+    try:
+        before = time.monotonic()
+        child_started = process_started(child.pid)
+        assert child_started is not None and abs(child_started - before) < 5.0
+    finally:
+        child.kill()
+        child.wait()
+    assert process_started(child.pid) is None

@@ -65,3 +65,5 @@ CORRUPTIONS: dict[str, Corruptor] = {
     "extend": extend, "swap": swap, "stale_layout": stale_layout,
 }
 
+WRONG_SIZE = frozenset({"truncate", "extend"})
+"""The kinds that change a copy's length: an fs tier's scan (at its start) removes those copies."""

@@ -24,6 +24,10 @@ So every load of K that may read the bad copy was submitted after `start`, and e
 submitted after the bytes were in place (`Corruption.at`) reads it: a load in between may read
 either, so it can be counted as a read when it fails, never as `served` when it succeeds.
 
+A new tier process's first scan removes (and counts) the fs copies of a wrong size before it
+serves: `TierSpy` settles those as `detected` when it sees the new process, even when a store has
+since written the key again.
+
 `TierSpy` wraps one tier handle of the engine's tiering manager and reports its loads, stores and
 events to the ledger; everything else is the wrapped handle's. It runs on the scheduler thread; the
 injectors run on their own thread: the ledger has one lock.
@@ -32,6 +36,7 @@ injectors run on their own thread: the ledger has one lock.
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import Counter
@@ -40,6 +45,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from kvtier.format.chunks import TierEvent, TierEventKind
+from kvtier.host.reaper import start_time
 from kvtier.tiers.base import Job, JobKind, JobResult
 
 OUTCOMES = ("detected", "served", "overwritten", "lost", "unread")
@@ -167,11 +173,21 @@ class Ledger:
             for k in keys:
                 self._settle(tier, k, "detected")
 
-    def recheck(self, tier: str) -> None:
-        """A new process of `tier` started: its first scan may have removed bad copies without a
-        REMOVED event (they were never in its index); settle those by looking at the medium."""
+    def recheck(self, tier: str, started: float | None = None,
+                removed_at_start: frozenset[str] = frozenset()) -> None:
+        """A new process of `tier` started (at `started`, monotonic): its first scan may have
+        removed bad copies without a REMOVED event (they were never in its index). The kinds in
+        `removed_at_start` (a wrong size, for fs) in place before it started were removed and
+        counted by that scan, whatever the medium shows now (a store may have written the key
+        again since); the others are settled by looking at the medium."""
         with self._lock:
             keys = [k for t, k in self._open if t == tier]
+            if started is not None:
+                for key in keys:
+                    c = self._open[(tier, key)]
+                    if c.kind in removed_at_start and c.at < started:
+                        self._settle(tier, key, "detected")
+                keys = [k for t, k in self._open if t == tier]
         for key in keys:
             try:
                 state = self._verify(tier, key)
@@ -217,14 +233,25 @@ class Ledger:
             return sum(c.tier == tier and c.outcome == "detected" for c in self.settled)
 
 
+def process_started(pid: int | None) -> float | None:
+    """When process `pid` started, on `time.monotonic`'s clock (to a clock tick), or None."""
+    ticks = None if pid is None else start_time(pid)
+    if ticks is None:
+        return None
+    since_boot = time.clock_gettime(time.CLOCK_BOOTTIME) - ticks / os.sysconf("SC_CLK_TCK")
+    return time.monotonic() - since_boot
+
+
 class TierSpy:
     """One tier handle, its loads, stores and REMOVED events reported to `ledger`; with `refusals`,
     its failed loads too (`Ledger.refused`), unless its process changed while they ran."""
 
-    def __init__(self, inner: Any, ledger: Ledger, refusals: bool = False) -> None:
+    def __init__(self, inner: Any, ledger: Ledger, refusals: bool = False,
+                 removed_at_start: frozenset[str] = frozenset()) -> None:
         self._inner = inner
         self._ledger = ledger
         self._refusals = refusals
+        self._removed_at_start = removed_at_start
         self._jobs: dict[int, tuple[Job, float, int | None]] = {}
         self._events: list[TierEvent] = []
         self._pid: int | None = inner.pid
@@ -250,7 +277,7 @@ class TierSpy:
         self._drain_events()
         if self._inner.is_up and self._inner.pid != self._pid:
             self._pid = self._inner.pid
-            self._ledger.recheck(self.name)
+            self._ledger.recheck(self.name, process_started(self._pid), self._removed_at_start)
         for r in results:
             entry = self._jobs.pop(r.job_id, None)
             if entry is None:

@@ -23,6 +23,7 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any, cast
 
+from kvtier.bench.chaos.corrupt import WRONG_SIZE
 from kvtier.bench.chaos.driver import Outcome, drive
 from kvtier.bench.chaos.faults import Injectors, Targets
 from kvtier.bench.chaos.ledger import Ledger, TierSpy
@@ -148,7 +149,8 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
         ledger = Ledger(lambda tier, key: media[tier].verify(key),
                         lambda tier, key: peer.repair(key) if peer is not None and tier == "p2p" else None)
         for name in list(manager.tiers):
-            manager.tiers[name] = TierSpy(manager.tiers[name], ledger, refusals=name == "p2p")
+            manager.tiers[name] = TierSpy(manager.tiers[name], ledger, refusals=name == "p2p",
+                                          removed_at_start=WRONG_SIZE if name == "fs" else frozenset())
         injectors = None
         if preset.pace is not None:
             targets = Targets(list(media.values()), lambda: dict(manager.tiers), redis, seaweed,
