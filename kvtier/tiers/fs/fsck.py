@@ -1,9 +1,14 @@
 """`kvtier fsck DIR`: verify an fs tier directory, and with `--repair` remove what is bad.
 
 Every chunk file is read in full: the header must be a valid `chunkfmt` header, its key must be the
-file name, its layout fingerprint the name of the layout directory, the fan-out directory the first
-two hex digits of the name, the file size the header plus its payload length, and the payload must
-match the checksum. Temp files older than `temp_grace_s` are orphans (their writer died); younger
+file name, its layout fingerprint the name of the layout directory, its payload length the layout's
+row size, the fan-out directory the first two hex digits of the name, the file size the header plus
+its payload length, and the payload must match the checksum. A layout's row size is `--row-bytes`
+when given, else the payload size most of its chunk files have (by their sizes, none read; a tie
+leaves it unknown and each file is held to its own header). Nothing is allocated by what a header
+claims: a wrong length is refused before the payload is read, and the checksum is computed over
+fixed-size pieces as they are read. Chunk files are opened without following links or blocking,
+and only regular files are read. Temp files older than `temp_grace_s` are orphans (their writer died); younger
 ones are writes in progress and are left alone. Entries of the root that are not layout directories
 are not ours: they are listed as ignored and never touched.
 
@@ -19,11 +24,14 @@ damage); 2 when the directory cannot be checked at all.
 from __future__ import annotations
 
 import argparse
+import collections
 import json
 import os
 import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
+
+import xxhash
 
 from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
@@ -34,11 +42,14 @@ from kvtier.tiers.fs.index import (
     TEMP_NAME_RE,
     fanout_name,
 )
+from kvtier.tiers.fs.safe_files import HostileFile, open_regular
 
 STRAY = "stray"
 """Reason for an entry inside a layout directory whose name is not a chunk, temp or fan-out name."""
 WRONG_DIR = "wrong_dir"
 """Reason for a chunk file that is not in the fan-out directory its name calls for."""
+PIECE_BYTES = 1 << 20
+"""The checksum is computed over pieces of this size, whatever the payload length."""
 
 
 @dataclass(frozen=True)
@@ -53,6 +64,7 @@ class FsckReport:
 
     root: str
     repair: bool
+    row_bytes: dict[str, int | None] = field(default_factory=dict)
     files: int = 0
     good_files: int = 0
     good_bytes: int = 0
@@ -73,11 +85,17 @@ class FsckReport:
         return out
 
 
-def _verify(path: str, name: str, layout_fp: bytes, buf: bytearray) -> str | None:
-    """Why the chunk file at `path` is bad, or None when it is good. Raises FileNotFoundError."""
-    with open(path, "rb", buffering=0) as f:
+def _verify(path: str, name: str, layout_fp: bytes, row_bytes: int | None,
+            buf: memoryview) -> str | None:
+    """Why the chunk file at `path` is bad, or None when it is good; the payload is read into
+    `buf` piece by piece. Raises FileNotFoundError."""
+    try:
+        fd = open_regular(path)
+    except HostileFile:
+        return ChunkError.MAGIC.value
+    with open(fd, "rb", buffering=0) as f:
         header = f.read(chunkfmt.HEADER_BYTES)
-        err, digest = chunkfmt.check_header(header, bytes.fromhex(name), layout_fp, None)
+        err, digest = chunkfmt.check_header(header, bytes.fromhex(name), layout_fp, row_bytes)
         if err is not None:
             return err.value
         _key, _fp, payload_len = chunkfmt.header_fields(header)
@@ -86,26 +104,50 @@ def _verify(path: str, name: str, layout_fp: bytes, buf: bytearray) -> str | Non
             return ChunkError.SHORT.value
         if size > chunkfmt.HEADER_BYTES + payload_len:
             return ChunkError.LENGTH.value
-        if len(buf) < payload_len:
-            buf.extend(bytes(payload_len - len(buf)))
-        view = memoryview(buf)[:payload_len]
-        got = 0
-        while got < payload_len:
-            n = f.readinto(view[got:])
+        hasher = xxhash.xxh3_128()  # streamed `chunkfmt.checksum`
+        left = payload_len
+        while left:
+            n = f.readinto(buf[: min(left, len(buf))])
             if not n:
                 return ChunkError.SHORT.value
-            got += n
-        if chunkfmt.checksum(view) != digest:
+            hasher.update(buf[:n])
+            left -= n
+        if hasher.digest() != digest:
             return ChunkError.CHECKSUM.value
     return None
 
 
+def layout_row_bytes(path: str) -> int | None:
+    """The payload size most chunk files of the layout directory `path` have (stat only); None
+    when there are none or two sizes tie."""
+    sizes: collections.Counter[int] = collections.Counter()
+    for fan in os.scandir(path):
+        if not (FANOUT_DIR_RE.match(fan.name) and fan.is_dir(follow_symlinks=False)):
+            continue
+        try:
+            entries = list(os.scandir(fan.path))
+        except FileNotFoundError:
+            continue
+        for entry in entries:
+            if CHUNK_NAME_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
+                try:
+                    sizes[entry.stat(follow_symlinks=False).st_size] += 1
+                except FileNotFoundError:
+                    continue
+    top = sizes.most_common(2)
+    if not top or (len(top) == 2 and top[0][1] == top[1][1]):
+        return None
+    return max(top[0][0] - chunkfmt.HEADER_BYTES, 0)
+
+
 class _Checker:
-    def __init__(self, report: FsckReport, temp_grace_s: float) -> None:
+    def __init__(self, report: FsckReport, temp_grace_s: float, row_bytes: int | None) -> None:
         self.report = report
         self.temp_grace_s = temp_grace_s
+        self.row_bytes = row_bytes
+        self.layout_rows: int | None = None
         self.now = time.time()
-        self.buf = bytearray()
+        self.buf = memoryview(bytearray(PIECE_BYTES))
 
     def bad(self, path: str, reason: str, removable: bool = True) -> None:
         self.report.bad.append(BadFile(path, reason))
@@ -135,6 +177,8 @@ class _Checker:
             self.report.in_progress.append(entry.path)
 
     def layout_dir(self, path: str, layout_fp: bytes) -> None:
+        rows = self.row_bytes if self.row_bytes is not None else layout_row_bytes(path)
+        self.report.row_bytes[layout_fp.hex()] = self.layout_rows = rows
         for entry in sorted(os.scandir(path), key=lambda e: e.name):
             if FANOUT_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
                 self.fanout_dir(entry.path, entry.name, layout_fp)
@@ -164,7 +208,7 @@ class _Checker:
 
     def chunk(self, path: str, name: str, layout_fp: bytes) -> None:
         try:
-            reason = _verify(path, name, layout_fp, self.buf)
+            reason = _verify(path, name, layout_fp, self.layout_rows, self.buf)
             size = os.stat(path).st_size
         except FileNotFoundError:
             return
@@ -176,14 +220,16 @@ class _Checker:
             self.report.good_bytes += size
 
 
-def fsck(root: str, repair: bool, *, temp_grace_s: float = 600.0) -> FsckReport:
+def fsck(root: str, repair: bool, *, temp_grace_s: float = 600.0,
+         row_bytes: int | None = None) -> FsckReport:
     """Check every layout directory under `root`; with `repair`, remove bad files and orphans.
+    `row_bytes` is every layout's row size (None: each layout's is judged from its files).
 
     Raises OSError (FileNotFoundError, NotADirectoryError, PermissionError) when `root` itself
     cannot be listed.
     """
     report = FsckReport(root=os.path.abspath(root), repair=repair)
-    checker = _Checker(report, temp_grace_s)
+    checker = _Checker(report, temp_grace_s, row_bytes)
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         if LAYOUT_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
             checker.layout_dir(entry.path, bytes.fromhex(entry.name))
@@ -207,13 +253,19 @@ def add_fsck_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         "--temp-grace", type=float, default=600.0, metavar="SECONDS",
         help="temp files older than this are orphans (default: 600)",
     )
+    p.add_argument(
+        "--row-bytes", type=int, default=None, metavar="BYTES",
+        help="the layout's row size: any other payload length is bad (default: the size most "
+        "chunk files of each layout directory have)",
+    )
     p.set_defaults(func=run_fsck_command)
 
 
 def run_fsck_command(args: argparse.Namespace) -> int:
     """Run `kvtier fsck` for parsed arguments; returns the exit status."""
     try:
-        report = fsck(args.dir, args.repair, temp_grace_s=args.temp_grace)
+        report = fsck(args.dir, args.repair, temp_grace_s=args.temp_grace,
+                      row_bytes=args.row_bytes)
     except OSError as e:
         print(f"kvtier fsck: cannot check {args.dir}: {e.strerror or e}")
         return 2
