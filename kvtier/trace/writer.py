@@ -101,7 +101,10 @@ class TraceWriter:
         path = self.path
         if path.is_file() and path.stat().st_size > 0 and not self._resumable():
             os.replace(path, f"{path}.1")
-        f = open(path, "a", encoding="utf-8")  # noqa: SIM115 (kept open by the writer thread)
+        fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_CLOEXEC, 0o600)
+        with contextlib.suppress(PermissionError):  # a file another user made and lets us write
+            os.fchmod(fd, 0o600)  # prompts' chunk keys: the serving user's alone, whatever the umask
+        f = os.fdopen(fd, "a", encoding="utf-8")
         if not path.is_file() or f.tell() == 0:
             f.write(self.header_line)
             f.flush()

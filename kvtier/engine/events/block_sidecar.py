@@ -8,8 +8,10 @@ hashes, parent, token ids) and an xxh3-128 checksum of it. The hash space is the
 vLLM's root hash (`NONE_HASH`): engines whose block hashes are not comparable (a non-cryptographic
 hash algorithm seeds it at random per process) never read each other's files. A file is published
 by write-to-temp then `os.replace`; one whose magic, checksum, key or block size do not match is
-removed and names nothing. The chunk file itself is the fs tier's: a sidecar is only ever a hint
-for events, never read on the data path.
+removed and names nothing; so is one that is not a regular file or is over `MAX_FILE_BYTES` (never
+read). Files and directories take the modes the fs tier gave its layout directory (0600/0700, or
+its `shared_group` modes) whatever the umask. The chunk file itself is the fs tier's: a sidecar is
+only ever a hint for events, never read on the data path.
 
 Threads: the scheduler thread queues `save`, `drop` and `ask` (never blocking); one daemon thread
 does the file I/O and queues each `ask`'s answer for `take_answers`. I/O errors are logged once per
@@ -31,11 +33,14 @@ import xxhash
 
 from kvtier.engine.events.chunk_blocks import ChunkBlocks
 from kvtier.format.chunks import ChunkKey, TierEventKind
+from kvtier.tiers.fs.safe_files import HostileFile, create_file, make_dirs, modes_of, read_regular
 
 log = logging.getLogger("kvtier.vllm.events")
 
 MAGIC = b"KVTBLKS1"
 DIGEST = 16
+MAX_FILE_BYTES = 1 << 20
+"""A sidecar file is far smaller (4 bytes a token, a hash a block); a larger one is not read."""
 
 Answer = tuple[TierEventKind, ChunkKey, ChunkBlocks | None]
 _Op = tuple[Literal["save", "drop", "ask", "stop"], ChunkKey, ChunkBlocks | TierEventKind | None]
@@ -130,10 +135,11 @@ class BlockSidecar:
         path = self.path(key)
         if os.path.exists(path):
             return
-        os.makedirs(os.path.dirname(path), exist_ok=True)
+        modes = modes_of(self.base.removesuffix(".blocks"))
+        make_dirs(os.path.dirname(path), modes.dir)
         temp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
         try:
-            with open(temp, "wb") as f:
+            with os.fdopen(create_file(temp, modes.file), "wb") as f:
                 f.write(encode(key, blocks, self.block_size))
             os.replace(temp, path)
         except BaseException:
@@ -144,10 +150,11 @@ class BlockSidecar:
     def _read(self, key: ChunkKey) -> ChunkBlocks | None:
         path = self.path(key)
         try:
-            with open(path, "rb") as f:
-                data = f.read()
+            data = read_regular(path, MAX_FILE_BYTES)
         except FileNotFoundError:
             return None
+        except HostileFile:
+            data = b""
         blocks = decode(data, key, self.block_size)
         if blocks is None:
             with contextlib.suppress(OSError):
