@@ -77,7 +77,8 @@ class CopyDriver:
     ) -> None:
         """Build the copy plan and the transfer from the real tensors (layer name → tensor, read
         through the layout `layout_of` names for the first attention layer's tensor); `states`
-        copies the recurrent layers' state segments. Called once,
+        copies the recurrent layers' state segments. The kernel block size of each KV cache group
+        is read from its tensors (`kernel_block_sizes`); block ids stay the engine's. Called once,
         after the engine allocated its KV cache and before the first step; raises ValueError for
         a layer without a tensor or one `layout` cannot view, NotImplementedError when the
         tensors' device has no transfer."""
@@ -87,10 +88,14 @@ class CopyDriver:
             raise ValueError(f"kvtier: no KV cache tensor for layers {missing}")
         tensors = [kv_caches[name] for name in geometry.layer_names]
         layout = layout_of(tensors[0])
-        plan = CopyPlan(geometry.layout, layout, self.shard, geometry.block_size, geometry.layer_groups)
-        for name, kv in zip(geometry.layer_names, tensors, strict=True):
+        kernel = kernel_block_sizes(geometry, layout, tensors)
+        plan = CopyPlan(
+            geometry.layout, layout, self.shard, geometry.block_size, geometry.layer_groups,
+            kernel_block_sizes=kernel,
+        )
+        for layer, (name, kv) in enumerate(zip(geometry.layer_names, tensors, strict=True)):
             try:
-                plan.engine_views(kv)
+                plan.engine_views(kv, plan.layer_groups[layer])
             except ValueError as exc:
                 raise ValueError(f"kvtier: layer {name}: {exc}") from exc
         self.transfer = self._transfer_factory(plan, tensors)
@@ -236,3 +241,34 @@ class CopyDriver:
         """Wait for the copies still running, then unmap the host region. Idempotent."""
         if self.transfer is not None:
             self.transfer.close()
+
+
+def kernel_block_sizes(
+    geometry: EngineGeometry, layout: EngineLayout, tensors: Sequence[torch.Tensor]
+) -> tuple[int, ...]:
+    """The tokens per block of each attention group's layer tensors (model order), as `layout`
+    views them: `geometry.block_size`, or a divisor of it where the engine split each block into
+    kernel blocks (the tensor then holds a whole number of kernel blocks per block). Raises
+    ValueError naming the layer and the sizes when a tensor's blocks do not divide the block size,
+    or two layers of one group disagree."""
+    groups = geometry.layer_groups or (0,) * len(tensors)
+    found: dict[int, tuple[str, int]] = {}
+    block_size = geometry.block_size
+    for name, kv, group in zip(geometry.layer_names, tensors, groups, strict=True):
+        try:
+            view = layout.kv_views(kv, geometry.layout.head_dim)[0]
+        except ValueError as exc:
+            raise ValueError(f"kvtier: layer {name}: {exc}") from exc
+        blocks, tokens = int(view.shape[0]), int(view.shape[2])
+        if tokens <= 0 or block_size % tokens or blocks % (block_size // tokens):
+            raise ValueError(
+                f"kvtier: layer {name}: tensor {tuple(kv.shape)} holds {blocks} blocks of {tokens} "
+                f"tokens, which do not split the engine's blocks of {block_size} tokens"
+            )
+        first, size = found.setdefault(group, (name, tokens))
+        if size != tokens:
+            raise ValueError(
+                f"kvtier: layers {first} and {name} of one KV cache group hold blocks of {size} "
+                f"and {tokens} tokens"
+            )
+    return tuple(found[g][1] for g in range(len(found)))

@@ -4,9 +4,18 @@ contract they read engine tensors through.
 An engine's layout is a small `EngineLayout` subclass (the engine's own, under
 `kvtier.integrations`) that gives zero-copy strided views `[num_blocks, H_local, block_size,
 head_dim]` of K and of V in one layer tensor (or of the latent alone, for MLA); a `CopyPlan` needs
-nothing else, so a new backend is one more subclass. The plan is written once over torch tensors
-and runs on any device: the CPU path (`transfer.cpu`) copies by it, and the CUDA path
-(`transfer.staged`, `transfer.stream`) gathers and scatters by its block mapping (`pairs`) and views.
+nothing else, so a new backend is one more subclass.
+
+Kernel blocks: an engine may split each of a group's blocks of `block_size` tokens into `ratio`
+kernel blocks of `block_size // ratio` tokens (vLLM does when an attention backend needs smaller
+blocks): the layer tensor then holds `num_blocks * ratio` blocks of the kernel size, and block b is
+kernel blocks `b * ratio .. b * ratio + ratio - 1`, in token order. Block ids stay the engine's
+blocks everywhere; the plan copies by kernel blocks (`pairs` expands each block into its kernel
+blocks), so the host rows are the same bytes whatever the split.
+
+The plan is written once over torch tensors and runs on any device: the CPU path (`transfer.cpu`)
+copies by it, and the CUDA path (`transfer.staged`, `transfer.stream`) gathers and scatters by its
+block mapping (`pairs`) and views.
 
 Copy plans hold no state: concurrent calls are safe when their slots and blocks are disjoint.
 """
@@ -61,9 +70,12 @@ class CopyPlan:
         block_size: int,
         layer_groups: Sequence[int] = (),
         native: bool = True,
+        kernel_block_sizes: Sequence[int] = (),
     ) -> None:
         """`layer_groups[l]`: the block-id group of layer l (default: one group for all layers);
-        `native`: copies between CPU tensors go through our C kernel when it is available."""
+        `native`: copies between CPU tensors go through our C kernel when it is available;
+        `kernel_block_sizes[g]`: the tokens of one block of group g's layer tensors, a divisor of
+        `block_size` (default: `block_size`, no split; see the module doc)."""
         if block_size <= 0 or layout.chunk_tokens % block_size:
             raise ConfigError("block_size", block_size, f"must divide chunk_tokens={layout.chunk_tokens}")
         if shard.num_kv_heads != layout.num_kv_heads:
@@ -80,6 +92,16 @@ class CopyPlan:
         self.blocks_per_chunk = layout.chunk_tokens // block_size
         self.layer_groups = groups
         self.num_groups = max(groups) + 1
+        kernel = tuple(kernel_block_sizes) or (block_size,) * self.num_groups
+        if len(kernel) != self.num_groups or any(k <= 0 or block_size % k for k in kernel):
+            raise ConfigError(
+                "kernel_block_sizes", kernel, f"one per group, each dividing block_size={block_size}"
+            )
+        self.kernel_block_sizes = kernel
+        self.ratios = tuple(block_size // k for k in kernel)
+        """Kernel blocks per block, per group."""
+        self.kernel_blocks_per_chunk = tuple(self.blocks_per_chunk * r for r in self.ratios)
+        """Kernel blocks per chunk, per group."""
         self.native = _native_copies() if native else None
 
     def engine_to_host(
@@ -136,15 +158,16 @@ class CopyPlan:
                     else:
                         engine[block].copy_(host[slots[chunk], j])
 
-    def engine_views(self, kv: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        """K and V (or latent) block views `[num_blocks, H_local, block_size, D]` of one layer
-        tensor; ValueError when its shape, head count, block size or dtype width do not fit."""
+    def engine_views(self, kv: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, ...]:
+        """K and V (or latent) kernel block views `[num_kernel_blocks, H_local, kernel_block_size,
+        D]` of one layer tensor of group `group`; ValueError when its shape, head count, kernel
+        block size or dtype width do not fit."""
         views = self.engine.kv_views(kv, self.layout.head_dim)
         if len(views) != self.layout.parts:
             parts = self.layout.parts
             raise ValueError(f"{self.engine.name}: {len(views)} views per layer, the layout has {parts}")
         k = views[0]
-        expected = (self.shard.num_heads, self.block_size, self.layout.head_dim)
+        expected = (self.shard.num_heads, self.kernel_block_sizes[group], self.layout.head_dim)
         if tuple(k.shape[1:]) != expected or any(v.shape != k.shape for v in views):
             raise ValueError(
                 f"{self.engine.name}: layer tensor {tuple(kv.shape)} holds K/V blocks "
@@ -157,15 +180,16 @@ class CopyPlan:
     def _views(
         self, kv: torch.Tensor, rows: torch.Tensor, layer: int
     ) -> tuple[tuple[torch.Tensor, torch.Tensor], ...]:
-        """(engine, host) view pairs for K and V (or the latent): engine `[num_blocks, H_local,
-        block_size, D]`, host `[num_slots, blocks_per_chunk, H_local, block_size, D]` (this rank's
-        heads)."""
+        """(engine, host) view pairs for K and V (or the latent), by the layer's kernel blocks:
+        engine `[num_kernel_blocks, H_local, kernel_block_size, D]`, host `[num_slots,
+        kernel_blocks_per_chunk, H_local, kernel_block_size, D]` (this rank's heads)."""
+        group = self.layer_groups[layer]
         page = self.layout.page_view(rows, layer, kv.dtype)
         heads = page[:, :, self.shard.head_start : self.shard.head_end]
         s, parts, h, _, d = heads.shape
-        split = heads.view(s, parts, h, self.blocks_per_chunk, self.block_size, d)
-        host = split.permute(1, 0, 3, 2, 4, 5)
-        return tuple(zip(self.engine_views(kv), host, strict=True))
+        kbpc, kbs = self.kernel_blocks_per_chunk[group], self.kernel_block_sizes[group]
+        host = heads.view(s, parts, h, kbpc, kbs, d).permute(1, 0, 3, 2, 4, 5)
+        return tuple(zip(self.engine_views(kv, group), host, strict=True))
 
     def pairs(
         self,
@@ -175,10 +199,12 @@ class CopyPlan:
         slots: Sequence[int],
         to_host: bool,
     ) -> list[list[tuple[int, int, int]]]:
-        """Per group, (chunk index, block index within the chunk, engine block) for every block the
-        group holds, in chunk then token order (`SKIP_BLOCK`s left out): the one block mapping of
-        every copy path, CPU or device. Raises ValueError, before anything is copied, when a slot or
-        block is out of range, a store's slots repeat or miss a block, or a load's blocks repeat."""
+        """Per group, (chunk index, kernel block index within the chunk, engine kernel block) for
+        every kernel block of every block the group holds, in chunk then token order (`SKIP_BLOCK`s
+        left out; without a split, kernel blocks are the blocks): the one block mapping of every
+        copy path, CPU or device. `block_ids_per_chunk` holds the engine's block ids. Raises
+        ValueError, before anything is copied, when a slot or block is out of range, a store's
+        slots repeat or miss a block, or a load's blocks repeat."""
         if len(layer_tensors) != self.layout.num_layers:
             raise ValueError(
                 f"{len(layer_tensors)} layer tensors, layout has {self.layout.num_layers} layers"
@@ -189,10 +215,14 @@ class CopyPlan:
         if any(len(ids) != bpc * self.num_groups for ids in block_ids_per_chunk):
             raise ValueError(f"every chunk needs exactly {bpc * self.num_groups} block ids")
         check_rows(self.layout, host_rows)
-        num_blocks = min(self.engine_views(kv)[0].shape[0] for kv in layer_tensors)
+        counts: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for layer, kv in enumerate(layer_tensors):
+            g = self.layer_groups[layer]
+            counts[g].append(len(self.engine_views(kv, g)[0]) // self.ratios[g])
+        num_blocks = [min(c) for c in counts]
         if any(not 0 <= s < len(host_rows) for s in slots):
             raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
-        pairs = [
+        blocks = [
             [
                 (chunk, j, block)
                 for chunk, ids in enumerate(block_ids_per_chunk)
@@ -201,15 +231,19 @@ class CopyPlan:
             ]
             for g in range(self.num_groups)
         ]
-        if any(not 0 <= block < num_blocks for group in pairs for _, _, block in group):
-            raise ValueError(f"block ids must lie in [0, {num_blocks})")
+        for g, group in enumerate(blocks):
+            if any(not 0 <= b < num_blocks[g] for _, _, b in group):
+                raise ValueError(f"block ids must lie in [0, {num_blocks[g]}) in group {g}")
         if to_host and len(set(slots)) != len(slots):
             raise ValueError(f"slots must be distinct, got {list(slots)}")
-        if to_host and any(len(group) != len(slots) * bpc for group in pairs):
+        if to_host and any(len(group) != len(slots) * bpc for group in blocks):
             raise ValueError(f"a store needs every block of every chunk, got {list(block_ids_per_chunk)}")
-        if not to_host and any(len({b for _, _, b in group}) != len(group) for group in pairs):
+        if not to_host and any(len({b for _, _, b in group}) != len(group) for group in blocks):
             raise ValueError("destination block ids must be distinct")
-        return pairs
+        return [
+            [(chunk, j * r + i, block * r + i) for chunk, j, block in group for i in range(r)]
+            for group, r in zip(blocks, self.ratios, strict=True)
+        ]
 
 
 def _native_copies() -> NativeCopies | None:

@@ -14,7 +14,9 @@ of the host rows, and moves the bytes between staging and rows with contiguous u
   `SKIP_BLOCK` (a sliding-window block outside the window) leaves that block's pages unwritten.
 
 Which block goes to which page is `CopyPlan.pairs`, the block mapping the CPU path copies by, with
-the same checks, all made before the first copy is queued; the engine views are the plan's. This
+the same checks, all made before the first copy is queued; the engine views are the plan's. Both
+are by kernel blocks where the engine splits its blocks (`copy_plan`'s module doc): a layer's
+blocks are gathered and scattered at its group's kernel block size, into the same staging bytes. This
 rank's bytes of one chunk are `parts * num_layers` runs of `H_local * chunk_tokens * D` elements
 (each part of each layer, at this rank's head offset in the canonical page); runs adjacent in both
 staging and rows are merged, so at TP=1 a chunk is one run and consecutive slots one run together.
@@ -57,7 +59,7 @@ class StagedCopy:
             raise ValueError(f"{len(layer_tensors)} layer tensors, layout has {layers} layers")
         self.plan = plan
         self.layer_tensors = list(layer_tensors)
-        self.views = [plan.engine_views(kv) for kv in layer_tensors]
+        self.views = [plan.engine_views(kv, plan.layer_groups[i]) for i, kv in enumerate(layer_tensors)]
         self.device = layer_tensors[0].device
         self.dtype = layer_tensors[0].dtype
         """The engine's element type: staging holds its bytes unconverted (an fp8 layout over
@@ -115,12 +117,11 @@ class StagedCopy:
         return [(first, min(step, chunks - first)) for first in range(0, chunks, step)]
 
     def _batch(self, pairs: Pairs, first: int, count: int) -> Batch:
-        """Per group, for chunks `[first, first + count)`: (engine block ids, their positions
-        `chunk * blocks_per_chunk + j` in the batch, whether every position is present), on the
-        device."""
-        bpc = self.plan.blocks_per_chunk
+        """Per group, for chunks `[first, first + count)`: (engine kernel block ids, their
+        positions `chunk * kernel_blocks_per_chunk + j` in the batch, whether every position is
+        present), on the device."""
         out = []
-        for group in pairs:
+        for group, bpc in zip(pairs, self.plan.kernel_blocks_per_chunk, strict=True):
             picked = [(c - first, j, b) for c, j, b in group if first <= c < first + count]
             blocks = self._index([b for _, _, b in picked])
             positions = self._index([c * bpc + j for c, j, _ in picked])
@@ -130,31 +131,34 @@ class StagedCopy:
     def _gather(self, groups: Batch, n: int) -> torch.Tensor:
         """uint8 staging of `n` chunks' blocks, in the rows' byte order (a store: every position
         present)."""
-        bpc, heads, bs, dim = self._block_shape()
-        parts = self.plan.layout.parts
-        shape = (n, len(self.views), parts, heads, bpc, bs, dim)
+        lay = self.plan.layout
+        heads = self.plan.shard.num_heads
+        shape = (n, len(self.views), lay.parts, heads, lay.chunk_tokens, lay.head_dim)
         staging = torch.empty(shape, dtype=self.dtype, device=self.device)
         for layer, views in enumerate(self.views):
+            bpc, bs = self._block_shape(layer)
             blocks, _, _ = groups[self.plan.layer_groups[layer]]
             for part, engine in enumerate(views):
-                picked = engine.index_select(0, blocks).view(n, bpc, heads, bs, dim)
-                staging[:, layer, part].copy_(picked.transpose(1, 2))
+                picked = engine.index_select(0, blocks).view(n, bpc, heads, bs, lay.head_dim)
+                staging[:, layer, part].view(n, heads, bpc, bs, lay.head_dim).copy_(picked.transpose(1, 2))
         return staging.view(-1).view(torch.uint8)
 
     def _scatter(self, staging: torch.Tensor, groups: Batch, n: int) -> None:
-        bpc, heads, bs, dim = self._block_shape()
-        parts = self.plan.layout.parts
-        chunks = staging.view(self.dtype).view(n, len(self.views), parts, heads, bpc, bs, dim)
+        lay = self.plan.layout
+        heads, dim = self.plan.shard.num_heads, lay.head_dim
+        chunks = staging.view(self.dtype).view(n, len(self.views), lay.parts, heads, lay.chunk_tokens, dim)
         for layer, views in enumerate(self.views):
+            bpc, bs = self._block_shape(layer)
             blocks, positions, whole = groups[self.plan.layer_groups[layer]]
             for part, engine in enumerate(views):
-                src = chunks[:, layer, part].transpose(1, 2).reshape(n * bpc, heads, bs, dim)
+                pages = chunks[:, layer, part].view(n, heads, bpc, bs, dim)
+                src = pages.transpose(1, 2).reshape(n * bpc, heads, bs, dim)
                 engine.index_copy_(0, blocks, src if whole else src.index_select(0, positions))
 
-    def _block_shape(self) -> tuple[int, int, int, int]:
-        """(blocks per chunk, this rank's heads, block size, head dim)."""
-        plan = self.plan
-        return plan.blocks_per_chunk, plan.shard.num_heads, plan.block_size, plan.layout.head_dim
+    def _block_shape(self, layer: int) -> tuple[int, int]:
+        """(kernel blocks per chunk, kernel block size) of `layer`'s group."""
+        group = self.plan.layer_groups[layer]
+        return self.plan.kernel_blocks_per_chunk[group], self.plan.kernel_block_sizes[group]
 
     def _index(self, values: Sequence[int]) -> torch.Tensor:
         """`values` as a long tensor on the device; from pinned memory without waiting, under CUDA."""
