@@ -86,6 +86,8 @@ class P2PTier(BookedTier):
         seconds("transfer_timeout_s", 5.0),
         seconds("reconnect_interval_s", 1.0),
         count("max_connections", 64, 4096),
+        count("max_handshakes", 16, 4096),
+        count("max_handshakes_per_address", 4, 4096),
         seconds("handshake_timeout_s", 5.0),
         seconds("idle_timeout_s", 300.0),
     )
@@ -100,7 +102,10 @@ class P2PTier(BookedTier):
     `lookup_timeout_s` (a silent peer's answer counts as a miss after this), `lookup_ttl_s` (how
     long answers are reused), `connect_timeout_s`, `transfer_timeout_s` (a stalled holder fails its
     keys after this), `reconnect_interval_s` (a failing holder is skipped this long),
-    `max_connections`, `handshake_timeout_s` and `idle_timeout_s` (the serving side's limits)."""
+    `max_connections` (authenticated data connections), `max_handshakes` and
+    `max_handshakes_per_address` (connections still authenticating, in all and from one address),
+    `handshake_timeout_s` (a deadline from accept to authenticated) and `idle_timeout_s` (the
+    serving side's limits; see `row_server`)."""
 
     def __init__(self, ctx: TierContext, **options: Any) -> None:
         super().__init__(ctx)
@@ -143,6 +148,8 @@ class P2PTier(BookedTier):
                 self._zctx, o["listen"], key, self._index, self.ctx.region, self._generations,
                 self.ctx.row_bytes, self._fp, self._instance_id, self._book, self._failures,
                 max_connections=o["max_connections"], handshake_timeout_s=o["handshake_timeout_s"],
+                max_handshakes=o["max_handshakes"],
+                max_handshakes_per_address=o["max_handshakes_per_address"],
                 idle_timeout_s=o["idle_timeout_s"], transfer_timeout_s=o["transfer_timeout_s"],
                 curve=curve, tls=tls,
             )
@@ -208,8 +215,11 @@ class P2PTier(BookedTier):
         return TierUsage(chunks * row_bytes, chunks, self.ctx.num_slots * row_bytes)
 
     def _gauges(self) -> dict[TierGauge, float]:
+        """The peers known, the connections served, and whether the data server is down (its
+        accept thread gone or failing: `P2PServer.healthy`)."""
         return {TierGauge.PEERS: float(len(self._lookup.peers())),
-                TierGauge.SERVING_CONNECTIONS: float(self._server.connections())}
+                TierGauge.SERVING_CONNECTIONS: float(self._server.connections()),
+                TierGauge.SERVER_DOWN: float(not self._server.healthy())}
 
     def endpoints(self) -> dict[str, str]:
         """"control": the ZMQ address peers send lookups to; "data": tcp://HOST:PORT of the data

@@ -45,11 +45,11 @@ class Tls:
     def __repr__(self) -> str:
         return "Tls(***)"
 
-    def wrap_server(self, conn: socket.socket, timeout_s: float) -> ssl.SSLSocket:
-        """The accepted `conn`, TLS handshake done within `timeout_s` (raises ssl.SSLError on a
-        peer without a certificate the CA signed, TimeoutError when it stays silent)."""
-        conn.settimeout(timeout_s)
-        return self.server.wrap_socket(conn, server_side=True)
+    def wrap_server(self, conn: socket.socket) -> ssl.SSLSocket:
+        """The accepted `conn` as a TLS socket whose handshake the caller runs (`do_handshake`,
+        under its own deadline; it raises ssl.SSLError on a peer without a certificate the CA
+        signed)."""
+        return self.server.wrap_socket(conn, server_side=True, do_handshake_on_connect=False)
 
     def wrap_client(self, conn: socket.socket, timeout_s: float) -> ssl.SSLSocket:
         """The connected `conn`, TLS handshake done within `timeout_s` (raises ssl.SSLError on a
