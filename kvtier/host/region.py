@@ -3,9 +3,14 @@
 The owner creates the segment as a file under /dev/shm with a name unique to the process
 (`kvtier-<pid>-<process start time>-<random>`), so two instances on one host never collide. Tier
 processes and TP ranks attach to it by name. The owner removes it on `close()`; a segment left by an
-owner that crashed is found by `remove_stale_regions()` (the pid is gone, or now belongs to a process
-started at another time) and removed on the next start, or at once by the region's reaper
-(`reaper.py`) when the owner asked for one.
+owner that crashed is found by `remove_stale_regions()` and removed on the next start, or at once by
+the region's reaper (`reaper.py`) when the owner asked for one.
+
+A pid says nothing across PID namespaces: containers that share /dev/shm (`--ipc=host`, a pod's
+shared memory) see each other's segments, with names whose pids are another namespace's. So the
+owner holds an exclusive `flock` on its segment for as long as it lives (the kernel drops it when
+the owner dies, however it dies), taken before the segment gets its name; `remove_stale_regions`
+removes a segment only when its name's pid is not that live process *and* it can take that lock.
 
 Pages are touched once at creation, and an attaching process maps them all at once
 (`MAP_POPULATE`), so no copy pays a page fault per page: on an engine thread that fault made stores
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
+import fcntl
 import mmap
 import os
 import re
@@ -43,13 +49,23 @@ def remove_stale_regions(shm_dir: str = SHM_DIR) -> list[str]:
         return removed
     for name in names:
         m = _NAME_RE.match(name)
-        if m is None:
+        if m is None or owner_alive(int(m.group(1)), int(m.group(2))):
             continue
-        if owner_alive(int(m.group(1)), int(m.group(2))):
+        path = os.path.join(shm_dir, name)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK)
+        except OSError:
             continue
-        with contextlib.suppress(FileNotFoundError):
-            os.unlink(os.path.join(shm_dir, name))
-            removed.append(name)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            continue  # its owner holds the lock: alive, in another PID namespace
+        else:
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+                removed.append(name)
+        finally:
+            os.close(fd)
     return removed
 
 
@@ -96,6 +112,8 @@ class HostRegion:
             os.close(fd)
         self.buf = memoryview(self._mmap)
         self._pinner: HostPinner | None = None
+        self._lock_fd: int | None = None
+        """The owner's descriptor of the segment, holding its `flock` while the owner lives."""
 
     @classmethod
     def create(
@@ -120,21 +138,27 @@ class HostRegion:
         pid = os.getpid()
         started = start_time(pid)
         assert started is not None  # this process exists
-        name = f"kvtier-{pid}-{started}-{secrets.token_hex(4)}"
+        token = secrets.token_hex(4)
+        name = f"kvtier-{pid}-{started}-{token}"
         path = os.path.join(shm_dir, name)
-        fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+        unnamed = os.path.join(shm_dir, f".kvtier-new-{pid}-{token}")
+        fd = os.open(unnamed, os.O_RDWR | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW, 0o600)
         try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
             os.ftruncate(fd, size)
+            os.rename(unnamed, path)
         except BaseException:
             os.close(fd)
-            os.unlink(path)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(unnamed)
             raise
-        os.close(fd)
         try:
             region = cls(name, path, size, owner=True)
+            region._lock_fd = fd
             if pretouch:
                 region.pretouch()
         except BaseException:
+            os.close(fd)
             os.unlink(path)
             raise
         if guard:
@@ -200,6 +224,9 @@ class HostRegion:
         if self.owner:
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.path)
+        if self._lock_fd is not None:
+            os.close(self._lock_fd)
+            self._lock_fd = None
 
     def __enter__(self) -> HostRegion:
         return self

@@ -102,3 +102,28 @@ def test_rows_outlive_a_closed_region_without_a_fault() -> None:
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
     assert out.returncode == 0, out.stderr
     assert out.stdout.split() == [str(7 * 253 * 4096)]
+
+
+def test_a_live_region_whose_name_looks_dead_is_kept_until_its_owner_dies() -> None:
+    """Containers sharing /dev/shm see segments named with another PID namespace's pids: a name
+    whose pid is no live process here says nothing. The owner's lock keeps its segment; once the
+    owner is gone (killed, no close), the segment is stale and removed."""
+    owner = subprocess.Popen(
+        [sys.executable, "-c",
+         "import sys; from kvtier.host.region import HostRegion\n"
+         "r = HostRegion.create(8192, pretouch=False); print(r.path, flush=True); sys.stdin.read()"],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )
+    try:
+        assert owner.stdout is not None
+        path = owner.stdout.readline().strip()
+        pid = max(int(p) for p in os.listdir("/proc") if p.isdigit()) + 1000
+        foreign = os.path.join(os.path.dirname(path), f"kvtier-{pid}-12345-{'ab' * 4}")
+        os.rename(path, foreign)  # the same segment, as another namespace's engine names it
+        assert os.path.basename(foreign) not in remove_stale_regions()
+        assert os.path.exists(foreign)
+    finally:
+        owner.kill()
+        owner.wait()
+    assert os.path.basename(foreign) in remove_stale_regions()
+    assert not os.path.exists(foreign)
