@@ -28,6 +28,7 @@ O_NOFOLLOW: int = getattr(os, "O_NOFOLLOW", 0)
 O_NONBLOCK: int = getattr(os, "O_NONBLOCK", 0)
 O_DIRECTORY: int = getattr(os, "O_DIRECTORY", 0)
 O_NOCTTY: int = getattr(os, "O_NOCTTY", 0)
+O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 _OPEN_FLAGS = O_NOFOLLOW | O_NONBLOCK | O_NOCTTY | O_CLOEXEC
 
 
@@ -79,6 +80,9 @@ def open_regular(name: str, flags: int = os.O_RDONLY, dir_fd: int | None = None)
     try:
         fd = os.open(name, flags | _OPEN_FLAGS, dir_fd=dir_fd)
     except OSError as e:
+        if e.errno == errno.EINVAL and flags & O_DIRECT:
+            # O_DIRECT is refused on a FIFO or device: HostileFile when that is what `name` is.
+            os.close(open_regular(name, flags & ~O_DIRECT, dir_fd))
         raise _refused(e, name, "regular file") from None
     try:
         if not stat.S_ISREG(os.fstat(fd).st_mode):
