@@ -13,14 +13,13 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterable
-from pathlib import Path
 
 from kvtier.config import KVTierConfig
 from kvtier.engine.latency import LatencyTracker
 from kvtier.engine.request import Request
 from kvtier.format.chunks import HOST
 from kvtier.manager import TieringManager
-from kvtier.ops.control_server import ControlServer, default_control_dir
+from kvtier.ops.control_server import ControlServer, engine_control_dir
 from kvtier.ops.guard import SLOGuard
 from kvtier.policies.base import AdmitAll
 
@@ -34,7 +33,7 @@ class Operations:
             config.slo_guard, manager, manager.metrics
         )
         self.latency = None if self.guard is None else LatencyTracker(self.guard)
-        directory = Path(config.control_dir) if config.control_dir else default_control_dir()
+        directory = engine_control_dir(config.control_dir)
         self._waiting: dict[str, float] = {}
         """Requests whose lookup answered "ask again", since when (monotonic)."""
         reasons = [p.name for p in manager.admission.policies if p.name != AdmitAll.name]

@@ -18,17 +18,17 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.ops.control_server import default_control_dir, request
+from kvtier.ops.control_server import control_dirs, request
 
 
 class ControlError(KVTierError):
     """No engine to talk to, or the engine refused the request."""
 
 
-def find_socket(directory: Path) -> Path:
-    """The one control socket in `directory` that an engine answers on."""
+def find_socket(directories: list[Path]) -> Path:
+    """The one control socket in `directories` that an engine answers on."""
     live = []
-    for path in sorted(directory.glob("engine-*.sock")):
+    for path in sorted(p for d in directories for p in d.glob("engine-*.sock")):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:
                 probe.connect(str(path))
@@ -36,7 +36,8 @@ def find_socket(directory: Path) -> Path:
                 continue  # left by an engine that did not shut down
         live.append(path)
     if not live:
-        raise ControlError(f"no running kvtier engine has a control socket in {directory}")
+        where = ", ".join(str(d) for d in directories)
+        raise ControlError(f"no running kvtier engine has a control socket in {where}")
     if len(live) > 1:
         names = ", ".join(str(p) for p in live)
         raise ControlError(f"several kvtier engines are running; pick one with --socket: {names}")
@@ -44,7 +45,7 @@ def find_socket(directory: Path) -> Path:
 
 
 def run(args: argparse.Namespace) -> int:
-    path = Path(args.socket) if args.socket else find_socket(Path(args.dir or default_control_dir()))
+    path = Path(args.socket) if args.socket else find_socket([Path(args.dir)] if args.dir else control_dirs())
     message: dict[str, Any] = {"cmd": args.action}
     if args.action in ("disable", "enable"):
         message["tier"] = args.tier

@@ -55,6 +55,35 @@ def default_control_dir() -> Path:
     return Path(tempfile.gettempdir()) / f"kvtier-{os.getuid()}"
 
 
+def engine_control_dir(configured: str | None) -> Path:
+    """Where this engine's control socket goes: `configured` (which must be private: ConfigError
+    otherwise), else the default. Anyone may create the default's path in a shared temp directory
+    before us: when it is not ours, a fresh private directory beside it (`kvtier-<uid>-<random>`,
+    which `control_dirs` lists), named in a warning, so that nobody can keep an engine from
+    starting."""
+    if configured:
+        return private_dir(Path(configured))
+    default = default_control_dir()
+    try:
+        return private_dir(default)
+    except ConfigError as exc:
+        fallback = Path(tempfile.mkdtemp(prefix=f"kvtier-{os.getuid()}-"))
+        log.warning("kvtier: %s; the control socket goes to %s instead", exc, fallback)
+        return fallback
+
+
+def control_dirs() -> list[Path]:
+    """The directories engines of this user put their sockets in by default: the default one and
+    the private fallbacks `engine_control_dir` made beside it."""
+    default = default_control_dir()
+    found = [default]
+    for path in sorted(Path(tempfile.gettempdir()).glob(f"kvtier-{os.getuid()}-*")):
+        info = path.lstat()
+        if stat.S_ISDIR(info.st_mode) and info.st_uid == os.getuid() and not info.st_mode & 0o077:
+            found.append(path)
+    return found
+
+
 def private_dir(path: Path) -> Path:
     """Create `path` 0700 if absent; raise ConfigError when it is not a directory of ours that
     only we may enter."""

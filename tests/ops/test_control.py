@@ -4,6 +4,7 @@ by the owning thread, and `kvtier ctl`'s discovery of the engine."""
 from __future__ import annotations
 
 import stat
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -12,7 +13,13 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.errors import ConfigError
-from kvtier.ops.control_server import ControlServer, private_dir, request
+from kvtier.ops.control_server import (
+    ControlServer,
+    default_control_dir,
+    engine_control_dir,
+    private_dir,
+    request,
+)
 from kvtier.ops.metrics import KVTierMetrics
 
 
@@ -95,3 +102,27 @@ def test_ctl_finds_the_one_live_engine(
     finally:
         other.close()
     assert not other.path.exists()
+
+
+def test_a_squatted_default_directory_does_not_stop_an_engine(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Without XDG_RUNTIME_DIR the default is `<temp>/kvtier-<uid>`, which any local user can
+    create first (here: open to all, as another user's would be to us). The engine starts with a
+    private directory beside it, and `kvtier ctl` finds its socket there."""
+    monkeypatch.delenv("XDG_RUNTIME_DIR", raising=False)
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    squatted = default_control_dir()
+    squatted.mkdir()
+    squatted.chmod(0o777)
+    directory = engine_control_dir(None)
+    assert directory != squatted and directory.parent == tmp_path
+    assert stat.S_IMODE(directory.stat().st_mode) == 0o700
+    with pytest.raises(ConfigError, match="control_dir"):
+        engine_control_dir(str(squatted))  # a directory the operator named is never replaced
+    server = ControlServer(directory, ["fs"], KVTierMetrics(), None)
+    try:
+        assert main(["ctl", "list"]) == 0
+        assert capsys.readouterr().out.splitlines()[0].split()[0] == "tier"
+    finally:
+        server.close()
