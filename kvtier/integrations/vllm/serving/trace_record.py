@@ -12,8 +12,11 @@ by the device prefix cache emits nothing, so a reuse in this trace is a block co
 the device evicted it, the reuse a host tier would have served.
 
 Recording stops at `--duration` seconds, after `--max-events` events, or on SIGINT/SIGTERM; the
-trace is flushed either way. Batches lost by the publisher (sequence gaps) and messages that are
-not KV event batches are counted and printed at the end.
+trace is flushed either way. Batches lost by the publisher (sequence gaps), messages that are not
+vLLM's three frames (topic, 8-byte sequence number, payload) and payloads that are not KV event
+batches are counted, dropped and printed at the end; nothing a publisher sends ends the recording.
+A message over `--max-message-bytes` (ZMQ's MAXMSGSIZE) makes ZMQ drop its sender's connection
+before buffering it (the publisher reconnects).
 """
 
 from __future__ import annotations
@@ -31,6 +34,9 @@ from kvtier.trace.writer import TraceWriter
 
 KEY_MASK = (1 << 64) - 1
 OWN_MEDIA = (None, "GPU")
+MAX_MESSAGE_BYTES = 64 << 20
+"""The default bound on one message from the publisher (ZMQ's MAXMSGSIZE)."""
+SEQ_BYTES = 8
 
 
 def _key(block_hash: bytes | int) -> bytes:
@@ -50,6 +56,8 @@ class Recorder:
         self.writer: TraceWriter | None = None
         self.events = 0
         self.missed = 0
+        self.malformed = 0
+        """Messages not made of a topic, an 8-byte sequence number and a payload."""
         self.undecodable = 0
         self._pending_removals: list[dict[str, Any]] = []
 
@@ -88,6 +96,7 @@ class Recorder:
 def record(endpoint: str, out: Path, *, bind: bool = False, topic: str = "",
            duration_s: float | None = None, max_events: int | None = None,
            bytes_per_token: int | None = None, max_bytes: int = 1 << 30,
+           max_message_bytes: int = MAX_MESSAGE_BYTES,
            stop: threading.Event | None = None, ready: threading.Event | None = None) -> Recorder:
     """Record until the duration or event count is reached or `stop` is set; `ready` is set once
     the socket is subscribed. Returns the recorder (its counts); the trace is closed."""
@@ -98,6 +107,7 @@ def record(endpoint: str, out: Path, *, bind: bool = False, topic: str = "",
     stop = stop or threading.Event()
     ctx = zmq.Context()
     sock = ctx.socket(zmq.SUB)
+    sock.setsockopt(zmq.MAXMSGSIZE, max_message_bytes)
     sock.setsockopt_string(zmq.SUBSCRIBE, topic)
     (sock.bind if bind else sock.connect)(endpoint)
     if ready is not None:
@@ -112,7 +122,11 @@ def record(endpoint: str, out: Path, *, bind: bool = False, topic: str = "",
                 break
             if not sock.poll(100):
                 continue
-            _, seq_bytes, payload = sock.recv_multipart()
+            frames = sock.recv_multipart()
+            if len(frames) != 3 or len(frames[1]) != SEQ_BYTES:
+                recorder.malformed += 1
+                continue
+            _, seq_bytes, payload = frames
             seq = int.from_bytes(seq_bytes, "big")
             if last_seq is not None and seq > last_seq + 1:
                 recorder.missed += seq - last_seq - 1
@@ -144,6 +158,9 @@ def add_parser(sub: Any) -> None:
     r.add_argument("--bytes-per-token", type=int,
                    help="KV bytes per token, written in the header for `kvtier plan`")
     r.add_argument("--max-bytes", type=int, default=1 << 30, help="rotate the trace at this size")
+    r.add_argument("--max-message-bytes", type=int, default=MAX_MESSAGE_BYTES,
+                   help="the largest message taken from the publisher (a larger one drops its "
+                        "connection)")
     r.set_defaults(func=_run)
 
 
@@ -155,10 +172,10 @@ def _run(args: argparse.Namespace) -> int:
     try:
         rec = record(args.zmq, args.out, bind=args.bind, topic=args.topic, duration_s=args.duration,
                      max_events=args.max_events, bytes_per_token=args.bytes_per_token,
-                     max_bytes=args.max_bytes, stop=stop)
+                     max_bytes=args.max_bytes, max_message_bytes=args.max_message_bytes, stop=stop)
     finally:
         for sig, handler in previous.items():
             signal.signal(sig, handler)
     print(f"kvtier trace: recorded {rec.events} events into {args.out}; {rec.missed} batches missed, "
-          f"{rec.undecodable} undecodable", file=sys.stderr)
+          f"{rec.undecodable} undecodable, {rec.malformed} malformed", file=sys.stderr)
     return 0
