@@ -92,6 +92,7 @@ class Planner:
         self._loads: dict[int, LoadCopy] = {}
         self._job_ids = self.manager.job_ids
         self.promotion_wait_s = config.promotion_wait_s
+        self.max_client_priority = config.max_client_priority
         self.sync_loads = sync_loads
         self.states = None if geometry.states is None else StatePlanner(
             geometry.states, geometry.chunk_tokens, self.manager, self.accounting, world_size)
@@ -377,7 +378,8 @@ class Planner:
     def _state(self, request: Request) -> RequestState | None:
         """The request's state, keyed on first sight (None: it cannot be cached)."""
         state = self._requests.get(request.request_id)
-        if state is None and (state := RequestState.of(request, self.hasher)) is not None:
+        cap = self.max_client_priority
+        if state is None and (state := RequestState.of(request, self.hasher, cap)) is not None:
             self.manager.record_request(state.keys)
             if self.events is not None:
                 self.events.remember(request, state.keys)

@@ -91,15 +91,16 @@ class RequestState:
         return [self.keys[i] for i in self.promoted_from if i not in keep]
 
     @classmethod
-    def of(cls, request: Request, hasher: ChunkHasher) -> RequestState | None:
-        """A new request's state, its prompt keyed; None when it cannot be cached (multimodal
-        inputs or prompt embeddings are not hashed yet)."""
+    def of(cls, request: Request, hasher: ChunkHasher, max_priority: int = 100) -> RequestState | None:
+        """A new request's state, its prompt keyed, its retention priority at most `max_priority`
+        (the operator's `max_client_priority`); None when it cannot be cached (multimodal inputs
+        or prompt embeddings are not hashed yet)."""
         if request.prompt_token_ids is None or request.mm_features:
             return None
         lora = request.lora_request.lora_name if request.lora_request else None
         keys = hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
         options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
-        priority = retention_priority(options, request.priority)
+        priority = min(retention_priority(options, request.priority), max_priority)
         return cls(request, keys, lora, options, RequestHits(request.num_prompt_tokens), priority)
 
 
