@@ -10,8 +10,9 @@ hash algorithm seeds it at random per process) never read each other's files. A 
 by write-to-temp then `os.replace`; one whose magic, checksum, key or block size do not match is
 removed and names nothing; so is one that is not a regular file or is over `MAX_FILE_BYTES` (never
 read). Files and directories take the modes the fs tier gave its layout directory (0600/0700, or
-its `shared_group` modes) whatever the umask. The chunk file itself is the fs tier's: a sidecar is
-only ever a hint for events, never read on the data path.
+its `shared_group` modes) whatever the umask; a sidecar directory left more open is tightened
+when the sidecar starts. The chunk file itself is the fs tier's: a sidecar is only ever a hint for
+events, never read on the data path.
 
 Threads: the scheduler thread queues `save`, `drop` and `ask` (never blocking); one daemon thread
 does the file I/O and queues each `ask`'s answer for `take_answers`. I/O errors are logged once per
@@ -33,7 +34,14 @@ import xxhash
 
 from kvtier.engine.events.chunk_blocks import ChunkBlocks
 from kvtier.format.chunks import ChunkKey, TierEventKind
-from kvtier.tiers.fs.safe_files import HostileFile, create_file, make_dirs, modes_of, read_regular
+from kvtier.tiers.fs.safe_files import (
+    HostileFile,
+    create_file,
+    make_dirs,
+    modes_of,
+    read_regular,
+    tighten_like,
+)
 
 log = logging.getLogger("kvtier.vllm.events")
 
@@ -114,6 +122,7 @@ class BlockSidecar:
     # ---- the sidecar's thread ----------------------------------------------------------------
 
     def _run(self) -> None:
+        tighten_like(self.base, self.base.removesuffix(".blocks"))  # left open by an older version
         while True:
             op, key, arg = self._ops.get()
             if op == "stop":

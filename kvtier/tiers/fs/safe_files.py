@@ -164,6 +164,13 @@ def tighten(name: str, mode: int, dir_fd: int | None = None) -> None:
             os.close(fd)
 
 
+def tighten_like(name: str, directory: str) -> None:
+    """`tighten` the directory `name` to the modes a tier chose for `directory` (`modes_of`), when
+    that exists (without it, which modes were chosen is not known yet)."""
+    if os.path.isdir(directory):
+        tighten(name, modes_of(directory).dir)
+
+
 class LayoutDir:
     """The directory `root/name` and its subdirectories, each opened by `open_dir` from its
     parent's fd: `root` is the operator's and trusted (followed when it is a link); nothing below

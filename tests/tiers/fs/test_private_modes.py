@@ -115,3 +115,13 @@ def test_trace_files_are_private_under_umask_0(tmp_path: Path) -> None:
         assert writer.write({"t": 0.0})
         writer.close()  # joins the writer thread: the file is written
     assert writer.written == 1 and stat.S_IMODE(path.stat().st_mode) == 0o600
+
+
+def test_a_sidecar_directory_an_older_version_left_open_is_tightened(tmp_path: Path) -> None:
+    root = tmp_path / "kv"
+    FsTier(make_ctx(ROW, 2), root_dir=str(root)).shutdown()
+    base = root / f"{LAYOUT_FP}.blocks"
+    with umask(0o022):
+        base.mkdir()
+    BlockSidecar(str(root), LAYOUT_FP, 16, lambda: bytes(32)).close()
+    assert stat.S_IMODE(base.stat().st_mode) == 0o700
