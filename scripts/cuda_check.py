@@ -5,23 +5,31 @@
 `python scripts/cuda_check.py --device cpu` rehearses the same checks here, on CPU tensors. Needs
 Python >= 3.10 and torch, nothing else (no vLLM): kvtier is imported from this checkout. Checks:
 
-1. `pin`: the host region (a /dev/shm segment) pins with `cudaHostRegister`, torch sees it pinned;
-2. `queue`: a store (chunks, then a state segment) queued while the compute stream is busy returns
+1. `shm`, up front: the shared-memory directory has room for the host regions the checks hold at
+   once (Docker's default /dev/shm, 64 MiB, does not); else nothing else runs;
+2. `pin`: the host region (a /dev/shm segment) pins with `cudaHostRegister`, torch sees it pinned;
+   `pin time`: seconds per GiB to pin a pre-touched region with the transfer's pinner;
+3. `queue`: a store (chunks, then a state segment) queued while the compute stream is busy returns
    at once, and is reported by `poll` only after the busy work and its copy ran;
-3. `identity`: for each kind, a store writes the rows the CPU path (`CopyPlan` on CPU copies of the
+4. `identity`: for each kind, a store writes the rows the CPU path (`CopyPlan` on CPU copies of the
    tensors) writes, byte for byte, and a load of random rows writes the blocks the CPU path writes
    and no other. Kinds: vLLM 0.32's CUDA layout `[B, H, N, 2D]` in HND, NHD and cross-layer memory
    orders, older vLLM's stacked `[2, B, N, H, D]`, a TP=2 rank's shard, several KV cache groups
    (a load leaving sliding-window blocks out), MLA latents `[B, N, 576]`, fp8 held as uint8, and
    gated delta net and Mamba2 states in vLLM's shapes (whole, and a TP=2 rank's shard), stored and
-   loaded through the same stream transfer as the chunks (`add_states`), on its copy streams;
-4. `bandwidth`: kvtier's stores (D2H) and loads (H2D) against a plain non-blocking `copy_` of the
-   same bytes between the device and a `pin_memory()` buffer; on CUDA a ratio under `--min-ratio`
-   (0.8) fails.
+   loaded through the same stream transfer as the chunks (`add_states`), on its copy streams; and
+   one-block (16-token) chunks stored by both ranks of TP 2 into the same rows;
+5. `kernel`: each kind vLLM may split into kernel blocks (`--kernel-ratio` per block), stored and
+   loaded through the device path, against the CPU path over unsplit tensors of the same tokens;
+6. `no stores`: a load into blocks that the forward pass of an earlier step without stores writes
+   (late, behind busy compute on CUDA) holds the loaded bytes: loads wait for every pass before;
+7. `bandwidth`: kvtier's stores (D2H) and loads (H2D) against a plain non-blocking `copy_` of the
+   same bytes between the device and a `pin_memory()` buffer, for big chunks at TP 1 and one-block
+   chunks at TP 1 and on a TP 2 rank; on CUDA a ratio under `--min-ratio` (0.8) fails.
 
 On the CPU, copies run through the same `StreamTransfer` and `StagedCopy` as on CUDA, with streams
-whose events complete at once; `pin` and `queue` are skipped. Exit status 0 when every check
-passed, 1 otherwise.
+whose events complete at once; `pin`, `pin time` and `queue` are skipped. Exit status 0 when every
+check passed, 1 otherwise.
 """
 
 from __future__ import annotations
@@ -29,102 +37,36 @@ from __future__ import annotations
 import argparse
 import sys
 import time
-from collections.abc import Callable, Sequence
 from functools import partial
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch
-from cuda_check_kinds import KINDS, STATE_KINDS, job, kv_case, random_bytes, state_case
+from cuda_check_kinds import (
+    KERNEL_KINDS,
+    KINDS,
+    STATE_KINDS,
+    copy_tokens,
+    job,
+    kv_case,
+    random_bytes,
+    state_case,
+)
+from cuda_check_speed import (
+    STATE_REGION_BYTES,
+    bandwidth_jobs,
+    check_bandwidth,
+    check_pin_time,
+    check_shm_room,
+)
+from cuda_check_streams import Table, guarded, same, transfer_for, verdict, wait_all
 
+from kvtier.format.layout import TPShard
 from kvtier.host.region import HostRegion
-from kvtier.transfer import make_transfer
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.state_copier import StateCopier
-from kvtier.transfer.stream import CopyEvent, CopyStreams, Direction, StreamTransfer
-
-GIB = 1 << 30
-STATE_REGION_BYTES = 16 << 20
-"""The state checks' host region: a state segment of `cuda_check_kinds.state_case` is about 6 MiB."""
-
-
-class _Done:
-    """An event that completed when it was made (the CPU runs copies as they are queued)."""
-
-    def __init__(self) -> None:
-        self.at = time.perf_counter()
-
-    def query(self) -> bool:
-        return True
-
-    def synchronize(self) -> None:
-        return None
-
-
-class CpuStreams(CopyStreams):
-    """`StreamTransfer`'s streams on the CPU: copies run when queued, events complete at once."""
-
-    def mark_compute(self) -> CopyEvent:
-        return _Done()
-
-    def launch(
-        self, direction: Direction, after: Sequence[CopyEvent], enqueue: Callable[[], None]
-    ) -> tuple[CopyEvent, CopyEvent]:
-        start = _Done()
-        enqueue()
-        return start, _Done()
-
-    def compute_waits(self, event: CopyEvent) -> None:
-        return None
-
-    def seconds(self, start: CopyEvent, end: CopyEvent) -> float:
-        assert isinstance(start, _Done) and isinstance(end, _Done)
-        return end.at - start.at
-
-
-class Table:
-    """The checks' rows, printed as they come; `failed` counts the failures."""
-
-    def __init__(self) -> None:
-        self.failed = 0
-        print(f"{'check':<10} {'kind':<18} {'result':<6} detail")
-
-    def row(self, check: str, kind: str, ok: bool | None, detail: str = "") -> None:
-        result = "skip" if ok is None else "ok" if ok else "FAIL"
-        self.failed += ok is False
-        print(f"{check:<10} {kind:<18} {result:<6} {detail}", flush=True)
-
-
-def transfer_for(plan: CopyPlan, tensors: list[torch.Tensor]) -> StreamTransfer:
-    """The connector worker's transfer on CUDA (`make_transfer`); the same class on the CPU."""
-    if tensors[0].is_cuda:
-        transfer = make_transfer(plan, tensors)
-        if not isinstance(transfer, StreamTransfer):
-            raise TypeError(f"make_transfer gave {type(transfer).__name__} for CUDA tensors")
-        return transfer
-    return StreamTransfer(plan, tensors, CpuStreams())
-
-
-def wait_all(transfer: StreamTransfer, count: int, timeout: float = 60.0) -> tuple[float, list[float], bool]:
-    """Poll until `count` jobs ended: (wall seconds, each job's device seconds, all ok)."""
-    start, ok = time.perf_counter(), True
-    seconds: list[float] = []
-    while len(seconds) < count:
-        if time.perf_counter() - start > timeout:
-            raise TimeoutError(f"{len(seconds)} of {count} copies ended in {timeout} s")
-        for result in transfer.poll():
-            seconds.append(result.seconds)
-            ok = ok and result.ok
-    return time.perf_counter() - start, seconds, ok
-
-
-def same(a: torch.Tensor, b: torch.Tensor) -> bool:
-    return torch.equal(a.cpu().contiguous().view(torch.uint8), b.cpu().contiguous().view(torch.uint8))
-
-
-def verdict(stored: bool, loaded: bool) -> str:
-    return f"store {'ok' if stored else 'DIFFERS'}, load {'ok' if loaded else 'DIFFERS'}"
+from kvtier.transfer.stream import StreamTransfer
 
 
 def check_kind(kind: str, a: argparse.Namespace, region: HostRegion, table: Table) -> None:
@@ -269,77 +211,125 @@ def check_pin_and_queue(a: argparse.Namespace, region: HostRegion, table: Table)
     transfer.close()
 
 
-def plain_copy_seconds(dst: torch.Tensor, src: torch.Tensor, repeat: int = 3) -> float:
-    """Seconds of one `dst.copy_(src, non_blocking=True)`, the best of `repeat` (device time on CUDA)."""
-    best = float("inf")
-    for _ in range(repeat + 1):  # the first one warms up
-        if dst.is_cuda or src.is_cuda:
-            start = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
-            start.record()
-            dst.copy_(src, non_blocking=True)
-            end.record()
-            end.synchronize()
-            seconds = start.elapsed_time(end) / 1000.0
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            seconds = time.perf_counter() - t0
-        best = min(best, seconds)
-    return best
+def check_kernel_blocks(kind: str, a: argparse.Namespace, region: HostRegion, table: Table) -> None:
+    """Store and load one kind split into `--kernel-ratio` kernel blocks per block through the device
+    path; compare with the CPU path over unsplit tensors of the same tokens."""
+    ratio = a.kernel_ratio
+    plan, src = kv_case(kind, a, seed=len(kind), ratio=ratio)
+    twin = argparse.Namespace(**{**vars(a), "block_size": a.block_size * ratio, "device": "cpu"})
+    whole_plan, whole = kv_case(kind, twin, seed=0)
+    copy_tokens(plan, src, whole_plan, whole, to_whole=True)
+    chunks = min(a.identity_chunks, region.size // plan.layout.row_bytes, a.blocks // plan.blocks_per_chunk)
+    store = transfer_for(plan, src)
+    store.attach(region.name, a.shm_dir)
+    assert store.rows is not None
+    rows = store.rows
+    rows.zero_()
+    blocks, slots = job(plan, a.blocks, chunks, seed=1, skip=False)
+    store.forward_done()
+    store.submit_store(1, blocks, slots)
+    _, _, ok_store = wait_all(store, 1)
+    expected = torch.zeros_like(rows)
+    whole_plan.engine_to_host(whole, blocks, expected, slots)
+    stored = ok_store and same(rows, expected)
+
+    rows.copy_(random_bytes(tuple(rows.shape), torch.uint8, torch.Generator().manual_seed(2), "cpu"))
+    dst = [torch.zeros_like(t) for t in src]
+    load = transfer_for(plan, dst)
+    load.attach(region.name, a.shm_dir)
+    blocks, slots = job(plan, a.blocks, chunks, seed=3, skip=True)
+    load.submit_load(2, blocks, slots)
+    _, _, ok_load = wait_all(load, 1)
+    want, got = [torch.zeros_like(t) for t in whole], [torch.zeros_like(t) for t in whole]
+    whole_plan.host_to_engine(want, blocks, rows, slots)
+    copy_tokens(plan, dst, whole_plan, got, to_whole=True)
+    loaded = ok_load and all(same(g, w) for g, w in zip(got, want, strict=True))
+    load.close()
+    store.close()
+    detail = f"blocks of {a.block_size * ratio} tokens as {ratio} of {a.block_size}, {chunks} chunks"
+    table.row("kernel", f"{kind} x{ratio}", stored and loaded, f"{detail}; {verdict(stored, loaded)}")
 
 
-def check_bandwidth(a: argparse.Namespace, table: Table) -> None:
-    """kvtier's store (D2H) and load (H2D) of `--bw-chunks` chunks against a plain pinned copy."""
-    bw = argparse.Namespace(
-        **{**vars(a), "layers": a.bw_layers, "blocks": a.bw_chunks * a.bw_bpc, "bpc": a.bw_bpc}
-    )
-    plan, src = kv_case("flash_nhd", bw, seed=9)
-    nbytes = a.bw_chunks * plan.layout.row_bytes
-    region = HostRegion.create(nbytes, shm_dir=a.shm_dir, key="--bw-chunks", pretouch=False)
-    try:
-        transfer = transfer_for(plan, src)
+def rank_tensors(whole: list[torch.Tensor], shard: TPShard) -> list[torch.Tensor]:
+    """A TP rank's own tensors of its heads of `whole` (vLLM's NHD memory order)."""
+    out = []
+    for kv in whole:
+        b, _, n, c = kv.shape
+        mine = torch.empty(b, n, shard.num_heads, c, dtype=kv.dtype, device=kv.device).transpose(1, 2)
+        out.append(mine.copy_(kv[:, shard.head_start : shard.head_end]))
+    return out
+
+
+def check_tp2_small_chunks(a: argparse.Namespace, region: HostRegion, table: Table) -> None:
+    """One-block chunks at TP 2: both ranks' stores into the same rows write the rows the CPU path
+    writes from all heads; each rank's load writes its heads of the blocks the CPU path writes."""
+    whole_plan, whole = kv_case("flash_nhd", argparse.Namespace(**{**vars(a), "bpc": 1}), seed=11)
+    shards = [TPShard(a.heads, 2, rank) for rank in range(2)]
+    plans = [CopyPlan(whole_plan.layout, whole_plan.engine, s, a.block_size) for s in shards]
+    chunks = min(a.identity_chunks, region.size // whole_plan.layout.row_bytes, a.blocks)
+    blocks, slots = job(whole_plan, a.blocks, chunks, seed=4, skip=False)
+    stores = [transfer_for(p, rank_tensors(whole, s)) for p, s in zip(plans, shards, strict=True)]
+    for transfer in stores:
         transfer.attach(region.name, a.shm_dir)
-        blocks = [list(range(c * a.bw_bpc, (c + 1) * a.bw_bpc)) for c in range(a.bw_chunks)]
-        slots = list(range(a.bw_chunks))
-        best_store = best_load = float("inf")
-        for i in range(3):  # the first round warms up allocators and pinned index buffers
-            transfer.forward_done()
-            transfer.submit_store(10 + i, blocks, slots)
-            _, [store_s], ok_s = wait_all(transfer, 1)
-            transfer.submit_load(20 + i, blocks, slots)
-            _, [load_s], ok_l = wait_all(transfer, 1)
-            if not (ok_s and ok_l):
-                table.row("bandwidth", "flash_nhd", False, "a copy failed")
-                return
-            if i:
-                best_store, best_load = min(best_store, store_s), min(best_load, load_s)
+    rows = stores[0].rows
+    assert rows is not None
+    rows.zero_()
+    ok_store = True
+    for transfer in stores:
+        transfer.forward_done()
+        transfer.submit_store(1, blocks, slots)
+        ok_store = wait_all(transfer, 1)[2] and ok_store
+    expected = torch.zeros_like(rows)
+    whole_plan.engine_to_host([t.cpu() for t in whole], blocks, expected, slots)
+    stored = ok_store and same(rows, expected)
+
+    rows.copy_(random_bytes(tuple(rows.shape), torch.uint8, torch.Generator().manual_seed(5), "cpu"))
+    want = [torch.zeros_like(t, device="cpu") for t in whole]
+    whole_plan.host_to_engine(want, blocks, rows, slots)
+    loaded = True
+    for p, s in zip(plans, shards, strict=True):
+        dst = [torch.zeros_like(t) for t in rank_tensors(whole, s)]
+        load = transfer_for(p, dst)
+        load.attach(region.name, a.shm_dir)
+        load.submit_load(2, blocks, slots)
+        ok = wait_all(load, 1)[2]
+        heads = [w[:, s.head_start : s.head_end] for w in want]
+        loaded = loaded and ok and all(same(d, w) for d, w in zip(dst, heads, strict=True))
+        load.close()
+    for transfer in stores:
         transfer.close()
-        moved = a.bw_chunks * plan.layout.num_layers * plan.layout.page_bytes
-        dev = torch.empty(moved, dtype=torch.uint8, device=a.device)
-        host = torch.empty(moved, dtype=torch.uint8, pin_memory=a.device == "cuda")
-        plain_d2h, plain_h2d = plain_copy_seconds(host, dev), plain_copy_seconds(dev, host)
-    finally:
-        region.close()
-    ratios = (plain_d2h / best_store, plain_h2d / best_load)
-    for what, seconds, ratio in (("store D2H", best_store, ratios[0]), ("load H2D", best_load, ratios[1])):
-        gibs, plain = moved / GIB / seconds, moved / GIB / seconds * (1 / ratio)
-        ok = ratio >= a.min_ratio if a.device == "cuda" else True
-        detail = f"{what}: kvtier {gibs:.1f} GiB/s, plain pinned copy_ {plain:.1f} GiB/s, ratio {ratio:.2f}"
-        table.row(
-            "bandwidth",
-            f"{moved / 2**20:.0f} MiB",
-            ok,
-            detail + ("" if a.device == "cuda" else " (no threshold on CPU)"),
-        )
+    detail = f"{chunks} chunks of {a.block_size} tokens, ranks 0 and 1; {verdict(stored, loaded)}"
+    table.row("identity", f"tp2 {a.block_size}tok", stored and loaded, detail)
 
 
-def guarded(table: Table, check: str, kind: str, run: Callable[[], None]) -> None:
-    """Run one check; an exception is a failed row naming it, and the next check runs."""
-    try:
-        run()
-    except Exception as exc:
-        table.row(check, kind, False, f"raised {exc!r}"[:300])
+def check_step_without_stores(a: argparse.Namespace, region: HostRegion, table: Table) -> None:
+    """Step 1 stores blocks A; step 2 has no stores and its forward pass (behind ~0.5 s of compute on
+    CUDA) writes blocks B; step 3 loads A's row into B. B must hold A's bytes. The transfer is
+    called as the worker's copier calls it: `forward_done` only in a step with stores."""
+    plan, src = kv_case("flash_nhd", a, seed=12)
+    bpc = plan.blocks_per_chunk
+    transfer = transfer_for(plan, src)
+    transfer.attach(region.name, a.shm_dir)
+    stored = [t[:bpc].clone() for t in src]
+    transfer.before_forward()
+    transfer.forward_done()
+    transfer.submit_store(1, [list(range(bpc))], [0])
+    ok_store = wait_all(transfer, 1)[2]
+    transfer.before_forward()  # step 2: its pass writes blocks B, late
+    if src[0].is_cuda:
+        torch.cuda._sleep(1_000_000_000)  # type: ignore[no-untyped-call]
+    for t in src:
+        t[bpc : 2 * bpc].zero_()
+    transfer.before_forward()  # step 3: the load into B
+    transfer.submit_load(2, [list(range(bpc, 2 * bpc))], [0])
+    ok_load = wait_all(transfer, 1)[2]
+    if src[0].is_cuda:
+        torch.cuda.synchronize()
+    held = all(same(t[bpc : 2 * bpc], s) for t, s in zip(src, stored, strict=True))
+    transfer.close()
+    detail = "the loaded blocks hold the stored bytes" if held else "the step's pass overwrote the load"
+    table.row("no stores", "flash_nhd", ok_store and ok_load and held, detail)
+
 
 
 def main() -> int:
@@ -352,23 +342,32 @@ def main() -> int:
     p.add_argument("--bpc", type=int, default=2, help="blocks per chunk of the identity checks")
     p.add_argument("--blocks", type=int, default=64, help="device blocks per layer of the identity checks")
     p.add_argument("--identity-chunks", type=int, default=8)
+    p.add_argument("--kernel-ratio", type=int, default=4, help="kernel blocks per block of the kernel checks")
     p.add_argument("--bw-layers", type=int, help="layers of the bandwidth check (32 on CUDA, 8 on CPU)")
     p.add_argument("--bw-bpc", type=int, default=16, help="blocks per chunk of the bandwidth check")
     p.add_argument(
         "--bw-chunks", type=int, help="chunks of the bandwidth job (16 on CUDA: 512 MiB; 2 on CPU)"
     )
+    p.add_argument("--bw16-chunks", type=int, help="one-block chunks of the TP 1 and TP 2 bandwidth jobs "
+                   "(256 on CUDA: 512 MiB; 4 on CPU)")
+    p.add_argument("--pin-mib", type=int, default=1024, help="the region the pin time check pins (CUDA)")
     p.add_argument("--min-ratio", type=float, default=0.8, help="least kvtier/plain bandwidth on CUDA")
     p.add_argument("--shm-dir", default="/dev/shm", help="where the host regions are created")
     a = p.parse_args()
     cuda = a.device == "cuda"
     a.bw_layers = a.bw_layers or (32 if cuda else 8)
     a.bw_chunks = a.bw_chunks or (16 if cuda else 2)
+    a.bw16_chunks = a.bw16_chunks or (256 if cuda else 4)
     if cuda and not torch.cuda.is_available():
         print("FAIL no CUDA device visible to torch (--device cpu rehearses the checks on the CPU)")
         return 1
     name = torch.cuda.get_device_name() if cuda else "CPU"
     print(f"device {name}, torch {torch.__version__}, python {sys.version.split()[0]}")
     table = Table()
+    if not check_shm_room(a, table):
+        print("1 check(s) failed: nothing else ran")
+        return 1
+    guarded(table, "pin time", "host region", lambda: check_pin_time(a, table))
     region = HostRegion.create(
         a.identity_chunks << 20, shm_dir=a.shm_dir, key="--identity-chunks", pretouch=False
     )
@@ -377,13 +376,18 @@ def main() -> int:
         guarded(table, "pin/queue", "flash_nhd", lambda: check_pin_and_queue(a, region, table))
         for kind in KINDS:
             guarded(table, "identity", kind, partial(check_kind, kind, a, region, table))
+        guarded(table, "identity", "tp2 small chunks", lambda: check_tp2_small_chunks(a, region, table))
+        for kind in KERNEL_KINDS:
+            guarded(table, "kernel", kind, partial(check_kernel_blocks, kind, a, region, table))
+        guarded(table, "no stores", "flash_nhd", lambda: check_step_without_stores(a, region, table))
         guarded(table, "queue", "gdn state", lambda: check_state_queue(a, states, table))
         for kind in STATE_KINDS:
             guarded(table, "identity", kind, partial(check_states, kind, a, states, table))
     finally:
         region.close()
         states.close()
-    guarded(table, "bandwidth", "flash_nhd", lambda: check_bandwidth(a, table))
+    for bw in bandwidth_jobs(a):
+        guarded(table, "bandwidth", bw.label(a), partial(check_bandwidth, bw, a, table))
     print("all checks passed" if not table.failed else f"{table.failed} check(s) failed")
     return 1 if table.failed else 0
 

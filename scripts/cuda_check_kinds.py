@@ -3,9 +3,11 @@
 Attention kinds (`kv_case`): vLLM 0.32's CUDA layer view `[B, H, N, 2D]` in HND, NHD (vLLM's default)
 and cross-layer memory orders, older vLLM's stacked `[2, B, N, H, D]`, a TP=2 rank's heads, a
 full-attention group beside a sliding-window group, MLA latents `[B, N, 576]` (FlashMLA's), fp8
-held as uint8. State kinds (`state_case`): gated delta net and Mamba2 conv and SSM states in vLLM's
-per-block shapes, whole or a TP=2 rank's shard. Random bit patterns: compare bytes, not values.
-Needs torch and kvtier only.
+held as uint8; each also split into kernel blocks (`kv_case(ratio=...)`), as vLLM 0.32's
+`create_kv_cache_views(kernel_block_size=...)` splits a group's blocks for FlashInfer on hybrids,
+FlashMLA or CUTLASS MLA. State kinds (`state_case`): gated delta net and Mamba2 conv and SSM states
+in vLLM's per-block shapes, whole or a TP=2 rank's shard. Random bit patterns: compare bytes, not
+values. Needs torch and kvtier only.
 """
 
 from __future__ import annotations
@@ -30,6 +32,8 @@ KINDS = [
     "mla",
     "fp8",
 ]
+KERNEL_KINDS = ["flash_hnd", "flash_nhd", "tp2_rank1", "sliding_groups", "mla", "fp8"]
+"""The kinds vLLM may split into kernel blocks (a cross-layer order is refused there)."""
 STATE_KINDS = ["gdn", "gdn_tp2_rank1", "mamba2", "mamba2_tp2_rank1"]
 
 
@@ -41,10 +45,15 @@ def random_bytes(
     return raw.view(dtype).view(shape).to(device)
 
 
-def kv_case(kind: str, a: argparse.Namespace, seed: int) -> tuple[CopyPlan, list[torch.Tensor]]:
-    """A kind's plan and per-layer tensors, in vLLM's logical shapes over the kind's memory order."""
+def kv_case(
+    kind: str, a: argparse.Namespace, seed: int, ratio: int = 1
+) -> tuple[CopyPlan, list[torch.Tensor]]:
+    """A kind's plan and per-layer tensors, in vLLM's logical shapes over the kind's memory order;
+    with `ratio`, blocks of `ratio * --block-size` tokens split into `ratio` kernel blocks of
+    `--block-size` (`--blocks` blocks: `ratio * --blocks` kernel blocks)."""
     gen = torch.Generator().manual_seed(seed)
-    b, n, d, layers, heads = a.blocks, a.block_size, a.head_dim, a.layers, a.heads
+    b, n, d, layers, heads = a.blocks * ratio, a.block_size, a.head_dim, a.layers, a.heads
+    chunk, kernel = n * ratio * a.bpc, (n, n) if kind == "sliding_groups" else (n,)
     tp = TPShard(heads, 2, 1) if kind == "tp2_rank1" else TPShard(heads)
     h, dtype = tp.num_heads, torch.bfloat16
     kinds: tuple[str, ...] = ()
@@ -54,10 +63,10 @@ def kv_case(kind: str, a: argparse.Namespace, seed: int) -> tuple[CopyPlan, list
         return random_bytes(shape, of, gen, a.device)
 
     if kind == "mla":  # FlashMLA-style `[B, N, kv_lora_rank + rope]`, one latent row per token
-        layout = CanonicalLayout(layers, 1, 576, n * a.bpc, dtype, latent=True)
+        layout = CanonicalLayout(layers, 1, 576, chunk, dtype, latent=True)
         tensors = [rand(b, n, 576) for _ in range(layers)]
         name = engine_layout_name(tensors[0].device.type, tensors[0].shape, latent=True)
-        return CopyPlan(layout, engine_layout(name), TPShard(1), n), tensors
+        return CopyPlan(layout, engine_layout(name), TPShard(1), n * ratio, kernel_block_sizes=(n,)), tensors
     if kind == "flash_hnd":
         tensors = [rand(b, h, n, 2 * d) for _ in range(layers)]
     elif kind == "flash_cross_layer":
@@ -73,12 +82,28 @@ def kv_case(kind: str, a: argparse.Namespace, seed: int) -> tuple[CopyPlan, list
     if kind == "sliding_groups":  # a full-attention group and a sliding-window group
         groups = tuple(0 if i % 2 == 0 else 1 for i in range(layers))
         kinds = tuple("attention" if g == 0 else "sliding_window:512" for g in groups)
-    layout = CanonicalLayout(layers, heads, d, n * a.bpc, dtype, layer_kinds=kinds)
+    layout = CanonicalLayout(layers, heads, d, chunk, dtype, layer_kinds=kinds)
     if a.device == "cpu":  # the CUDA layouts, as the connector would name them on a GPU
         name = "stacked_kv" if kind == "stacked_kv" else "vllm_flash_attn"
     else:
         name = engine_layout_name(tensors[0].device.type, tensors[0].shape)
-    return CopyPlan(layout, engine_layout(name), tp, n, groups), tensors
+    return CopyPlan(layout, engine_layout(name), tp, n * ratio, groups, kernel_block_sizes=kernel), tensors
+
+
+def copy_tokens(split_plan: CopyPlan, split: list[torch.Tensor], plan: CopyPlan, whole: list[torch.Tensor],
+                to_whole: bool) -> None:
+    """Copy every block's tokens between kernel-block tensors `split` (of `split_plan`) and unsplit
+    `whole` (of `plan`): kernel block `b * r + i` holds tokens `i * k .. i * k + k - 1` of block b."""
+    for layer, (part_kv, whole_kv) in enumerate(zip(split, whole, strict=True)):
+        group = split_plan.layer_groups[layer]
+        r, k = split_plan.ratios[group], split_plan.kernel_block_sizes[group]
+        views = zip(split_plan.engine_views(part_kv, group), plan.engine_views(whole_kv), strict=True)
+        for part, full in views:
+            for i in range(r):
+                if to_whole:
+                    full[:, :, i * k : (i + 1) * k].copy_(part[i::r])
+                else:
+                    part[i::r].copy_(full[:, :, i * k : (i + 1) * k])
 
 
 def job(
