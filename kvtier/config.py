@@ -28,6 +28,7 @@ from kvtier.ops.guard import SLOGuardConfig
 from kvtier.policies.base import AdmissionPolicy, AdmissionSettings, AdmitAll, EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.registry import resolve_admission, resolve_eviction
+from kvtier.tiers.common import fleetkey
 from kvtier.tiers.common.options import HIDDEN, Option
 from kvtier.tiers.registry import check_tier_options, declared_options, resolve_tier
 
@@ -69,6 +70,11 @@ class KVTierConfig:
     its vLLM priority mapped, above it is lowered to it, so API clients cannot rank their chunks
     above what the operator allows. The default, 100, caps nothing."""
     hash_algorithm: str = "sha256"
+    fleet_key_file: str | None = None
+    """A file holding the fleet key (`tiers.common.fleetkey`: private to its owner, at least 32
+    bytes): every chunk a secondary tier stores is MACed with it, and one that fails the MAC is a
+    counted miss. Checked here and read by each tier process; the key itself is never in a config,
+    on a command line or in a message. None: unkeyed checksums."""
     secondary_tiers: tuple[TierConfig, ...] = ()
     secrets_env: str | None = None
     """An environment variable holding secret tier options, `{tier name: {option: value}}` in JSON,
@@ -149,6 +155,7 @@ class KVTierConfig:
             host_min_retention_priority=_priority(raw, "host_min_retention_priority", 0),
             max_client_priority=_priority(raw, "max_client_priority", MAX_PRIORITY),
             hash_algorithm=hash_algorithm,
+            fleet_key_file=_fleet_key_file(raw),
             secondary_tiers=_tiers(raw.get("secondary_tiers", []), secrets),
             secrets_env=secrets_env,
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
@@ -235,6 +242,17 @@ def _optional_string(raw: Mapping[str, Any], key: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise ConfigError(key, value, "must be a non-empty string or absent")
     return value
+
+
+def _fleet_key_file(raw: Mapping[str, Any]) -> str | None:
+    """`fleet_key_file`, made absolute (tier processes may start elsewhere), once its file is
+    checked (read, never kept)."""
+    path = _optional_string(raw, fleetkey.OPTION)
+    if path is None:
+        return None
+    path = os.path.abspath(path)
+    fleetkey.FleetKey.from_file(path)
+    return path
 
 
 def _tiers(value: object, secrets: Mapping[str, Mapping[str, Any]]) -> tuple[TierConfig, ...]:

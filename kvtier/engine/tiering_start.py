@@ -28,7 +28,7 @@ def start_manager(config: KVTierConfig, row_bytes: int, layout_fingerprint: str)
                 options=tier.options, config_key=f"secondary_tiers[{i}]",
                 region_name=region.name, shm_dir=config.shm_dir, row_bytes=row_bytes,
                 num_slots=num_slots, layout_fingerprint=layout_fingerprint,
-                generations_offset=rows.offset)
+                generations_offset=rows.offset, fleet_key_file=config.fleet_key_file)
             proc = TierProcess(spec, job_timeout_s=config.tier_job_timeout_s,
                                restart_backoff_s=config.tier_restart_backoff_s, metrics=metrics)
             proc.launch()

@@ -46,3 +46,6 @@ class ChunkError(enum.Enum):
     LAYOUT = "wrong_layout"
     LENGTH = "wrong_length"
     CHECKSUM = "checksum"
+    MAC = "mac"
+    """The fleet key's MAC does not hold (a chunk written without the key or with another one, or
+    forged), or a chunk MACed with a fleet key reached a reader that has none."""

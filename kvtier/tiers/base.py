@@ -24,6 +24,7 @@ from typing import ClassVar, Literal
 
 from kvtier.format.chunks import ChunkKey, TierEvent
 from kvtier.ops.metrics import TierCounts
+from kvtier.tiers.common.fleetkey import FleetKey
 from kvtier.tiers.common.options import Option
 
 Medium = Literal["CPU", "STORAGE"]
@@ -105,6 +106,9 @@ class TierContext:
     generations: memoryview | None = None
     """The slots' generations (`host.generations`: uint64 per slot, bumped whenever the host tier
     hands the slot out for writing), when the region has them."""
+    fleet_key: FleetKey | None = None
+    """The fleet key every chunk this tier stores is MACed with and every chunk it loads must
+    verify under (`chunkfmt`); None: unkeyed checksums."""
     wakeup: Callable[[], None] = field(default=lambda: None)
     log: logging.Logger = field(default_factory=lambda: logging.getLogger("kvtier.tier"))
 

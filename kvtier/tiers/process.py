@@ -77,6 +77,8 @@ class TierSpec:
     num_slots: int
     layout_fingerprint: str
     generations_offset: int | None = None  # where the slot generations start (`host.generations`)
+    fleet_key_file: str | None = None
+    """The fleet key's file, which the tier process reads (the key itself never leaves it)."""
 
 
 class TierProcess:

@@ -31,6 +31,7 @@ from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import JobKind, SecondaryTier, TierContext
 from kvtier.tiers.codec import MessageError
+from kvtier.tiers.common.fleetkey import FleetKey
 from kvtier.tiers.messages import (
     ErrorReport,
     EventsReport,
@@ -142,6 +143,7 @@ def main() -> None:
     try:
         region = HostRegion.attach(spec["region_name"], shm_dir=spec["shm_dir"])
         gens_at = spec.get("generations_offset")
+        key_file = spec.get("fleet_key_file")
         wake = _Wakeup()
         ctx = TierContext(
             region=region.buf,
@@ -150,6 +152,7 @@ def main() -> None:
             layout_fingerprint=spec["layout_fingerprint"],
             tier_name=spec["tier_name"],
             generations=None if gens_at is None else generations.view(region.buf, gens_at, spec["num_slots"]),
+            fleet_key=None if key_file is None else FleetKey.from_file(key_file),
             wakeup=wake,
             log=logging.getLogger(f"kvtier.tier.{spec['tier_name']}"),
         )

@@ -2,8 +2,9 @@
 
 Client: one boto3 client per tier, shared by all I/O threads (boto3 clients are thread-safe), with
 a connection pool of at least `io_threads` connections. Payload signing and boto3's own request and
-response checksums are off: every object carries the `chunkfmt` xxh3-128 checksum, verified on load,
-so hashing each body again (SHA-256 over plain HTTP, CRC32) would only cost CPU under the GIL.
+response checksums are off: every object carries the `chunkfmt` xxh3-128 checksum (or the fleet
+key's MAC, with one), verified on load, so hashing each body again (SHA-256 over plain HTTP, CRC32)
+would only cost CPU under the GIL.
 Credentials given as options go straight into the client and are kept nowhere else; no message
 built here contains them.
 
@@ -25,6 +26,7 @@ from typing import Any
 from kvtier.errors import ConfigError
 from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.fleetkey import FleetKey
 from kvtier.tiers.common.options import HIDDEN
 
 NOT_FOUND = frozenset({"404", "NoSuchKey", "NotFound"})
@@ -154,10 +156,13 @@ def probe(client: Any, *, endpoint: str | None, bucket: str, layout_prefix: str,
 class ChunkIO:
     """One chunk object's requests. Methods are called from I/O threads; raise botocore errors."""
 
-    def __init__(self, client: Any, bucket: str, layout_fp: bytes, row_bytes: int) -> None:
+    def __init__(self, client: Any, bucket: str, layout_fp: bytes, row_bytes: int,
+                 fleet: FleetKey | None = None) -> None:
         self.client = client
         self.bucket = bucket
         self.layout_fp = layout_fp
+        self.fleet = fleet
+        """The fleet key objects are MACed with and verified under; None: checksums."""
         self.object_bytes = chunkfmt.HEADER_BYTES + row_bytes
         self._local = threading.local()
 
@@ -179,7 +184,7 @@ class ChunkIO:
         buf = self._put_buffer()
         view = memoryview(buf)
         view[chunkfmt.HEADER_BYTES :] = row
-        chunkfmt.pack_header(view, key, self.layout_fp, view[chunkfmt.HEADER_BYTES :])
+        chunkfmt.pack_header(view, key, self.layout_fp, view[chunkfmt.HEADER_BYTES :], self.fleet)
         self.client.put_object(Bucket=self.bucket, Key=name, Body=buf)
 
     def exists(self, name: str) -> bool:
@@ -203,7 +208,7 @@ class ChunkIO:
         try:
             header = self._header_buffer()
             got = _fill(body, header)
-            err, digest = chunkfmt.check_header(header[:got], key, self.layout_fp, len(row))
+            err, digest = chunkfmt.check_header(header[:got], key, self.layout_fp, len(row), self.fleet)
             if err is not None:
                 return err
             if response.get("ContentLength") != self.object_bytes:
@@ -211,7 +216,7 @@ class ChunkIO:
             if _fill(body, row) < len(row) or body.read(1):
                 return ChunkError.SHORT
             complete = True
-            return ChunkError.CHECKSUM if chunkfmt.checksum(row) != digest else None
+            return chunkfmt.check_payload(header, row, digest, self.fleet)
         finally:
             if not complete:
                 body.close()  # unread bytes: drop the connection rather than drain it

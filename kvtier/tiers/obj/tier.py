@@ -105,7 +105,8 @@ class ObjTier(PerKeyTier):
         self.layout_prefix = f"{clean}/{ctx.layout_fingerprint}/" if clean else \
             f"{ctx.layout_fingerprint}/"
         self.negative_ttl_s = float(o["negative_ttl_s"])
-        self._io = ChunkIO(connect(o, self.layout_prefix), self.bucket, self._fp, ctx.row_bytes)
+        self._io = ChunkIO(connect(o, self.layout_prefix), self.bucket, self._fp, ctx.row_bytes,
+                           ctx.fleet_key)
         self._index = ObjIndex(object_bytes, None if max_bytes is None else int(max_bytes),
                                self.negative_ttl_s)
         self._health = ServerHealth(ctx.log, f"obj tier {ctx.tier_name}", self.bucket)

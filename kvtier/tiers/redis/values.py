@@ -5,8 +5,9 @@ A chunk is stored as the `chunkfmt` bytes (4 KiB header + host row) under
 to refresh it, so expiry follows last use). A store sends the header and the host row as separate
 buffers of one hand-framed SET (the row is never copied in Python); a load reads the GET reply's
 payload from the socket straight into the slot (`redis_wire.ReplyReader`), then checks the header
-and checksum before reporting the key loaded. A value that vanished is a miss; one that fails
-verification is counted and removed, unless another instance replaced it meanwhile.
+and checksum (the fleet key's MAC, with `ctx.fleet_key`) before reporting the key loaded. A value
+that vanished is a miss; one that fails verification is counted and removed, unless another
+instance replaced it meanwhile.
 
 Threads: the I/O threads, each with its own connection; outcomes go to the tier's book and, through
 `remember`, to its lookup answers. `held` (any thread) counts the chunks this instance stored or
@@ -64,6 +65,7 @@ class ChunkStore:
         self._link = link
         self._book = book
         self._fp = layout_fp
+        self._fleet = ctx.fleet_key
         self._key_head = f"{key_prefix}:{ctx.layout_fingerprint}:".encode()
         self._px = px
         self._remember = remember
@@ -104,7 +106,7 @@ class ChunkStore:
         for tracker, i in batch:
             row = self.ctx.slot_view(tracker.job.slots[i])
             key = tracker.job.keys[i]
-            header = chunkfmt.header_bytes(key, self._fp, row)
+            header = chunkfmt.header_bytes(key, self._fp, row, self._fleet)
             rkeys.append(self.rkey(key))
             commands.append(set_command(rkeys[-1], header, row, self._px))
         replies = self._link.pipeline(conn, "store", rkeys, commands)
@@ -176,16 +178,16 @@ class ChunkStore:
         if size == self.value_bytes:
             reader.read_into(row)
             reader.end_bulk()
-            err, digest = chunkfmt.check_header(head, key, self._fp, len(row))
-            if err is None and chunkfmt.checksum(row) != digest:
-                err = ChunkError.CHECKSUM
+            err, digest = chunkfmt.check_header(head, key, self._fp, len(row), self._fleet)
+            if err is None:
+                err = chunkfmt.check_payload(head, row, digest, self._fleet)
             if err is None:
                 return True
             sha1.update(row)
         else:
             reader.drain(size - len(head), sha1.update)
             reader.end_bulk()
-            err = chunkfmt.check_header(head, key, self._fp, len(row))[0] or ChunkError.LENGTH
+            err = chunkfmt.check_header(head, key, self._fp, len(row), self._fleet)[0] or ChunkError.LENGTH
         return _Bad(err, sha1.hexdigest())
 
     def delete_bad(self, conn: Any, bad: list[tuple[bytes, str]]) -> None:
