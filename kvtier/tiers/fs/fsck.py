@@ -3,7 +3,8 @@
 Every chunk file is read in full: the header must be a valid `chunkfmt` header, its key must be the
 file name, its layout fingerprint the name of the layout directory, its payload length the layout's
 row size, the fan-out directory the first two hex digits of the name, the file size the header plus
-its payload length, and the payload must match the checksum. A layout's row size is `--row-bytes`
+its payload length, and the payload must match the checksum (the fleet key's MAC with
+`--fleet-key-file`). A layout's row size is `--row-bytes`
 when given, else the payload size most of its chunk files have (by their sizes, none read; a tie
 leaves it unknown and each file is held to its own header). Nothing is allocated by what a header
 claims: a wrong length is refused before the payload is read, and the checksum is computed over
@@ -31,10 +32,10 @@ import time
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-import xxhash
-
+from kvtier.errors import ConfigError
 from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.fleetkey import FleetKey
 from kvtier.tiers.fs.index import (
     CHUNK_NAME_RE,
     FANOUT_DIR_RE,
@@ -86,16 +87,16 @@ class FsckReport:
 
 
 def _verify(path: str, name: str, layout_fp: bytes, row_bytes: int | None,
-            buf: memoryview) -> str | None:
-    """Why the chunk file at `path` is bad, or None when it is good; the payload is read into
-    `buf` piece by piece. Raises FileNotFoundError."""
+            buf: memoryview, fleet: FleetKey | None) -> str | None:
+    """Why the chunk file at `path` is bad (MACed with `fleet` when given), or None when it is
+    good; the payload is read into `buf` piece by piece. Raises FileNotFoundError."""
     try:
         fd = open_regular(path)
     except HostileFile:
         return ChunkError.MAGIC.value
     with open(fd, "rb", buffering=0) as f:
         header = f.read(chunkfmt.HEADER_BYTES)
-        err, digest = chunkfmt.check_header(header, bytes.fromhex(name), layout_fp, row_bytes)
+        err, digest = chunkfmt.check_header(header, bytes.fromhex(name), layout_fp, row_bytes, fleet)
         if err is not None:
             return err.value
         _key, _fp, payload_len = chunkfmt.header_fields(header)
@@ -104,7 +105,7 @@ def _verify(path: str, name: str, layout_fp: bytes, row_bytes: int | None,
             return ChunkError.SHORT.value
         if size > chunkfmt.HEADER_BYTES + payload_len:
             return ChunkError.LENGTH.value
-        hasher = xxhash.xxh3_128()  # streamed `chunkfmt.checksum`
+        hasher = chunkfmt.payload_digest(header, fleet)
         left = payload_len
         while left:
             n = f.readinto(buf[: min(left, len(buf))])
@@ -112,9 +113,8 @@ def _verify(path: str, name: str, layout_fp: bytes, row_bytes: int | None,
                 return ChunkError.SHORT.value
             hasher.update(buf[:n])
             left -= n
-        if hasher.digest() != digest:
-            return ChunkError.CHECKSUM.value
-    return None
+        bad = chunkfmt.check_digest(hasher.digest(), digest, fleet)
+    return None if bad is None else bad.value
 
 
 def layout_row_bytes(path: str) -> int | None:
@@ -141,8 +141,10 @@ def layout_row_bytes(path: str) -> int | None:
 
 
 class _Checker:
-    def __init__(self, report: FsckReport, temp_grace_s: float, row_bytes: int | None) -> None:
+    def __init__(self, report: FsckReport, temp_grace_s: float, row_bytes: int | None,
+                 fleet: FleetKey | None) -> None:
         self.report = report
+        self.fleet = fleet
         self.temp_grace_s = temp_grace_s
         self.row_bytes = row_bytes
         self.layout_rows: int | None = None
@@ -208,7 +210,7 @@ class _Checker:
 
     def chunk(self, path: str, name: str, layout_fp: bytes) -> None:
         try:
-            reason = _verify(path, name, layout_fp, self.layout_rows, self.buf)
+            reason = _verify(path, name, layout_fp, self.layout_rows, self.buf, self.fleet)
             size = os.stat(path).st_size
         except FileNotFoundError:
             return
@@ -221,15 +223,16 @@ class _Checker:
 
 
 def fsck(root: str, repair: bool, *, temp_grace_s: float = 600.0,
-         row_bytes: int | None = None) -> FsckReport:
+         row_bytes: int | None = None, fleet: FleetKey | None = None) -> FsckReport:
     """Check every layout directory under `root`; with `repair`, remove bad files and orphans.
-    `row_bytes` is every layout's row size (None: each layout's is judged from its files).
+    `row_bytes` is every layout's row size (None: each layout's is judged from its files); with
+    `fleet`, chunks must carry its MAC (without, a MACed chunk is bad: `ChunkError.MAC`).
 
     Raises OSError (FileNotFoundError, NotADirectoryError, PermissionError) when `root` itself
     cannot be listed.
     """
     report = FsckReport(root=os.path.abspath(root), repair=repair)
-    checker = _Checker(report, temp_grace_s, row_bytes)
+    checker = _Checker(report, temp_grace_s, row_bytes, fleet)
     for entry in sorted(os.scandir(root), key=lambda e: e.name):
         if LAYOUT_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
             checker.layout_dir(entry.path, bytes.fromhex(entry.name))
@@ -258,14 +261,23 @@ def add_fsck_parser(subparsers: argparse._SubParsersAction[argparse.ArgumentPars
         help="the layout's row size: any other payload length is bad (default: the size most "
         "chunk files of each layout directory have)",
     )
+    p.add_argument(
+        "--fleet-key-file", default=None, metavar="PATH",
+        help="the fleet key file the tier's instances use (fleet_key_file): chunks must carry its "
+        "MAC; without it, a chunk MACed with a key is bad (reason mac)",
+    )
     p.set_defaults(func=run_fsck_command)
 
 
 def run_fsck_command(args: argparse.Namespace) -> int:
     """Run `kvtier fsck` for parsed arguments; returns the exit status."""
     try:
+        fleet = None if args.fleet_key_file is None else FleetKey.from_file(args.fleet_key_file)
         report = fsck(args.dir, args.repair, temp_grace_s=args.temp_grace,
-                      row_bytes=args.row_bytes)
+                      row_bytes=args.row_bytes, fleet=fleet)
+    except ConfigError as e:
+        print(f"kvtier fsck: {e}")
+        return 2
     except OSError as e:
         print(f"kvtier fsck: cannot check {args.dir}: {e.strerror or e}")
         return 2

@@ -21,12 +21,15 @@ import os
 
 from kvtier.format.chunks import ChunkError
 from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.common.fleetkey import FleetKey
 from kvtier.tiers.fs.index import temp_name
-from kvtier.tiers.fs.safe_files import create_file
+from kvtier.tiers.fs.safe_files import HostileFile, create_file, open_regular
 from kvtier.tiers.fs.store_helper import NativeWriter
 
 O_DIRECT: int = getattr(os, "O_DIRECT", 0)
 PAGE = mmap.PAGESIZE
+CHECK_PIECE_BYTES = 1 << 20
+"""`check_file` reads a payload in pieces of at most this size."""
 
 
 def address(buf: memoryview) -> int | None:
@@ -76,12 +79,12 @@ def _advance(bufs: list[memoryview], n: int) -> list[memoryview]:
 
 def write_chunk(
     dir_fd: int, name: str, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview,
-    direct: bool, mode: int, native: NativeWriter | None = None,
+    direct: bool, mode: int, native: NativeWriter | None = None, fleet: FleetKey | None = None,
 ) -> None:
     """Publish `row` as the chunk file `name` of the directory `dir_fd`, with permission bits
-    `mode`, through `native` when given. Raises OSError; FileNotFoundError means the directory is
-    gone."""
-    chunkfmt.pack_header(memoryview(header), key, layout_fp, row)
+    `mode`, through `native` when given, MACed with `fleet` when given. Raises OSError;
+    FileNotFoundError means the directory is gone."""
+    chunkfmt.pack_header(memoryview(header), key, layout_fp, row, fleet)
     tmp = temp_name(name)
     if native is not None:
         native.write_chunk(dir_fd, tmp, name, memoryview(header), row, direct, mode)
@@ -107,10 +110,12 @@ def write_chunk(
 
 
 def read_chunk(
-    fd: int, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview
+    fd: int, header: mmap.mmap, key: bytes, layout_fp: bytes, row: memoryview,
+    fleet: FleetKey | None = None,
 ) -> ChunkError | None:
-    """Fill `row` from the open chunk file `fd`; None when the file is a valid chunk of `key`,
-    else why not (the row then holds garbage). Raises OSError for I/O errors."""
+    """Fill `row` from the open chunk file `fd`; None when the file is a valid chunk of `key`
+    (MACed with `fleet` when given), else why not (the row then holds garbage). Raises OSError
+    for I/O errors."""
     hview = memoryview(header)
     bufs = [hview, row]
     got = 0
@@ -122,13 +127,43 @@ def read_chunk(
         bufs = _advance(bufs, n)
     if got < chunkfmt.HEADER_BYTES:
         return ChunkError.SHORT
-    err, digest = chunkfmt.check_header(hview, key, layout_fp, len(row))
+    err, digest = chunkfmt.check_header(hview, key, layout_fp, len(row), fleet)
     if err is not None:
         return err
     if bufs:
         return ChunkError.SHORT
     if os.fstat(fd).st_size != chunkfmt.HEADER_BYTES + len(row):
         return ChunkError.LENGTH
-    if chunkfmt.checksum(row) != digest:
-        return ChunkError.CHECKSUM
-    return None
+    return chunkfmt.check_payload(hview, row, digest, fleet)
+
+
+def check_file(
+    dir_fd: int, name: str, header: mmap.mmap, key: bytes, layout_fp: bytes, row_bytes: int,
+    fleet: FleetKey | None,
+) -> ChunkError | None:
+    """Verify the chunk file `name` of `dir_fd` without a row to read it into (its payload is
+    streamed through the digest in pieces); None when it is a valid chunk of `key`, else why not.
+    Raises FileNotFoundError when it is gone, OSError for I/O errors."""
+    try:
+        fd = open_regular(name, os.O_RDONLY, dir_fd)
+    except HostileFile:
+        return ChunkError.MAGIC
+    with open(fd, "rb", buffering=0) as f:
+        hview = memoryview(header)
+        if f.readinto(hview) != chunkfmt.HEADER_BYTES:
+            return ChunkError.SHORT
+        err, expected = chunkfmt.check_header(hview, key, layout_fp, row_bytes, fleet)
+        if err is not None:
+            return err
+        if os.fstat(fd).st_size != chunkfmt.HEADER_BYTES + row_bytes:
+            return ChunkError.LENGTH
+        digest = chunkfmt.payload_digest(hview, fleet)
+        piece = memoryview(bytearray(min(row_bytes, CHECK_PIECE_BYTES)))
+        left = row_bytes
+        while left:
+            n = f.readinto(piece[: min(left, len(piece))])
+            if not n:
+                return ChunkError.SHORT
+            digest.update(piece[:n])
+            left -= n
+        return chunkfmt.check_digest(digest.digest(), expected, fleet)

@@ -69,6 +69,7 @@ from kvtier.tiers.fs.io import (
     O_DIRECT,
     PAGE,
     address,
+    check_file,
     new_header_buffer,
     probe_direct_io,
     read_chunk,
@@ -236,11 +237,18 @@ class FsTier(PerKeyTier):
 
     def _store_in(self, dir_fd: int, name: str, key: ChunkKey, slot: int) -> bool:
         """Store `key` as `name` in the fan-out directory `dir_fd`; a regular file already there is
-        kept (its mtime refreshed), anything else at the name is replaced. Raises OSError."""
+        kept (its mtime refreshed), unless with a fleet key it fails verification (counted), and
+        anything else at the name is replaced. Raises OSError."""
         try:
             present = stat.S_ISREG(os.stat(name, dir_fd=dir_fd, follow_symlinks=False).st_mode)
         except FileNotFoundError:
             present = False
+        if present and self.ctx.fleet_key is not None:  # with a key, a planted file is replaced
+            bad = check_file(dir_fd, name, self._header_buf(), key, self._fp, self.ctx.row_bytes,
+                             self.ctx.fleet_key)
+            if bad is not None:
+                self._bad(bad, f"replacing bad chunk file {self._path(name)}")
+                present = False
         if present:
             os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
             if self._index.add(key, self.file_bytes, time.time()):
@@ -253,7 +261,7 @@ class FsTier(PerKeyTier):
             return False
         try:
             write_chunk(dir_fd, name, self._header_buf(), key, self._fp, self.ctx.slot_view(slot),
-                        self.direct_io, self.modes.file, self._native)
+                        self.direct_io, self.modes.file, self._native, self.ctx.fleet_key)
         finally:
             self._index.release(self.file_bytes)
         if self._index.add(key, self.file_bytes, time.time()):
@@ -311,7 +319,8 @@ class FsTier(PerKeyTier):
             self._forget(key)
             return None
         try:
-            bad = read_chunk(fd, self._header_buf(), key, self._fp, self.ctx.slot_view(slot))
+            bad = read_chunk(fd, self._header_buf(), key, self._fp, self.ctx.slot_view(slot),
+                             self.ctx.fleet_key)
             if bad is not None:
                 self._drop_bad(dir_fd, name, fd, key, bad)
                 return None
