@@ -16,6 +16,7 @@ from kvtier.config import KVTierConfig, redact, split_secrets
 from kvtier.errors import ConfigError
 from kvtier.integrations.vllm.serving import serve
 from kvtier.tiers.common.options import HIDDEN
+from tests.integrations.conftest import require_vllm
 
 SECRETS = ("S3-sEcReT-kEy", "sEsSiOn-ToKeN", "rEdIs-PaSsWoRd", "p2p-sHaReD-sEcReT-0123", "CuRvE-kEy")
 TIERS: list[dict[str, Any]] = [
@@ -63,7 +64,11 @@ def test_the_child_argv_holds_no_secret_and_its_connector_gets_them_back(
     assert_no_secret(" ".join(argv) + capsys.readouterr().out)
     child_extra = json.loads(argv[argv.index("--kv-transfer-config") + 1])["kv_connector_extra_config"]
     assert child_extra["secrets_env"] == serve.SECRETS_VAR
-    parsed = KVTierConfig.from_dict(child_extra, environ=env)
+    require_vllm()
+    from kvtier.integrations.vllm.connector import read_config
+
+    monkeypatch.setenv(serve.SECRETS_VAR, env[serve.SECRETS_VAR])  # what the child inherits
+    parsed = read_config(child_extra, 32, announce=False)  # as the connector reads its config
     assert [t.options for t in parsed.secondary_tiers] == [
         {k: v for k, v in t.items() if k != "type"} for t in TIERS]
 
