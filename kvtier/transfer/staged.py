@@ -31,13 +31,18 @@ reused only by later work of that stream.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+from collections.abc import Callable, Sequence
 
 import torch
 
 from kvtier.transfer.copy_plan import CopyPlan
 
 DEFAULT_STAGING_BYTES = 64 << 20
+
+
+def _nothing() -> None:
+    """No copies left for after a store's fence."""
 
 Run = tuple[int, int, int]  # (host byte offset, staging byte offset, length)
 Pairs = list[list[tuple[int, int, int]]]  # per group: (chunk index, block in chunk, engine block)
@@ -88,17 +93,32 @@ class StagedCopy:
                     staged += self.run_bytes
         return runs
 
-    def store(self, rows: torch.Tensor, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
+    def store(
+        self, rows: torch.Tensor, block_ids: Sequence[Sequence[int]], slots: Sequence[int]
+    ) -> Callable[[], None]:
         """Queue the copy of chunk i (blocks `block_ids[i]`, group by group) into host row
-        `slots[i]`; a rank that does not write (a non-first replica of its heads) copies nothing."""
+        `slots[i]`, all but the last batch's host copies, which the returned callable queues.
+
+        Once what this queued has run, every engine block of the job was read (the store's fence:
+        later passes may write them); with several batches the host copies of the earlier ones
+        come before the last gather, so the fence also waits for them. A rank that does not write
+        (a non-first replica of its heads) copies nothing."""
         pairs = self.plan.pairs(self.layer_tensors, block_ids, rows, slots, to_host=True)
+        put: Callable[[], None] = _nothing
         if not self.plan.shard.writes:
-            return
+            return put
         host = rows.view(-1)
         for first, count in self._batches(len(slots)):
+            put()
             staging = self._gather(self._batch(pairs, first, count), count)
-            for h, s, n in self.runs(slots[first : first + count]):
-                host[h : h + n].copy_(staging[s : s + n], non_blocking=True)
+            put = functools.partial(self._put, host, staging, self.runs(slots[first : first + count]))
+        return put
+
+    @staticmethod
+    def _put(host: torch.Tensor, staging: torch.Tensor, runs: list[Run]) -> None:
+        """Queue the copies of `staging`'s runs into the rows (`host`, flat)."""
+        for h, s, n in runs:
+            host[h : h + n].copy_(staging[s : s + n], non_blocking=True)
 
     def load(self, rows: torch.Tensor, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
         """Queue the copy of host row `slots[i]` into blocks `block_ids[i]` (group by group; a

@@ -14,7 +14,9 @@ Hazards, and what orders them (the compute stream is the one vLLM runs the forwa
 1. A store must read its blocks after the forward pass that wrote them: `forward_done`, called by
    `wait_for_save` once the pass was launched, records an event on the compute stream, and the
    store stream waits on it before the store's copies.
-2. A stored block must not be overwritten before its copy has read it. kvtier's scheduler half
+2. A stored block must not be overwritten before its copy has read it (only that: once a store
+   has gathered its blocks into staging on the device, its copy to the host goes on beside the
+   next pass; the store's fence is that point). kvtier's scheduler half
    acknowledges a store a step or more after it was planned, and vLLM frees a request's blocks as
    soon as it finishes or is preempted (a state block holds its boundary state only until the end
    of the step), so a later forward pass may write a block whose store is still running. kvtier
@@ -66,8 +68,10 @@ from kvtier.transfer.staged import DEFAULT_STAGING_BYTES, StagedCopy
 
 log = logging.getLogger("kvtier.transfer")
 
-Copy = Callable[[torch.Tensor], None]
-"""A job's copies, given the host rows: queued on the current stream when called."""
+Copy = Callable[[torch.Tensor], "Callable[[], None] | None"]
+"""A job's copies, given the host rows: queued on the current stream when called. A store may
+return the copies it left for after its fence (`StagedCopy.store`): the engine blocks are read
+once what it queued has run."""
 
 
 class Direction(Enum):
@@ -198,14 +202,15 @@ class StreamTransfer(Transfer):
         self._load(job_id, "state load", 1, copy)
 
     def _store(self, job_id: int, what: str, chunks: int, copy: Copy | None) -> None:
-        """Hazards 1 and 2: after the forward pass that wrote the blocks; before the next one."""
+        """Hazards 1 and 2: after the forward pass that wrote the blocks; the next pass (and a
+        load into its blocks) only after the store's fence, once its blocks were read."""
         after = [self._forward] if self._forward is not None else []
-        end = self._launch(job_id, Direction.STORE, what, chunks, after, copy)
-        if end is None:
+        fence = self._launch(job_id, Direction.STORE, what, chunks, after, copy)
+        if fence is None:
             return
-        self._last_store = end
+        self._last_store = fence
         if not self.ordered_before_forward:
-            self.streams.compute_waits(end)
+            self.streams.compute_waits(fence)
 
     def _load(self, job_id: int, what: str, chunks: int, copy: Copy | None) -> None:
         """Hazard 4: after everything queued on the compute stream now, and the running stores."""
@@ -225,8 +230,12 @@ class StreamTransfer(Transfer):
         after: Sequence[CopyEvent],
         copy: Copy | None,
     ) -> CopyEvent | None:
-        """Queue the job's copies (`copy`, given the host rows); its end event, or None when nothing
-        could be queued (no region attached, no state copier, or the stream refused)."""
+        """Queue the job's copies (`copy`, given the host rows); its fence, or None when nothing
+        could be queued (no region attached, no state copier, or the stream refused).
+
+        A store is two launches on its stream: what `copy` queues (up to the fence: the engine
+        blocks read), then what it left for after it (the last host copies); its fence is the
+        first launch's end. A load is one launch, its fence its end."""
         rows = self._rows
         if rows is None or copy is None:
             cause = "before the host region was attached" if rows is None else "without state tensors"
@@ -234,21 +243,38 @@ class StreamTransfer(Transfer):
             self._ended.append(CopyResult(job_id, False, 0.0))
             return None
         errors: list[Exception] = []
+        rest: list[Callable[[], None]] = []
 
         def enqueue() -> None:
             try:
-                copy(rows)
+                after_fence = copy(rows)
+            except Exception as exc:
+                errors.append(exc)
+            else:
+                if after_fence is not None:
+                    rest.append(after_fence)
+
+        def enqueue_rest() -> None:
+            try:
+                for queue_copies in rest:
+                    queue_copies()
             except Exception as exc:
                 errors.append(exc)
 
         try:
-            start, end = self.streams.launch(direction, after, enqueue)
+            start, fence = self.streams.launch(direction, after, enqueue)
         except Exception:
             log.exception("kvtier could not queue the %s of %d chunk(s)", what, chunks)
             self._ended.append(CopyResult(job_id, False, 0.0))
             return None
+        end = fence
+        if direction is Direction.STORE:
+            try:
+                end = self.streams.launch(direction, (), enqueue_rest)[1]
+            except Exception as exc:  # reported failed once what was queued has run
+                errors.append(exc)
         self._running.append(_Running(job_id, direction, what, chunks, start, end, errors))
-        return end
+        return fence
 
     def poll(self) -> list[CopyResult]:
         """The jobs that ended, each stream's in the order they were queued: a job still running

@@ -70,7 +70,7 @@ def test_fp8_pages_cross_the_staged_copy_as_bytes() -> None:
     kv[0].view(-1)[:256] = torch.arange(256, dtype=torch.uint8)
     staged = StagedCopy(plan, kv)
     rows, expected = (torch.zeros(3, layout.row_bytes, dtype=torch.uint8) for _ in range(2))
-    staged.store(rows, [[1], [4]], [0, 2])
+    staged.store(rows, [[1], [4]], [0, 2])()
     plan.engine_to_host(kv, [[1], [4]], expected, [0, 2])
     assert torch.equal(rows, expected)
     back = [torch.zeros_like(t) for t in kv]

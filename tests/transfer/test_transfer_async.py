@@ -38,7 +38,7 @@ class FakeEvent:
 
     def __init__(self, name: str, before: FakeEvent | None = None) -> None:
         self.name = name
-        self.before = before  # completes with this one (queued earlier on the same stream)
+        self.before = before  # completes with this one (queued just before it on the same stream)
         self.done = False
         self.syncs = 0
 
@@ -47,9 +47,10 @@ class FakeEvent:
 
     def synchronize(self) -> None:
         self.syncs += 1
-        self.done = True
-        if self.before is not None:
-            self.before.done = True
+        event: FakeEvent | None = self
+        while event is not None:  # and everything queued before it on its stream
+            event.done = True
+            event = event.before
 
     def __repr__(self) -> str:
         return f"FakeEvent({self.name}, done={self.done})"
@@ -89,7 +90,8 @@ class ScriptedStreams(CopyStreams):
     ) -> tuple[CopyEvent, CopyEvent]:
         if self.refuse_launch:
             raise RuntimeError("CUDA error: an illegal memory access was encountered")
-        start = self._event(f"{direction.value}-start")
+        last = next((la.end for la in reversed(self.launches) if la.direction is direction), None)
+        start = self._event(f"{direction.value}-start", before=last)
         end = self._event(f"{direction.value}-end", before=start)
         enqueue()
         self.launches.append(Launch(direction, list(after), start, end))
@@ -172,14 +174,16 @@ def test_a_store_is_reported_only_once_its_copy_ended(region: HostRegion) -> Non
     caches = kv_caches(16)
     worker = async_worker(streams, caches=caches)
     worker.save(meta(region, stores=(ChunkCopy(1, "r1", KEYS, ((2,), (5,)), (0, 3)),)))
-    [launch] = streams.launches
-    assert launch.direction is Direction.STORE
-    assert launch.after == streams.compute_marks and len(streams.compute_marks) == 1
+    fence, rest = streams.launches  # up to the blocks read, then the last host copies
+    assert fence.direction is rest.direction is Direction.STORE
+    assert fence.after == streams.compute_marks and len(streams.compute_marks) == 1
+    assert rest.after == []
     for _ in range(2):
         assert worker.take_finished_loads() == set()
         assert worker.take_report() is None
+        streams.complete(fence)
     assert worker.copies_running == 1
-    streams.complete(launch)
+    streams.complete(rest)
     meta_out = worker.take_report()
     assert meta_out is not None and meta_out.stores == {1: (1, True)} and meta_out.seconds == {1: 0.25}
     assert worker.take_report() is None and worker.copies_running == 0
@@ -218,7 +222,7 @@ def test_a_copy_that_raises_fails_its_job_after_its_event(region: HostRegion) ->
     bad_store = ChunkCopy(2, "r2", KEYS, ((3,), (4,)), (1, 1))  # one slot twice
     worker.start_load(meta(region, loads=(bad_load,)))
     worker.save(meta(region, stores=(bad_store,)))
-    assert len(streams.launches) == 2
+    assert len(streams.launches) == 3  # a load, a store's two launches
     assert worker.take_finished_loads() == set() and worker.take_load_errors() == set()
     streams.complete_all()
     assert worker.take_finished_loads() == {"r1"}
@@ -266,16 +270,16 @@ def test_stores_wait_for_the_forward_pass_and_the_next_pass_waits_for_them(regio
     worker = async_worker(streams)
     # The connector does not forward vLLM's pre-forward hook: the compute stream waits at once.
     worker.save(meta(region, stores=(ChunkCopy(1, "r", KEYS, ((1,), (2,)), (0, 1)),)))
-    store = streams.launches[-1]
+    store = streams.launches[-2]  # the pass waits for the store's fence, not its host copies
     assert store.after == [streams.compute_marks[-1]]
-    assert streams.compute_waited == [store.end]
+    assert streams.compute_waited == [store.end] and store.end is not streams.launches[-1].end
 
     streams.complete_all()
     streams.compute_waited.clear()
     worker.before_forward()  # from now on the wait moves before the next forward pass
     assert streams.compute_waited == []  # the last store already ended
     worker.save(meta(region, stores=(ChunkCopy(2, "r", KEYS, ((3,), (4,)), (2, 3)),)))
-    store = streams.launches[-1]
+    store = streams.launches[-2]
     assert streams.compute_waited == []
     worker.before_forward()
     assert streams.compute_waited == [store.end]
@@ -295,7 +299,7 @@ def test_loads_wait_for_everything_on_the_compute_stream_and_running_stores(regi
     worker.start_load(meta(region, loads=(ChunkCopy(1, "a", KEYS, ((1,), (2,)), (0, 1)),)))
     assert streams.launches[-1].after == [streams.compute_marks[-1]]
     worker.save(meta(region, stores=(ChunkCopy(2, "b", KEYS, ((3,), (4,)), (2, 3)),)))
-    store = streams.launches[-1]
+    store = streams.launches[-2]  # its fence: the blocks read
     worker.before_forward()
     worker.start_load(meta(region, loads=(ChunkCopy(3, "c", KEYS, ((5,), (6,)), (4, 5)),)))
     assert streams.launches[-1].after == [streams.compute_marks[-1], store.end]
@@ -326,7 +330,7 @@ def test_close_waits_for_running_copies_then_unpins(region: HostRegion) -> None:
     transfer.submit_load(2, [[2]], [1])
     assert transfer.poll() == [] and transfer.running == 2 and streams.syncs == 0
     transfer.close()
-    assert [launch.end.syncs for launch in streams.launches] == [1, 1]
+    assert [launch.end.syncs for launch in streams.launches] == [0, 1, 1]  # a store's two, a load
     assert pinner.unregistered == [address]
     assert sorted((r.job_id, r.ok) for r in transfer.poll()) == [(1, True), (2, True)]
     transfer.close()

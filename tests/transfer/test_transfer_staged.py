@@ -33,7 +33,7 @@ def test_staged_copies_write_and_read_what_copy_plan_does(
     _, expected = make_rows(layout, NUM_SLOTS)
     plan.engine_to_host(src, blocks, expected, slots)
     _, rows = make_rows(layout, NUM_SLOTS)
-    StagedCopy(plan, src, staging_bytes).store(rows, blocks, slots)
+    StagedCopy(plan, src, staging_bytes).store(rows, blocks, slots)()
     assert same(rows, expected)
     if not shard.writes:
         assert not rows.any()
@@ -103,3 +103,25 @@ def test_bad_jobs_raise_before_any_copy() -> None:
     assert all(same(a, b) for a, b in zip(src, before, strict=True))
     with pytest.raises(ValueError, match="layer tensors"):
         StagedCopy(staged.plan, src[:1])
+
+
+def test_a_store_reads_every_block_before_its_fence() -> None:
+    """What `store` queues reads every engine block of the job (the fence: the next pass may then
+    write them); the host copies of the last batch come only from the callable it returns. A
+    block overwritten after the fence still reaches the rows as it was read."""
+    layout = CanonicalLayout(LAYERS, HEADS, HEAD_DIM, BLOCK, torch.bfloat16)
+    _, src = layer_tensors("vllm_cpu", HEADS, torch.Generator().manual_seed(3))
+    plan = CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(HEADS), BLOCK)
+    blocks, slots = [[1], [5], [6]], [0, 2, 3]
+    _, expected = make_rows(layout, NUM_SLOTS)
+    plan.engine_to_host(src, blocks, expected, slots)
+    chunk = 2 * LAYERS * HEADS * BLOCK * HEAD_DIM * 2
+    for staging_bytes, written_before in ((3 * chunk, []), (2 * chunk, [0, 2])):
+        _, rows = make_rows(layout, NUM_SLOTS)
+        engine = [t.clone() for t in src]
+        rest = StagedCopy(plan, engine, staging_bytes).store(rows, blocks, slots)
+        assert [s for s in slots if rows[s].any()] == written_before  # earlier batches only
+        for t in engine:
+            t.zero_()  # the next pass writes the blocks once the fence is passed
+        rest()
+        assert same(rows, expected)
