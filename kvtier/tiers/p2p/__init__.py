@@ -53,8 +53,8 @@ Threads (all in the tier process): the dispatch thread only queues work; `io_thr
 plus one store thread (two `IoPool`s); one lookup thread (owns the DEALER sockets); one control
 thread (owns the ROUTER); one ZAP thread with CURVE; one accept thread (which also ends handshakes
 past their deadline) and one thread per served connection (`max_handshakes` authenticating,
-`max_connections` authenticated: `row_server`); one discovery thread when configured. Failures are values: a key
-that could not be loaded fails its job; no exception crosses the tier contract.
+`max_connections` authenticated: `row_server`); one discovery thread when configured. Failures
+are values: a key that could not be loaded fails its job; no exception crosses the tier contract.
 """
 
 from kvtier.tiers.p2p.tier import P2PTier

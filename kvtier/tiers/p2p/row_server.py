@@ -14,7 +14,7 @@ in all (a new one ends the oldest of the address holding the most), so idle unau
 take neither the slots of peers nor a peer's own handshake; at most `max_connections` authenticated
 ones serve requests until the peer closes, idles for `idle_timeout_s`, or breaks the protocol.
 The accept thread runs until `close()`: a failed accept (EMFILE, ENFILE or any error) is logged once
-per cause and retried after a back-off (10 ms doubling to 1 s), one its peer aborted at once.
+per cause and retried after a back-off (10 ms doubling to 200 ms), one its peer aborted at once.
 `healthy()` is False while the thread is gone or accepting has failed for DOWN_AFTER_S: the tier
 reports its server down, and lookups are answered as holding nothing.
 
@@ -59,7 +59,7 @@ from kvtier.tiers.p2p.tls import Tls
 POLL_MS = 200
 DOWN_AFTER_S = 1.0
 """How long accepting may fail without a success before the data server is taken as down."""
-BACKOFF_S = (0.01, 1.0)  # the first and the longest wait after a failed accept
+BACKOFF_S = (0.01, POLL_MS / 1000)  # the first and longest wait after a failed accept
 PEER_ABORTED = (errno.ECONNABORTED, errno.EPROTO, errno.EINTR)  # retried at once
 
 
@@ -276,12 +276,13 @@ class P2PServer:
             # handshake was ended: refused
             if not authenticated and (handshake.ended or time.monotonic() >= handshake.deadline):
                 self._refused(f"closed a data connection: {handshake.ended or 'handshake timed out'}")
-        finally:
+        finally:  # the TLS socket too when its handshake failed (`conn` is then the plain one)
             with self._lock:
                 self._handshakes.discard(handshake)
                 self._authenticated -= authenticated
-                self._conns.discard(conn)
+                self._conns.difference_update((conn, handshake.sock))
             conn.close()
+            handshake.sock.close()
 
     def _authenticate(self, handshake: _Handshake) -> bool:
         """Move a connection whose handshake passed to the authenticated ones: False when

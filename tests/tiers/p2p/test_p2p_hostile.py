@@ -18,9 +18,11 @@ import pytest
 from kvtier.ops.metrics import TierCounter, TierGauge
 from kvtier.tiers.base import Job, JobKind, LookupResult
 from kvtier.tiers.p2p import protocol
+from kvtier.tiers.p2p.tls import Tls
 from kvtier.tiers.process import TierProcess
 from tests.conftest import fill_slot, random_key, settle_lookup, wait_jobs, wait_until
 from tests.tiers.p2p.helpers import address, ctx_of, data_address, store
+from tests.tiers.p2p.test_p2p_tls import _ca, _signed
 from tests.tiers.process_helpers import reported_counts
 
 
@@ -118,6 +120,25 @@ def test_a_handshake_dripped_a_byte_at_a_time_ends_at_its_deadline(make_peer) ->
     with socket.create_connection(data_address(holder), timeout=5) as sock:
         assert len(protocol.recv_bytes(sock, protocol._HELLO.size)) == protocol._HELLO.size
         sent = drip_until_closed(sock, protocol._CLIENT_AUTH.size - 1, every_s=0.1)  # never whole
+    assert sent is not None and sent < 20, f"drips of 0.1 s before the server closed: {sent}"
+    wait_until(lambda: reported_counts(holder)[TierCounter.AUTH_REFUSED] >= 1, "the refusal counted")
+
+
+@pytest.fixture(scope="module")
+def fleet_cert(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
+    """A peer's TLS options: its certificate and key, signed by the fleet's CA, and that CA."""
+    d = tmp_path_factory.mktemp("certs")
+    _ca(d, "fleet")
+    return _signed(d, "fleet", "a")
+
+
+def test_a_handshake_dripped_inside_tls_ends_at_its_deadline(make_peer, fleet_cert) -> None:
+    """A client with the fleet's certificate passes TLS, then drips kvtier's own handshake."""
+    holder, _ = make_peer(handshake_timeout_s=0.5, **fleet_cert)
+    tls = Tls(fleet_cert["tls_cert_file"], fleet_cert["tls_key_file"], fleet_cert["tls_ca_file"])
+    with tls.wrap_client(socket.create_connection(data_address(holder), timeout=5), 5) as sock:
+        assert len(protocol.recv_bytes(sock, protocol._HELLO.size)) == protocol._HELLO.size
+        sent = drip_until_closed(sock, protocol._CLIENT_AUTH.size - 1, every_s=0.1)
     assert sent is not None and sent < 20, f"drips of 0.1 s before the server closed: {sent}"
     wait_until(lambda: reported_counts(holder)[TierCounter.AUTH_REFUSED] >= 1, "the refusal counted")
 
