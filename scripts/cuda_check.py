@@ -376,7 +376,7 @@ def main() -> int:
         guarded(table, "pin/queue", "flash_nhd", lambda: check_pin_and_queue(a, region, table))
         for kind in KINDS:
             guarded(table, "identity", kind, partial(check_kind, kind, a, region, table))
-        guarded(table, "identity", "tp2 small chunks", lambda: check_tp2_small_chunks(a, region, table))
+        guarded(table, "identity", f"tp2 {a.block_size}tok", lambda: check_tp2_small_chunks(a, region, table))
         for kind in KERNEL_KINDS:
             guarded(table, "kernel", kind, partial(check_kernel_blocks, kind, a, region, table))
         guarded(table, "no stores", "flash_nhd", lambda: check_step_without_stores(a, region, table))
