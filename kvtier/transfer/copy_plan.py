@@ -103,6 +103,8 @@ class CopyPlan:
         self.kernel_blocks_per_chunk = tuple(self.blocks_per_chunk * r for r in self.ratios)
         """Kernel blocks per chunk, per group."""
         self.native = _native_copies() if native else None
+        self._counted: tuple[tuple[tuple[int, torch.Size], ...], list[int]] | None = None
+        """The last tensors' key and `block_counts`."""
 
     def engine_to_host(
         self,
@@ -157,6 +159,20 @@ class CopyPlan:
                         host[slots[chunk], j].copy_(engine[block])
                     else:
                         engine[block].copy_(host[slots[chunk], j])
+
+    def block_counts(self, layer_tensors: Sequence[torch.Tensor]) -> list[int]:
+        """Per group, how many engine blocks every one of its layers' tensors holds. Derived from
+        the views once per set of tensors (an engine's never change), not for every job."""
+        key = tuple((kv.data_ptr(), kv.shape) for kv in layer_tensors)
+        if self._counted is not None and self._counted[0] == key:
+            return self._counted[1]
+        counts: list[list[int]] = [[] for _ in range(self.num_groups)]
+        for layer, kv in enumerate(layer_tensors):
+            g = self.layer_groups[layer]
+            counts[g].append(len(self.engine_views(kv, g)[0]) // self.ratios[g])
+        found = [min(c) for c in counts]
+        self._counted = (key, found)
+        return found
 
     def engine_views(self, kv: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, ...]:
         """K and V (or latent) kernel block views `[num_kernel_blocks, H_local, kernel_block_size,
@@ -215,11 +231,7 @@ class CopyPlan:
         if any(len(ids) != bpc * self.num_groups for ids in block_ids_per_chunk):
             raise ValueError(f"every chunk needs exactly {bpc * self.num_groups} block ids")
         check_rows(self.layout, host_rows)
-        counts: list[list[int]] = [[] for _ in range(self.num_groups)]
-        for layer, kv in enumerate(layer_tensors):
-            g = self.layer_groups[layer]
-            counts[g].append(len(self.engine_views(kv, g)[0]) // self.ratios[g])
-        num_blocks = [min(c) for c in counts]
+        num_blocks = self.block_counts(layer_tensors)
         if any(not 0 <= s < len(host_rows) for s in slots):
             raise ValueError(f"slots must lie in [0, {len(host_rows)}), got {list(slots)}")
         blocks = [

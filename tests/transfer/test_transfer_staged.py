@@ -125,3 +125,33 @@ def test_a_store_reads_every_block_before_its_fence() -> None:
             t.zero_()  # the next pass writes the blocks once the fence is passed
         rest()
         assert same(rows, expected)
+
+
+def test_block_counts_are_derived_once_per_set_of_tensors(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A job's checks need each group's block count; the engine views behind it are derived once
+    for an engine's tensors, not for every layer of every job (the engine thread's launch cost)."""
+    layout = CanonicalLayout(LAYERS, HEADS, HEAD_DIM, BLOCK, torch.bfloat16)
+    _, src = layer_tensors("vllm_cpu", HEADS, torch.Generator().manual_seed(0))
+    plan = CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(HEADS), BLOCK)
+    staged = StagedCopy(plan, src)
+    _, rows = make_rows(layout, NUM_SLOTS)
+    views = 0
+    derive = plan.engine_views
+
+    def counted(kv: torch.Tensor, group: int = 0) -> tuple[torch.Tensor, ...]:
+        nonlocal views
+        views += 1
+        return derive(kv, group)
+
+    monkeypatch.setattr(plan, "engine_views", counted)
+    staged.store(rows, [[1], [2]], [0, 1])()
+    assert 0 < views <= LAYERS
+    views = 0
+    for _ in range(3):
+        staged.store(rows, [[1], [2]], [0, 1])()
+        staged.load(rows, [[3], [4]], [0, 1])
+    assert views == 0
+    fewer = [t[: NUM_BLOCKS // 2] for t in src]
+    assert plan.block_counts(fewer) == [NUM_BLOCKS // 2] and views == LAYERS
+    with pytest.raises(ValueError, match="block ids must lie"):
+        plan.pairs(fewer, [[NUM_BLOCKS // 2]], rows, [0], to_host=True)
