@@ -377,8 +377,7 @@ class P2PServer:
         self._listener.close()
         with self._lock:
             for conn in self._conns:
-                with contextlib.suppress(OSError):
-                    conn.shutdown(socket.SHUT_RDWR)
+                _end(conn)
         for t in self._threads:
             t.join()
 
