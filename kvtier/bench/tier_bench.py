@@ -69,9 +69,11 @@ def _run_jobs(proc: TierProcess, kind: JobKind, keys: list[bytes], first_id: int
 
 def run_tier_bench(
     tier: str, options: dict[str, Any], chunk_bytes: int, chunks: int, threads: int, keys_per_job: int = 1,
+    fleet_key_file: str | None = None,
 ) -> dict[str, Any]:
     """Store then load `chunks` rows of `chunk_bytes` through tier `tier`, loads in jobs of
-    `keys_per_job` chunks; throughput in GiB/s."""
+    `keys_per_job` chunks, chunks MACed with the fleet key in `fleet_key_file` when given;
+    throughput in GiB/s."""
     row = -(-chunk_bytes // PAGE) * PAGE
     opts = dict(options)
     for name in THREAD_OPTIONS.get(tier, ()):
@@ -105,6 +107,7 @@ def run_tier_bench(
             tier_name=tier, type=tier, module_path=None, options=opts, config_key="--tier",
             region_name=region.name, shm_dir=os.path.dirname(region.path), row_bytes=row,
             num_slots=chunks, layout_fingerprint=BENCH_LAYOUT_FP, generations_offset=row * chunks,
+            fleet_key_file=fleet_key_file,
         )
         proc = TierProcess(spec, job_timeout_s=600)
         proc.start()
@@ -127,7 +130,7 @@ def run_tier_bench(
             time.sleep(0.001)
         return {
             "tier": tier, "chunk_bytes": row, "chunks": chunks, "threads": threads,
-            "keys_per_job": keys_per_job,
+            "keys_per_job": keys_per_job, "fleet_key": fleet_key_file is not None,
             "store_s": store_s, **loads, "store_gib_s": gib / store_s,
             **{name.removesuffix("_s") + "_gib_s": gib / seconds
                for name, seconds in loads.items() if name != "lookup_s"},
@@ -156,6 +159,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--keys-per-job", type=int, default=1,
                    help="chunks per LOAD job (default 1; the manager sends a promotion's chunks "
                         "from one tier as one job)")
+    p.add_argument("--fleet-key-file", metavar="PATH",
+                   help="MAC every chunk with the fleet key in this file (fleet_key_file)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.set_defaults(func=run_command)
 
@@ -182,7 +187,7 @@ def run_command(args: argparse.Namespace) -> int:
         if getattr(args, name) < 1:
             raise SystemExit(f"--{name.replace('_', '-')} must be >= 1")
     report = run_tier_bench(args.tier, options, args.chunk_bytes, args.chunks, args.threads,
-                            args.keys_per_job)
+                            args.keys_per_job, args.fleet_key_file)
     if args.json:
         print(json.dumps(report))
     else:
