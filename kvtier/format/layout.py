@@ -1,11 +1,13 @@
 """The canonical host layout of KV chunks: page and row geometry, TP shards, layer kinds.
 
-Canonical page (one chunk of one full-attention layer): K then V, each
-`[num_kv_heads, chunk_tokens, head_dim]` C-contiguous in the KV dtype, all KV heads of the model
-together. A host row holds the pages of every layer for one chunk, in layer order, starting at
-`layer * page_bytes`, the row padded with zeros up to a multiple of 4096 bytes. Nothing in the
-row depends on the tensor-parallel degree or the attention backend, so the layout fingerprint
-does not either: TP=1, TP=2 and TP=4 engines, on CPU or GPU, write byte-identical rows.
+A host row holds one chunk of every layer, head-major: for each KV head, for each layer, K then
+V (or the MLA latent), each `[chunk_tokens, head_dim]` C-contiguous in the KV dtype; the row is
+`[num_kv_heads, num_layers, parts, chunk_tokens, head_dim]`, padded with zeros up to a multiple of
+4096 bytes. A layer's page (`page_view`: its K and V of every head) is a strided view of the row.
+Head-major because a TP rank holds a range of heads: its bytes of a chunk are one contiguous run
+of the row, one copy between device and host whatever the layer count. Nothing in the row depends
+on the tensor-parallel degree or the attention backend, so the layout fingerprint does not
+either: TP=1, TP=2 and TP=4 engines, on CPU or GPU, write byte-identical rows.
 
 An engine's own tensor layout, and the copies between it and these rows, are in
 `kvtier.transfer.copy_plan`. Nothing in this module names an engine.
@@ -44,7 +46,7 @@ from kvtier.errors import ConfigError
 ROW_ALIGN = 4096
 SKIP_BLOCK = -1
 FULL_ATTENTION = "attention"
-_LAYOUT_TAG = b"kvtier.canonical-layout.v1"
+_LAYOUT_TAG = b"kvtier.canonical-layout.v2"
 
 
 @dataclass(frozen=True)
@@ -100,11 +102,18 @@ class CanonicalLayout:
         used = self.num_layers * self.page_bytes
         return -(-used // ROW_ALIGN) * ROW_ALIGN
 
-    def page_offset(self, layer: int) -> int:
-        """Byte offset of `layer`'s page inside a row."""
+    @property
+    def head_bytes(self) -> int:
+        """Bytes of one KV head of every layer (K and V, or the latent) for one chunk: the row's
+        unit, contiguous."""
+        return self.num_layers * self.parts * self.chunk_tokens * self.head_dim * self.itemsize
+
+    def part_offset(self, head: int, layer: int, part: int) -> int:
+        """Byte offset inside a row of `head`'s K (part 0), V (1) or latent (0) of `layer`."""
         if not 0 <= layer < self.num_layers:
             raise ValueError(f"layer {layer} out of range [0, {self.num_layers})")
-        return layer * self.page_bytes
+        block = self.chunk_tokens * self.head_dim * self.itemsize
+        return head * self.head_bytes + (layer * self.parts + part) * block
 
     @cached_property
     def fingerprint(self) -> str:
@@ -124,11 +133,15 @@ class CanonicalLayout:
 
     def page_view(self, rows: torch.Tensor, layer: int, dtype: torch.dtype | None = None) -> torch.Tensor:
         """`[num_slots, parts, num_kv_heads, chunk_tokens, head_dim]` view of `layer`'s pages in
-        `rows` (uint8 `[num_slots, row_bytes]`), sharing its memory."""
+        `rows` (uint8 `[num_slots, row_bytes]`), sharing its memory (strided: heads are apart)."""
         check_rows(self, rows)
-        off = self.page_offset(layer)
-        page = rows[:, off : off + self.page_bytes].view(dtype or self.dtype)
-        return page.view(len(rows), self.parts, self.num_kv_heads, self.chunk_tokens, self.head_dim)
+        dtype = dtype or self.dtype
+        if dtype.itemsize != self.itemsize:
+            raise ValueError(f"a view as {dtype} of a layout of {self.dtype}")
+        used = rows[:, : self.num_kv_heads * self.head_bytes].view(dtype)
+        whole = used.view(len(rows), self.num_kv_heads, self.num_layers, self.parts, self.chunk_tokens,
+                          self.head_dim)
+        return whole[:, :, layer].transpose(1, 2)
 
 
 def check_rows(layout: CanonicalLayout, rows: torch.Tensor) -> None:

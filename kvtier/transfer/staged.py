@@ -8,7 +8,7 @@ of the host rows, and moves the bytes between staging and rows with contiguous u
 (`non_blocking=True`: DMA queued on the current stream when the rows are pinned):
 
 - store: per layer and part (K and V, or the MLA latent), the blocks of the layer's KV cache group
-  are gathered (`index_select`) into staging `[chunks, layers, parts, H_local, chunk_tokens, D]`,
+  are gathered (`index_select`) into staging `[chunks, H_local, layers, parts, chunk_tokens, D]`,
   then each contiguous run is copied to the rows;
 - load: the runs are copied into staging, then scattered (`index_copy_`) into the blocks; a group's
   `SKIP_BLOCK` (a sliding-window block outside the window) leaves that block's pages unwritten.
@@ -16,10 +16,11 @@ of the host rows, and moves the bytes between staging and rows with contiguous u
 Which block goes to which page is `CopyPlan.pairs`, the block mapping the CPU path copies by, with
 the same checks, all made before the first copy is queued; the engine views are the plan's. Both
 are by kernel blocks where the engine splits its blocks (`copy_plan`'s module doc): a layer's
-blocks are gathered and scattered at its group's kernel block size, into the same staging bytes. This
-rank's bytes of one chunk are `parts * num_layers` runs of `H_local * chunk_tokens * D` elements
-(each part of each layer, at this rank's head offset in the canonical page); runs adjacent in both
-staging and rows are merged, so at TP=1 a chunk is one run and consecutive slots one run together.
+blocks are gathered and scattered at its group's kernel block size, into the same staging bytes. Rows
+are head-major (`kvtier.format.layout`): this rank's bytes of one chunk are one run of the row, at
+its first head's offset, whatever the TP degree and layer count; runs adjacent in both staging
+and rows are merged, so at TP=1 consecutive slots are one run together (one copy per job when its
+slots are consecutive and the rows unpadded).
 The engine's element type is kept: an fp8 cache held as uint8 is staged as its bytes.
 
 All of it is plain torch on whatever device the KV tensors are on, so it runs (and is tested) on
@@ -70,27 +71,24 @@ class StagedCopy:
         """The engine's element type: staging holds its bytes unconverted (an fp8 layout over
         vLLM's uint8 tensors included)."""
         lay, shard = plan.layout, plan.shard
-        self.run_bytes = shard.num_heads * lay.chunk_tokens * lay.head_dim * lay.itemsize
-        self.chunk_bytes = lay.parts * lay.num_layers * self.run_bytes
+        self.chunk_bytes = shard.num_heads * lay.head_bytes
+        """This rank's bytes of one chunk: one run of a row."""
         self.chunks_per_batch = max(1, staging_bytes // self.chunk_bytes)
 
     def runs(self, slots: Sequence[int]) -> list[Run]:
-        """The merged contiguous runs between host rows and staging for chunks in `slots`."""
-        lay, shard = self.plan.layout, self.plan.shard
-        part_bytes = lay.num_kv_heads * lay.chunk_tokens * lay.head_dim * lay.itemsize
-        head_off = shard.head_start * lay.chunk_tokens * lay.head_dim * lay.itemsize
+        """The merged contiguous runs between host rows and staging for chunks in `slots`: this
+        rank's heads of a chunk are one run of the row (head-major rows), and runs of slots
+        adjacent in both merge (at TP=1, rows without padding)."""
+        lay = self.plan.layout
+        head_off = lay.part_offset(self.plan.shard.head_start, 0, 0)
         runs: list[Run] = []
-        staged = 0
-        for slot in slots:
-            for layer in range(lay.num_layers):
-                for part in range(lay.parts):
-                    host = slot * lay.row_bytes + lay.page_offset(layer) + part * part_bytes + head_off
-                    last = runs[-1] if runs else None
-                    if last and last[0] + last[2] == host and last[1] + last[2] == staged:
-                        runs[-1] = (last[0], last[1], last[2] + self.run_bytes)
-                    else:
-                        runs.append((host, staged, self.run_bytes))
-                    staged += self.run_bytes
+        for i, slot in enumerate(slots):
+            host, staged = slot * lay.row_bytes + head_off, i * self.chunk_bytes
+            last = runs[-1] if runs else None
+            if last and last[0] + last[2] == host and last[1] + last[2] == staged:
+                runs[-1] = (last[0], last[1], last[2] + self.chunk_bytes)
+            else:
+                runs.append((host, staged, self.chunk_bytes))
         return runs
 
     def store(
@@ -153,25 +151,26 @@ class StagedCopy:
         present)."""
         lay = self.plan.layout
         heads = self.plan.shard.num_heads
-        shape = (n, len(self.views), lay.parts, heads, lay.chunk_tokens, lay.head_dim)
+        shape = (n, heads, len(self.views), lay.parts, lay.chunk_tokens, lay.head_dim)
         staging = torch.empty(shape, dtype=self.dtype, device=self.device)
         for layer, views in enumerate(self.views):
             bpc, bs = self._block_shape(layer)
             blocks, _, _ = groups[self.plan.layer_groups[layer]]
             for part, engine in enumerate(views):
                 picked = engine.index_select(0, blocks).view(n, bpc, heads, bs, lay.head_dim)
-                staging[:, layer, part].view(n, heads, bpc, bs, lay.head_dim).copy_(picked.transpose(1, 2))
+                pages = staging[:, :, layer, part].view(n, heads, bpc, bs, lay.head_dim)
+                pages.copy_(picked.transpose(1, 2))
         return staging.view(-1).view(torch.uint8)
 
     def _scatter(self, staging: torch.Tensor, groups: Batch, n: int) -> None:
         lay = self.plan.layout
         heads, dim = self.plan.shard.num_heads, lay.head_dim
-        chunks = staging.view(self.dtype).view(n, len(self.views), lay.parts, heads, lay.chunk_tokens, dim)
+        chunks = staging.view(self.dtype).view(n, heads, len(self.views), lay.parts, lay.chunk_tokens, dim)
         for layer, views in enumerate(self.views):
             bpc, bs = self._block_shape(layer)
             blocks, positions, whole = groups[self.plan.layer_groups[layer]]
             for part, engine in enumerate(views):
-                pages = chunks[:, layer, part].view(n, heads, bpc, bs, dim)
+                pages = chunks[:, :, layer, part].view(n, heads, bpc, bs, dim)
                 src = pages.transpose(1, 2).reshape(n * bpc, heads, bs, dim)
                 engine.index_copy_(0, blocks, src if whole else src.index_select(0, positions))
 

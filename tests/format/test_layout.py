@@ -66,7 +66,8 @@ def test_round_trip_is_identity(dtype: torch.dtype, blocks_per_chunk: int, name:
 
 
 def test_canonical_row_matches_per_element_reference() -> None:
-    """vLLM CPU memory model: per block and head, K transposed [D, block_size], then V."""
+    """vLLM CPU memory model: per block and head, K transposed [D, block_size], then V; the row
+    head-major: per head, per layer, K then V, each [chunk_tokens, head_dim]."""
     gen = torch.Generator().manual_seed(0)
     layers, heads, bpc = 2, 3, 2
     layout = CanonicalLayout(layers, heads, HEAD_DIM, BLOCK * bpc, torch.float32)
@@ -90,8 +91,7 @@ def test_canonical_row_matches_per_element_reference() -> None:
                             src += d * BLOCK + tt
                         else:
                             src += BLOCK * HEAD_DIM + tt * HEAD_DIM + d
-                        dst = layer * layout.page_bytes // 4
-                        dst += ((kind * heads + h) * tokens + t) * HEAD_DIM + d
+                        dst = (((h * layers + layer) * 2 + kind) * tokens + t) * HEAD_DIM + d
                         ref[dst] = flat[src]
     assert same(rows[slot], ref.view(torch.uint8))
     assert not rows[[0, 1]].any()
@@ -158,8 +158,10 @@ def test_geometry_and_fingerprint() -> None:
     base = CanonicalLayout(30, 3, 64, 128, torch.bfloat16)
     assert base.page_bytes == 2 * 3 * 128 * 64 * 2
     assert base.row_bytes % ROW_ALIGN == 0 and base.row_bytes >= 30 * base.page_bytes
-    assert base.page_offset(29) == 29 * base.page_bytes
-    assert base.fingerprint == "98bbeaf4f8533dbefbb32de43711ee76"
+    block = 128 * 64 * 2
+    assert base.head_bytes == 30 * 2 * block  # rows are head-major: one head, every layer
+    assert base.part_offset(2, 29, 1) == 2 * base.head_bytes + (29 * 2 + 1) * block
+    assert base.fingerprint == "82a90280dc3e1424f6266d59e3b2a90a"
     assert base.fingerprint == CanonicalLayout(30, 3, 64, 128, torch.bfloat16).fingerprint
     changes = {
         "num_layers": 31,

@@ -60,9 +60,10 @@ def test_runs_merge_what_is_contiguous_on_both_sides() -> None:
     assert tp1.runs([3, 4, 1]) == [(3 * 4096, 0, 512), (4 * 4096, 512, 512), (4096, 1024, 512)]
     half = [t[:, :1] for t in src]
     tp2 = StagedCopy(CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(2, 2, 1), BLOCK), half)
-    run = BLOCK * HEAD_DIM * 2  # one head's K (or V) of one chunk: 64 bytes
-    # Rank 1's head is the second of two in each of K0, V0, K1, V1: one run of 64 bytes in four.
-    assert tp2.runs([0]) == [(run * (2 * i + 1), run * i, run) for i in range(4)]
+    head = 2 * 2 * BLOCK * HEAD_DIM * 2  # one head's K and V of both layers: 256 bytes
+    # Rank 1's head is the second of two in a head-major row: one run, whatever the layer count.
+    assert tp2.runs([0]) == [(head, 0, head)]
+    assert tp2.runs([0, 1]) == [(head, 0, head), (4096 + head, head, head)]
     packed = CanonicalLayout(2, 2, 16, 16, torch.bfloat16)  # exactly one 4096-byte row
     flat = [torch.zeros((NUM_BLOCKS, 2, 16, 32), dtype=torch.bfloat16) for _ in range(2)]
     whole = StagedCopy(CopyPlan(packed, engine_layout("vllm_cpu"), TPShard(2), 16), flat)
