@@ -46,7 +46,8 @@ def counts(tp: int, blocks_per_chunk: int, chunks: int) -> dict[str, object]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--chunks", type=int, default=64)
     parser.add_argument("--out", help="results JSON")
     args = parser.parse_args()
