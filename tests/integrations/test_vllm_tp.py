@@ -35,6 +35,7 @@ bf16 model on a CPU with AMX: 1e-2, see `LOGPROB_ATOL`).
 
 from __future__ import annotations
 
+import json
 import shutil
 from pathlib import Path
 from typing import Any
@@ -234,25 +235,30 @@ def assert_pages_moved(src: list[Pages], dst: list[Pages], keys: list[str], late
     assert loaded_layers == {layer for op, k, layer in src[0] if op == "store" and k == keys[0]}
 
 
-def assert_same_files(tp1: dict[str, Path], tp2: dict[str, Path], first_layer_bytes: int) -> None:
+def assert_same_files(tp1: dict[str, Path], tp2: dict[str, Path], ranges: list[tuple[int, int]]) -> None:
+    """The same keys, headers and the row bytes in `ranges` ((offset, length) in the payload)."""
     assert set(tp1) == set(tp2)  # same keys under the same layout fingerprint directory
     head = chunkfmt.HEADER_BYTES
     for rel in tp1:
         one, two = tp1[rel].read_bytes(), tp2[rel].read_bytes()
         assert len(one) == len(two)
         assert one[:_CHECKSUM_AT] == two[:_CHECKSUM_AT]  # magic, version, key, layout, length
-        assert one[head : head + first_layer_bytes] == two[head : head + first_layer_bytes], rel
+        for at, length in ranges:
+            assert one[head + at : head + at + length] == two[head + at : head + at + length], (rel, at)
 
 
-def first_layer_bytes(name: str, block: int) -> int:
-    """Bytes of layer 0 in a row of one block (float32): K then V of every head, or one latent;
-    none for the recurrent hybrids (their attention layers follow a recurrent layer)."""
+def first_layer_ranges(name: str, block: int, model: Path) -> list[tuple[int, int]]:
+    """Where layer 0 lies in a row of one block (float32): K then V of each head, a head's layers
+    together (rows are head-major), or the one latent; none for the recurrent hybrids (their
+    attention layers follow a recurrent layer)."""
     if name in SECTIONS:
-        return 0
+        return []
     if name in LATENT:
-        return block * 576 * 4
+        return [(0, block * 576 * 4)]
     heads = 4 if name == "llama" else 2
-    return 2 * heads * block * 64 * 4
+    layers = json.loads((model / "config.json").read_text())["num_hidden_layers"]
+    page = 2 * block * 64 * 4
+    return [(h * layers * page, page) for h in range(heads)]
 
 
 @pytest.mark.parametrize("name", sorted(BLOCK))
@@ -281,14 +287,15 @@ def test_tp2_reloads_what_tp1_stored_and_the_reverse(name: str, vllm_env: Path, 
             Step(p + TAIL, scratch=True), Step(p + TAIL), Step(q, max_tokens=1)], out2)
     assert_reloaded(name, reloaded_p, ref_p2, p_keys)
     assert_pages_moved(rank_pages(out1, 1), rank_pages(out2, 2), p_keys, latent)
-    first = first_layer_bytes(name, BLOCK[name])
+    first = first_layer_ranges(name, BLOCK[name], model)
     assert_same_files(chunk_files(fs1, q_keys), chunk_files(fs2, q_keys), first)
     if name in SECTIONS:
         state_p = with_state(stored_p, p_keys)[len(p_keys) :]
         state_q = with_state(stored_q, q_keys)[len(q_keys) :]
         assert_states_moved(name, rank_pages(out1, 1), rank_pages(out2, 2), state_p[0])
-        assert_same_files(chunk_files(fs1, state_q[:1]), chunk_files(fs2, state_q[:1]), CONV_BYTES[name])
-        assert_same_files(chunk_files(fs1, state_q), chunk_files(fs2, state_q), 0)
+        conv = [(0, CONV_BYTES[name])]
+        assert_same_files(chunk_files(fs1, state_q[:1]), chunk_files(fs2, state_q[:1]), conv)
+        assert_same_files(chunk_files(fs1, state_q), chunk_files(fs2, state_q), [])
 
     out3 = tmp_path / "tp1-again"
     replace_chunks(fs2, fs1, with_state(stored_q, q_keys))
