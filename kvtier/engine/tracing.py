@@ -17,6 +17,7 @@ holds a `NoTracer`, whose hooks do nothing.
 from __future__ import annotations
 
 import hashlib
+import secrets
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -70,6 +71,10 @@ class RequestTracer(NoTracer):
         self.chunk_tokens = chunk_tokens
         self._times: dict[str, _Times] = {}
         self._prefilled: list[_Times] = []
+        self._salt_key = secrets.token_bytes(32)
+        """Keys the `salt` field: random per trace and never written, so a tenant's requests
+        group within the trace while a reader can neither test a guessed `cache_salt` against it
+        nor link a tenant across traces."""
 
     @classmethod
     def make(cls, config: KVTierConfig, geometry: EngineGeometry) -> NoTracer:
@@ -130,8 +135,12 @@ class RequestTracer(NoTracer):
             "wait": times.wait_s, "prio": priority,
             "lookup": None if times.lookup is None else times.lookup - request.arrival_time,
             "st": [[round(at - request.arrival_time, 4), n] for at, n in times.stores],
-            "salt": hashlib.sha256(salt.encode()).hexdigest()[:16] if salt else None,
+            "salt": self.salt_tag(salt) if salt else None,
         })
+
+    def salt_tag(self, salt: str) -> str:
+        """The trace's tag of a `cache_salt`: 16 hex digits of a hash keyed by this trace's key."""
+        return hashlib.blake2b(salt.encode(), key=self._salt_key, digest_size=8).hexdigest()
 
     def close(self) -> None:
         self.writer.close()

@@ -17,7 +17,9 @@ Each following line is one record:
   lookup its blocks were allocated on (null: none), `st` the steps that completed its chunks as
   [seconds after arrival, chunks of `keys` + `dkeys` complete after that step] pairs (absent in
   older traces: read as one step at `ttft`, or at `lookup` if later, completing them all),
-  `prio` the request's priority, `salt` a short hash of its `cache_salt` (null without one);
+  `prio` the request's priority, `salt` a tag of its `cache_salt` (null without one): a hash keyed
+  by a random key of the trace's writer, never written, so equal tags within one trace are one
+  tenant while nobody can test a guessed salt against a tag or link tags across traces;
 - a stored batch (`kvtier trace record` from vLLM's KV events): `t` and `keys` only; every key is a
   chunk the engine computed at `t`;
 - a removal (KV events): `t` and `removed` (hex keys the engine evicted); counted, not analysed.

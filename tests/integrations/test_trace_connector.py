@@ -88,7 +88,9 @@ def test_trace_of_a_run_and_its_plan(llm: Any, trace_path: Path, capsys: pytest.
     assert recs[1]["keys"][: 2 * KEY_BYTES * 2] == recs[0]["keys"][: 2 * KEY_BYTES * 2]
     assert recs[2]["src"]["host"] == full * BLOCK_SIZE and recs[2]["keys"] == recs[0]["keys"]
     assert recs[0]["salt"] is None
-    assert recs[3]["salt"] == hashlib.sha256(b"tenant-1").hexdigest()[:16]
+    assert len(recs[3]["salt"]) == 16  # a tag keyed per trace: no unkeyed hash of the salt
+    assert recs[3]["salt"] not in (hashlib.sha256(b"tenant-1").hexdigest()[:16],
+                                   hashlib.blake2b(b"tenant-1", digest_size=8).hexdigest())
     assert recs[3]["keys"][:16] != recs[0]["keys"][:16]  # the salt is in every key
 
     trace = read_traces([trace_path])
