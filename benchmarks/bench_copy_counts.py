@@ -4,8 +4,9 @@ device staging and the host rows, and how large they are, by TP degree and chunk
 Each copy is one DMA when the rows are pinned: small ones cannot reach the bus's rate, and each is
 a call on the engine thread. The counts are the staged path's own (`StagedCopy.runs`, the copies
 it queues), for a Llama-3-8B-sized model (32 layers, 8 KV heads, head_dim 128, bf16) and a job of
-`--chunks` chunks of 16-token blocks, on consecutive host slots and on scattered ones. Nothing is
-timed: the figures are exact, the same on any machine.
+`--chunks` chunks of 16-token blocks, on consecutive host slots and on scattered ones (a copy of a
+run of consecutive slots is one 2-D copy, its size the bytes it moves). Nothing is timed: the
+figures are exact, the same on any machine.
 
     python -m benchmarks.bench_copy_counts --out benchmarks/results/copy_counts.json
 """
@@ -39,7 +40,7 @@ def counts(tp: int, blocks_per_chunk: int, chunks: int) -> dict[str, object]:
                               "rank_bytes_per_chunk": staged.chunk_bytes}
     for name, slots in (("consecutive", list(range(chunks))), ("scattered", list(range(0, 2 * chunks, 2)))):
         runs = staged.runs(slots)
-        sizes = [n for _, _, n in runs]
+        sizes = [width * n for _, _, width, n in runs]
         out[name] = {"copies": len(runs), "copies_per_chunk": len(runs) / chunks,
                      "median_bytes": statistics.median(sizes), "min_bytes": min(sizes)}
     return out

@@ -19,6 +19,7 @@ Nothing here is imported on a machine without CUDA unless KV tensors live on a C
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 from collections.abc import Callable, Sequence
 from typing import Any, cast
@@ -42,11 +43,19 @@ def _event(timing: bool = False) -> torch.cuda.Event:
     return torch.cuda.Event(enable_timing=timing)  # type: ignore[no-untyped-call]
 
 
+@functools.cache
 def _runtime_library() -> ctypes.CDLL | None:
     """The CUDA runtime library this process loaded (torch's), for what torch does not bind."""
     with open("/proc/self/maps") as maps:
         paths = {line.split()[-1] for line in maps if "libcudart.so" in line}
-    return ctypes.CDLL(min(paths)) if paths else None
+    if not paths:
+        return None
+    library = ctypes.CDLL(min(paths))
+    library.cudaMemcpy2DAsync.restype = ctypes.c_int
+    library.cudaMemcpy2DAsync.argtypes = [
+        ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p, ctypes.c_size_t, ctypes.c_size_t,
+        ctypes.c_size_t, ctypes.c_int, ctypes.c_void_p]
+    return library
 
 
 def clear_last_error() -> None:
@@ -119,9 +128,32 @@ class CudaStreams(CopyStreams):
         return millis / 1000.0
 
 
+MEMCPY_DEFAULT = 4  # cudaMemcpyDefault: the direction from the pointers (unified addressing)
+
+
+def cuda_strided_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`StridedCopy` as one `cudaMemcpy2DAsync` on the current stream: torch would copy a strided
+    host view through a temporary in pageable memory and wait for it. Both tensors are 2-D uint8
+    with unit inner strides; the rows of each are `stride(0)` bytes apart."""
+    if dst.shape != src.shape or dst.stride(1) != 1 or src.stride(1) != 1:
+        raise ValueError(f"a 2-D copy of {tuple(src.shape)} into {tuple(dst.shape)} with unit inner strides")
+    library = _runtime_library()
+    if library is None:
+        raise RuntimeError("the CUDA runtime library is not loaded in this process")
+    device = dst.device if dst.device.type == "cuda" else src.device
+    stream = torch.cuda.current_stream(device).cuda_stream
+    height, width = dst.shape
+    err = int(library.cudaMemcpy2DAsync(
+        dst.data_ptr(), dst.stride(0), src.data_ptr(), src.stride(0), width, height, MEMCPY_DEFAULT, stream))
+    if err != 0:
+        clear_last_error()
+        raise RuntimeError(f"cudaMemcpy2DAsync of {height} x {width} bytes: cudaError {err}")
+
+
 def cuda_transfer(
     plan: CopyPlan, layer_tensors: Sequence[torch.Tensor], staging_bytes: int = DEFAULT_STAGING_BYTES
 ) -> StreamTransfer:
     """The asynchronous transfer for KV tensors on one CUDA device, pinning the host region."""
     device = layer_tensors[0].device
-    return StreamTransfer(plan, layer_tensors, CudaStreams(device), CudaHostPinner(device), staging_bytes)
+    return StreamTransfer(plan, layer_tensors, CudaStreams(device), CudaHostPinner(device), staging_bytes,
+                          cuda_strided_copy)

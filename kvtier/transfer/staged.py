@@ -17,10 +17,10 @@ Which block goes to which page is `CopyPlan.pairs`, the block mapping the CPU pa
 the same checks, all made before the first copy is queued; the engine views are the plan's. Both
 are by kernel blocks where the engine splits its blocks (`copy_plan`'s module doc): a layer's
 blocks are gathered and scattered at its group's kernel block size, into the same staging bytes. Rows
-are head-major (`kvtier.format.layout`): this rank's bytes of one chunk are one run of the row, at
-its first head's offset, whatever the TP degree and layer count; runs adjacent in both staging
-and rows are merged, so at TP=1 consecutive slots are one run together (one copy per job when its
-slots are consecutive and the rows unpadded).
+are head-major (`kvtier.format.layout`): this rank's bytes of one chunk are one span of the row,
+at its first head's offset, whatever the TP degree and layer count, and consecutive slots hold
+theirs one row apart: one copy per run of consecutive slots (`runs`), a 2-D copy (`StridedCopy`:
+`cudaMemcpy2DAsync` under CUDA) unless the spans touch (TP=1, rows without padding).
 The engine's element type is kept: an fp8 cache held as uint8 is staged as its bytes.
 
 All of it is plain torch on whatever device the KV tensors are on, so it runs (and is tested) on
@@ -45,7 +45,18 @@ DEFAULT_STAGING_BYTES = 64 << 20
 def _nothing() -> None:
     """No copies left for after a store's fence."""
 
-Run = tuple[int, int, int]  # (host byte offset, staging byte offset, length)
+Run = tuple[int, int, int, int]
+"""(host byte offset, staging byte offset, bytes per slot, slots): `slots` consecutive host rows
+(one `row_bytes` apart) against as many consecutive chunks of staging, one copy."""
+StridedCopy = Callable[[torch.Tensor, torch.Tensor], None]
+"""Queue on the current stream, as one copy, `dst.copy_(src)` for 2-D `[slots, bytes]` uint8
+tensors of which one is a view of host rows (rows apart) and the other contiguous staging."""
+
+
+def torch_strided_copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+    """`StridedCopy` through torch: one call (between CPU tensors one pass; across devices torch
+    would go through a temporary, so `kvtier.transfer.cuda` gives its own)."""
+    dst.copy_(src, non_blocking=True)
 Pairs = list[list[tuple[int, int, int]]]  # per group: (chunk index, block in chunk, engine block)
 Batch = list[tuple[torch.Tensor, torch.Tensor, bool]]  # per group: (blocks, positions, all present)
 
@@ -59,11 +70,13 @@ class StagedCopy:
         plan: CopyPlan,
         layer_tensors: Sequence[torch.Tensor],
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        strided_copy: StridedCopy = torch_strided_copy,
     ) -> None:
         layers = plan.layout.num_layers
         if len(layer_tensors) != layers:
             raise ValueError(f"{len(layer_tensors)} layer tensors, layout has {layers} layers")
         self.plan = plan
+        self.strided_copy = strided_copy
         self.layer_tensors = list(layer_tensors)
         self.views = [plan.engine_views(kv, plan.layer_groups[i]) for i, kv in enumerate(layer_tensors)]
         self.device = layer_tensors[0].device
@@ -76,20 +89,39 @@ class StagedCopy:
         self.chunks_per_batch = max(1, staging_bytes // self.chunk_bytes)
 
     def runs(self, slots: Sequence[int]) -> list[Run]:
-        """The merged contiguous runs between host rows and staging for chunks in `slots`: this
-        rank's heads of a chunk are one run of the row (head-major rows), and runs of slots
-        adjacent in both merge (at TP=1, rows without padding)."""
+        """The copies between host rows and staging for chunks in `slots`, one per run of
+        consecutive slots: this rank's heads of a chunk are one span of its row (head-major
+        rows), and consecutive rows hold theirs one `row_bytes` apart. A run whose spans touch
+        (TP=1, rows without padding) is one contiguous span (`slots` 1)."""
         lay = self.plan.layout
         head_off = lay.part_offset(self.plan.shard.head_start, 0, 0)
+        width, touching = self.chunk_bytes, self.chunk_bytes == lay.row_bytes
         runs: list[Run] = []
         for i, slot in enumerate(slots):
-            host, staged = slot * lay.row_bytes + head_off, i * self.chunk_bytes
+            host, staged = slot * lay.row_bytes + head_off, i * width
             last = runs[-1] if runs else None
-            if last and last[0] + last[2] == host and last[1] + last[2] == staged:
-                runs[-1] = (last[0], last[1], last[2] + self.chunk_bytes)
+            if last is not None and last[0] + last[3] * lay.row_bytes == host:
+                runs[-1] = (last[0], last[1], last[2], last[3] + 1)
             else:
-                runs.append((host, staged, self.chunk_bytes))
+                runs.append((host, staged, width, 1))
+        if touching:
+            return [(h, s, w * n, 1) for h, s, w, n in runs]
         return runs
+
+    def _copy_runs(self, host: torch.Tensor, staging: torch.Tensor, runs: list[Run], to_host: bool) -> None:
+        """Queue one copy per run between the rows (`host`, flat) and `staging`."""
+        row_bytes = self.plan.layout.row_bytes
+        for h, s, width, n in runs:
+            if n == 1:
+                rows, staged = host[h : h + width], staging[s : s + width]
+                (rows if to_host else staged).copy_(staged if to_host else rows, non_blocking=True)
+                continue
+            rows = host.as_strided((n, width), (row_bytes, 1), host.storage_offset() + h)
+            staged = staging[s : s + n * width].view(n, width)
+            if to_host:
+                self.strided_copy(rows, staged)
+            else:
+                self.strided_copy(staged, rows)
 
     def store(
         self, rows: torch.Tensor, block_ids: Sequence[Sequence[int]], slots: Sequence[int]
@@ -109,14 +141,9 @@ class StagedCopy:
         for first, count in self._batches(len(slots)):
             put()
             staging = self._gather(self._batch(pairs, first, count), count)
-            put = functools.partial(self._put, host, staging, self.runs(slots[first : first + count]))
+            runs = self.runs(slots[first : first + count])
+            put = functools.partial(self._copy_runs, host, staging, runs, True)
         return put
-
-    @staticmethod
-    def _put(host: torch.Tensor, staging: torch.Tensor, runs: list[Run]) -> None:
-        """Queue the copies of `staging`'s runs into the rows (`host`, flat)."""
-        for h, s, n in runs:
-            host[h : h + n].copy_(staging[s : s + n], non_blocking=True)
 
     def load(self, rows: torch.Tensor, block_ids: Sequence[Sequence[int]], slots: Sequence[int]) -> None:
         """Queue the copy of host row `slots[i]` into blocks `block_ids[i]` (group by group; a
@@ -125,8 +152,7 @@ class StagedCopy:
         host = rows.view(-1)
         for first, count in self._batches(len(slots)):
             staging = torch.empty(count * self.chunk_bytes, dtype=torch.uint8, device=self.device)
-            for h, s, n in self.runs(slots[first : first + count]):
-                staging[s : s + n].copy_(host[h : h + n], non_blocking=True)
+            self._copy_runs(host, staging, self.runs(slots[first : first + count]), False)
             self._scatter(staging, self._batch(pairs, first, count), count)
 
     def _batches(self, chunks: int) -> list[tuple[int, int]]:

@@ -64,7 +64,7 @@ from kvtier.host.region import HostPinner, HostRegion
 from kvtier.transfer.base import CopyResult, Transfer
 from kvtier.transfer.copy_plan import CopyPlan
 from kvtier.transfer.pinning import RegionPin
-from kvtier.transfer.staged import DEFAULT_STAGING_BYTES, StagedCopy
+from kvtier.transfer.staged import DEFAULT_STAGING_BYTES, StagedCopy, StridedCopy, torch_strided_copy
 
 log = logging.getLogger("kvtier.transfer")
 
@@ -142,9 +142,10 @@ class StreamTransfer(Transfer):
         streams: CopyStreams,
         pinner: HostPinner | None = None,
         staging_bytes: int = DEFAULT_STAGING_BYTES,
+        strided_copy: StridedCopy = torch_strided_copy,
     ) -> None:
         self.plan = plan
-        self.staged = StagedCopy(plan, layer_tensors, staging_bytes)
+        self.staged = StagedCopy(plan, layer_tensors, staging_bytes, strided_copy)
         self.streams = streams
         self.pinner = pinner
         self.ordered_before_forward = False  # True once vLLM calls `before_forward`

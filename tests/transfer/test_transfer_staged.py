@@ -56,18 +56,18 @@ def test_runs_merge_what_is_contiguous_on_both_sides() -> None:
     layout = CanonicalLayout(2, 2, HEAD_DIM, BLOCK, torch.bfloat16)  # 512 bytes of a 4096-byte row
     src = [torch.zeros((NUM_BLOCKS, 2, BLOCK, 2 * HEAD_DIM), dtype=torch.bfloat16) for _ in range(2)]
     tp1 = StagedCopy(CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(2), BLOCK), src)
-    assert tp1.runs([3]) == [(3 * 4096, 0, 512)]
-    assert tp1.runs([3, 4, 1]) == [(3 * 4096, 0, 512), (4 * 4096, 512, 512), (4096, 1024, 512)]
+    assert tp1.runs([3]) == [(3 * 4096, 0, 512, 1)]
+    assert tp1.runs([3, 4, 1]) == [(3 * 4096, 0, 512, 2), (4096, 1024, 512, 1)]  # rows apart
     half = [t[:, :1] for t in src]
     tp2 = StagedCopy(CopyPlan(layout, engine_layout("vllm_cpu"), TPShard(2, 2, 1), BLOCK), half)
     head = 2 * 2 * BLOCK * HEAD_DIM * 2  # one head's K and V of both layers: 256 bytes
     # Rank 1's head is the second of two in a head-major row: one run, whatever the layer count.
-    assert tp2.runs([0]) == [(head, 0, head)]
-    assert tp2.runs([0, 1]) == [(head, 0, head), (4096 + head, head, head)]
+    assert tp2.runs([0]) == [(head, 0, head, 1)]
+    assert tp2.runs([0, 1, 2, 5]) == [(head, 0, head, 3), (5 * 4096 + head, 3 * head, head, 1)]
     packed = CanonicalLayout(2, 2, 16, 16, torch.bfloat16)  # exactly one 4096-byte row
     flat = [torch.zeros((NUM_BLOCKS, 2, 16, 32), dtype=torch.bfloat16) for _ in range(2)]
     whole = StagedCopy(CopyPlan(packed, engine_layout("vllm_cpu"), TPShard(2), 16), flat)
-    assert whole.runs([2, 3, 4, 0]) == [(2 * 4096, 0, 3 * 4096), (0, 3 * 4096, 4096)]
+    assert whole.runs([2, 3, 4, 0]) == [(2 * 4096, 0, 3 * 4096, 1), (0, 3 * 4096, 4096, 1)]
 
 
 def test_batches_bound_the_staging_memory() -> None:
@@ -156,3 +156,33 @@ def test_block_counts_are_derived_once_per_set_of_tensors(monkeypatch: pytest.Mo
     assert plan.block_counts(fewer) == [NUM_BLOCKS // 2] and views == LAYERS
     with pytest.raises(ValueError, match="block ids must lie"):
         plan.pairs(fewer, [[NUM_BLOCKS // 2]], rows, [0], to_host=True)
+
+
+def test_consecutive_slots_at_tp2_move_in_one_strided_copy_each_way() -> None:
+    """A rank's spans of consecutive rows are one row apart: one 2-D copy per run of slots, the
+    bytes the CPU path writes, and back."""
+    layout = CanonicalLayout(LAYERS, HEADS, HEAD_DIM, BLOCK, torch.bfloat16)
+    shard = TPShard(HEADS, 2, 1)
+    _, src = layer_tensors("vllm_cpu", shard.num_heads, torch.Generator().manual_seed(5))
+    plan = CopyPlan(layout, engine_layout("vllm_cpu"), shard, BLOCK)
+    blocks, slots = [[1], [2], [3], [6]], [2, 3, 4, 0]
+    _, expected = make_rows(layout, NUM_SLOTS)
+    plan.engine_to_host(src, blocks, expected, slots)
+    calls: list[tuple[tuple[int, ...], tuple[int, ...]]] = []
+
+    def strided(dst: torch.Tensor, source: torch.Tensor) -> None:
+        calls.append((tuple(dst.shape), tuple(dst.stride())))
+        dst.copy_(source)
+
+    staged = StagedCopy(plan, src, strided_copy=strided)
+    assert len(staged.runs(slots)) == 2
+    _, rows = make_rows(layout, NUM_SLOTS)
+    staged.store(rows, blocks, slots)()
+    assert same(rows, expected)
+    assert calls == [((3, staged.chunk_bytes), (layout.row_bytes, 1))]
+    dst = [torch.zeros_like(t) for t in src]
+    StagedCopy(plan, dst, strided_copy=strided).load(rows, blocks, slots)
+    assert calls[1] == ((3, staged.chunk_bytes), (staged.chunk_bytes, 1))
+    want = [torch.zeros_like(t) for t in src]
+    plan.host_to_engine(want, blocks, rows, slots)
+    assert all(same(a, b) for a, b in zip(dst, want, strict=True))
