@@ -36,6 +36,7 @@ from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult, TierUsage
 from kvtier.tiers.channel import Inbound, Inbox, TierChannel
 from kvtier.tiers.codec import MessageError
 from kvtier.tiers.common.answers import AnswerCache
+from kvtier.tiers.killed import KilledProcesses
 from kvtier.tiers.messages import (
     ErrorReport,
     EventsReport,
@@ -110,6 +111,7 @@ class TierProcess:
         self._gen_id = 0
         self._restart_at: float | None = None
         self._jobs: dict[int, tuple[Job, float]] = {}
+        self._killed = KilledProcesses(self.name)
         self._finished: list[JobResult] = []
         self._events: list[TierEvent] = []
         self._answers = AnswerCache(lookup_ttl_s)
@@ -175,6 +177,7 @@ class TierProcess:
         """Stop the process (politely, then SIGKILL after `timeout_s`). Idempotent."""
         self._closed = True
         gen, self._gen = self._gen, None
+        self._bury(everything=True)
         if gen is None:
             return
         gen.send(Shutdown())
@@ -281,6 +284,7 @@ class TierProcess:
             except queue.Empty:
                 break
             self._handle(gen_id, msg)
+        self._bury()
         now = self.clock()
         if self._gen is not None and self._gen.ready:
             oldest = min((t for _, t in self._jobs.values()), default=now)
@@ -365,12 +369,19 @@ class TierProcess:
             gen.proc.kill()
         gen.close()
         threading.Thread(target=gen.proc.wait, daemon=True).start()
+        self._killed.add(gen.proc, list(self._jobs), self.clock())  # failed once it is gone
+        self._jobs.clear()
         self._fail_in_flight()
         if self._closed:
             return
         self._restart_at = self.clock() + self._backoff
         log.warning("tier %s is down: %s; restarting in %.1f s", self.name, why, self._backoff)
         self._backoff = min(self._backoff * 2, MAX_BACKOFF_S)
+
+    def _bury(self, everything: bool = False) -> None:
+        """Fail the jobs of the killed processes that have exited (`KilledProcesses`)."""
+        ended = self._killed.ended(self.clock(), everything)
+        self._finished.extend(JobResult(job_id, success=False) for job_id in ended)
 
     def _fail_in_flight(self) -> None:
         for job_id in self._jobs:

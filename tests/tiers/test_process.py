@@ -88,7 +88,7 @@ def test_hung_tier_is_marked_down_after_the_job_timeout(region: HostRegion, ctx:
         clock.advance(0.5)  # unanswered for exactly the job timeout: not hung yet
         assert proc.get_finished_jobs() == [] and proc.is_up and proc.last_failure is None
         clock.advance(0.125)
-        [result] = proc.get_finished_jobs()
+        [result] = wait_jobs(proc, 1)  # reported once the killed process is gone
         assert not result.success
         assert not proc.is_up
         assert proc.last_failure is not None and proc.last_failure[0] == "hung"
@@ -217,3 +217,33 @@ def in_thread(call: Callable[[], object]) -> threading.Event:
 
     threading.Thread(target=run, daemon=True).start()
     return returned
+
+
+def test_a_killed_process_that_lingers_holds_its_jobs_until_it_exits(
+    region: HostRegion, ctx: TierContext, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A hung process stuck in uninterruptible I/O outlives SIGKILL and may still write the rows of
+    its loads: its jobs are reported failed (their rows handed on) only once it has exited. No
+    process can be put in that state on purpose here: its exit is held back by a stand-in `poll`."""
+    clock = StoppedClock()
+    proc = make_proc(region, "memory", job_timeout_s=0.5, restart_backoff_s=60, clock=clock)
+    proc.start()
+    try:
+        pid = proc.pid
+        assert pid is not None and proc._gen is not None
+        lingering = proc._gen.proc
+        exited = False
+        real_poll = lingering.poll
+        monkeypatch.setattr(lingering, "poll", lambda: real_poll() if exited else None)
+        os.kill(pid, signal.SIGSTOP)
+        proc.submit_load(Job(1, JobKind.LOAD, (random_key(),), (0,)))
+        clock.advance(0.625)
+        assert proc.get_finished_jobs() == [] and not proc.is_up  # marked down, killed
+        wait_until(lambda: gone(pid), "the process killed")
+        clock.advance(30.0)
+        assert proc.get_finished_jobs() == []  # still held: its exit is not seen yet
+        exited = True
+        [result] = wait_jobs(proc, 1)
+        assert result.job_id == 1 and not result.success
+    finally:
+        proc.shutdown()
