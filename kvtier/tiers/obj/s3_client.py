@@ -65,7 +65,10 @@ def make_client(
     path_style: bool,
     attempts: int,
 ) -> Any:
-    """A boto3 S3 client; credentials not given come from the environment or the AWS chain."""
+    """A boto3 S3 client; credentials not given come from the environment or the AWS chain.
+
+    Over `http://` the payload is signed (its SHA-256 in the signed headers), so nobody between
+    the engine and the server can swap a body unseen; over TLS, which protects it already, not."""
     import boto3
     from botocore.config import Config
 
@@ -76,7 +79,8 @@ def make_client(
         retries={"total_max_attempts": attempts, "mode": "standard"},
         max_pool_connections=pool_connections,
         tcp_keepalive=True,
-        s3={"addressing_style": "path" if path_style else "auto", "payload_signing_enabled": False},
+        s3={"addressing_style": "path" if path_style else "auto",
+            "payload_signing_enabled": endpoint is not None and endpoint.lower().startswith("http://")},
         request_checksum_calculation="when_required",
         response_checksum_validation="when_required",
     )

@@ -20,6 +20,7 @@ from kvtier.host.region import HostRegion
 from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt
+from kvtier.tiers.obj.s3_client import make_client
 from kvtier.tiers.obj.tier import ObjTier
 from kvtier.tiers.process import TierProcess, TierSpec
 from tests.conftest import (
@@ -457,3 +458,17 @@ def test_tier_bench_runs_against_seaweedfs(s3_tier_options) -> None:
     report = run_tier_bench("obj", s3_tier_options, chunk_bytes=64 << 10, chunks=16, threads=4)
     assert report["tier_counts"]["tier_counter"][TierCounter.STORED.value] == 16
     assert report["load_gib_s"] > 0
+
+
+@pytest.mark.parametrize(("endpoint", "signed"), [("http://127.0.0.1:9", True), ("HTTP://s3.local", True),
+                                                  ("https://s3.local", False), (None, False)])
+def test_payloads_are_signed_where_no_tls_protects_them(endpoint: str | None, signed: bool) -> None:
+    """Over plain HTTP a body's SHA-256 is in the signed request, so a man in the middle cannot
+    swap it; over TLS (or AWS's default https endpoints) the channel protects it already."""
+    client = make_client(endpoint=endpoint, region="us-east-1", access_key_id="k", secret_access_key="s",
+                         session_token=None, connect_timeout_s=1, read_timeout_s=1, pool_connections=1,
+                         path_style=True, attempts=1)
+    try:
+        assert client.meta.config.s3["payload_signing_enabled"] is signed
+    finally:
+        client.close()
