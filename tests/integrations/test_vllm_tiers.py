@@ -18,6 +18,8 @@ from typing import Any
 
 import pytest
 
+from kvtier.tiers.common import chunkfmt
+from tests.conftest import wait_until
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves, run_child
 from tests.integrations.dynamo_indexer import NOTHING, Indexer, require_indexer
 from tests.integrations.engine_steps import evict_host, generate
@@ -44,9 +46,19 @@ LLM_ARGS = {"dtype": "float32", "enforce_eager": True, "block_size": BLOCK_SIZE,
             "max_model_len": 1024, "max_num_seqs": 4, "seed": 0}
 
 
+def fleet_key_file(fs_dir: Path) -> Path:
+    """A private fleet key beside `fs_dir`, made once: the module's engines MAC their chunks."""
+    path = fs_dir.with_name(fs_dir.name + ".key")
+    if not path.exists():
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+        with os.fdopen(fd, "wb") as f:
+            f.write(os.urandom(32))
+    return path
+
+
 def extra_config(fs_dir: Path) -> dict[str, Any]:
     return {"cpu_bytes_to_use": HOST_SLOTS * ROW_BYTES, "blocks_per_chunk": BPC,
-            "tier_restart_backoff_s": 0.2,
+            "tier_restart_backoff_s": 0.2, "fleet_key_file": str(fleet_key_file(fs_dir)),
             "secondary_tiers": [{"type": "fs", "root_dir": str(fs_dir)}]}
 
 
@@ -192,7 +204,7 @@ def test_tenants_never_reuse_each_others_chunks(llm: Any, tier: str) -> None:
                                "recomputed": len(prompt) - hit}
 
 
-def test_corrupted_fs_files_are_recomputed_and_counted(llm: Any, fs_dir: Path) -> None:
+def test_corrupted_and_forged_fs_files_are_recomputed_and_counted(llm: Any, fs_dir: Path) -> None:
     scheduler, _ = connector_halves(llm)
     prompt = tokens(llm, "garden")
     keys = scheduler.hasher.keys(prompt)
@@ -201,11 +213,20 @@ def test_corrupted_fs_files_are_recomputed_and_counted(llm: Any, fs_dir: Path) -
     evict_host(llm, keys, lambda name: tokens(llm, name))
     files = [p for p in fs_dir.glob("*/*/*") if any(k.hex() == p.name for k in keys)]  # chunks only
     assert len(files) == len(keys)
-    for path in files:
+    head = chunkfmt.HEADER_BYTES
+    for path in files[1:]:
         data = bytearray(path.read_bytes())
         data[len(data) // 2] ^= 0xFF
         path.write_bytes(bytes(data))
+    # A forgery by whoever can write the directory but holds no fleet key: other bytes under the
+    # chunk's key, with a correct header and checksum.
+    data = files[0].read_bytes()
+    key, fingerprint, _ = chunkfmt.header_fields(data[:head])
+    payload = bytearray(data[head:])
+    payload[len(payload) // 2] ^= 0xFF
+    files[0].write_bytes(chunkfmt.header_bytes(key, fingerprint, payload) + payload)
     failures = scheduler.accounting.metrics.value("kvtier_failures_total", tier="fs", op="load")
+    forged = scheduler.accounting.metrics.value("kvtier_bad_chunks_total", tier="fs", reason="mac")
 
     assert llm.reset_prefix_cache()
     again = generate(llm, prompt)
@@ -215,6 +236,12 @@ def test_corrupted_fs_files_are_recomputed_and_counted(llm: Any, fs_dir: Path) -
     assert again.outputs[0].token_ids == computed.outputs[0].token_ids
     after = scheduler.accounting.metrics.value("kvtier_failures_total", tier="fs", op="load")
     assert after - failures >= 1
+
+    def counted() -> bool:
+        scheduler.manager.poll()  # the tier's counts arrive with its reports
+        return scheduler.accounting.metrics.value("kvtier_bad_chunks_total", tier="fs", reason="mac") > forged
+
+    wait_until(counted, "the forged chunk counted as a bad MAC")
 
 
 def test_killed_fs_tier_process_requests_complete(llm: Any) -> None:
