@@ -37,6 +37,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections.abc import Callable
 from functools import partial
 from pathlib import Path
 
@@ -69,11 +70,15 @@ from kvtier.transfer.state_copier import StateCopier
 from kvtier.transfer.stream import StreamTransfer
 
 
-def check_kind(kind: str, a: argparse.Namespace, region: HostRegion, table: Table) -> None:
-    """Store and load one kind through the device path; compare with the CPU path's bytes."""
-    plan, src = kv_case(kind, a, seed=len(kind))
-    rows_n = region.size // plan.layout.row_bytes
-    chunks = min(a.identity_chunks, rows_n, a.blocks // plan.blocks_per_chunk)
+def round_trip(
+    plan: CopyPlan, src: list[torch.Tensor], a: argparse.Namespace, region: HostRegion,
+    store_reference: Callable[[list[list[int]], torch.Tensor, list[int]], None],
+    loaded_as_expected: Callable[[list[torch.Tensor], list[list[int]], torch.Tensor, list[int]], bool],
+) -> tuple[int, bool, bool]:
+    """Store `src` through the device path and load random rows back into fresh tensors; (chunks,
+    the stored rows are what `store_reference(blocks, rows, slots)` writes, the loaded tensors pass
+    `loaded_as_expected(tensors, blocks, rows, slots)`)."""
+    chunks = min(a.identity_chunks, region.size // plan.layout.row_bytes, a.blocks // plan.blocks_per_chunk)
     store = transfer_for(plan, src)
     store.attach(region.name, a.shm_dir)
     assert store.rows is not None
@@ -84,7 +89,7 @@ def check_kind(kind: str, a: argparse.Namespace, region: HostRegion, table: Tabl
     store.submit_store(1, blocks, slots)
     _, _, ok_store = wait_all(store, 1)
     expected = torch.zeros_like(rows)
-    plan.engine_to_host([t.cpu() for t in src], blocks, expected, slots)
+    store_reference(blocks, expected, slots)
     stored = ok_store and same(rows, expected)
 
     rows.copy_(random_bytes(tuple(rows.shape), torch.uint8, torch.Generator().manual_seed(2), "cpu"))
@@ -94,11 +99,26 @@ def check_kind(kind: str, a: argparse.Namespace, region: HostRegion, table: Tabl
     blocks, slots = job(plan, a.blocks, chunks, seed=3, skip=True)
     load.submit_load(2, blocks, slots)
     _, _, ok_load = wait_all(load, 1)
-    want = [torch.zeros_like(t, device="cpu") for t in src]
-    plan.host_to_engine(want, blocks, rows, slots)
-    loaded = ok_load and all(same(got, w) for got, w in zip(dst, want, strict=True))
+    loaded = ok_load and loaded_as_expected(dst, blocks, rows, slots)
     load.close()
     store.close()
+    return chunks, stored, loaded
+
+
+def check_kind(kind: str, a: argparse.Namespace, region: HostRegion, table: Table) -> None:
+    """Store and load one kind through the device path; compare with the CPU path's bytes."""
+    plan, src = kv_case(kind, a, seed=len(kind))
+
+    def loaded_as_expected(dst: list[torch.Tensor], blocks: list[list[int]], rows: torch.Tensor,
+                           slots: list[int]) -> bool:
+        want = [torch.zeros_like(t, device="cpu") for t in src]
+        plan.host_to_engine(want, blocks, rows, slots)
+        return all(same(got, w) for got, w in zip(dst, want, strict=True))
+
+    chunks, stored, loaded = round_trip(
+        plan, src, a, region,
+        lambda blocks, rows, slots: plan.engine_to_host([t.cpu() for t in src], blocks, rows, slots),
+        loaded_as_expected)
     mib = chunks * plan.layout.page_bytes * plan.layout.num_layers / 2**20
     table.row(
         "identity", kind, stored and loaded, f"{chunks} chunks, {mib:.1f} MiB; {verdict(stored, loaded)}"
@@ -219,33 +239,17 @@ def check_kernel_blocks(kind: str, a: argparse.Namespace, region: HostRegion, ta
     twin = argparse.Namespace(**{**vars(a), "block_size": a.block_size * ratio, "device": "cpu"})
     whole_plan, whole = kv_case(kind, twin, seed=0)
     copy_tokens(plan, src, whole_plan, whole, to_whole=True)
-    chunks = min(a.identity_chunks, region.size // plan.layout.row_bytes, a.blocks // plan.blocks_per_chunk)
-    store = transfer_for(plan, src)
-    store.attach(region.name, a.shm_dir)
-    assert store.rows is not None
-    rows = store.rows
-    rows.zero_()
-    blocks, slots = job(plan, a.blocks, chunks, seed=1, skip=False)
-    store.forward_done()
-    store.submit_store(1, blocks, slots)
-    _, _, ok_store = wait_all(store, 1)
-    expected = torch.zeros_like(rows)
-    whole_plan.engine_to_host(whole, blocks, expected, slots)
-    stored = ok_store and same(rows, expected)
 
-    rows.copy_(random_bytes(tuple(rows.shape), torch.uint8, torch.Generator().manual_seed(2), "cpu"))
-    dst = [torch.zeros_like(t) for t in src]
-    load = transfer_for(plan, dst)
-    load.attach(region.name, a.shm_dir)
-    blocks, slots = job(plan, a.blocks, chunks, seed=3, skip=True)
-    load.submit_load(2, blocks, slots)
-    _, _, ok_load = wait_all(load, 1)
-    want, got = [torch.zeros_like(t) for t in whole], [torch.zeros_like(t) for t in whole]
-    whole_plan.host_to_engine(want, blocks, rows, slots)
-    copy_tokens(plan, dst, whole_plan, got, to_whole=True)
-    loaded = ok_load and all(same(g, w) for g, w in zip(got, want, strict=True))
-    load.close()
-    store.close()
+    def loaded_as_expected(dst: list[torch.Tensor], blocks: list[list[int]], rows: torch.Tensor,
+                           slots: list[int]) -> bool:
+        want, got = [torch.zeros_like(t) for t in whole], [torch.zeros_like(t) for t in whole]
+        whole_plan.host_to_engine(want, blocks, rows, slots)
+        copy_tokens(plan, dst, whole_plan, got, to_whole=True)
+        return all(same(g, w) for g, w in zip(got, want, strict=True))
+
+    chunks, stored, loaded = round_trip(
+        plan, src, a, region,
+        lambda blocks, rows, slots: whole_plan.engine_to_host(whole, blocks, rows, slots), loaded_as_expected)
     detail = f"blocks of {a.block_size * ratio} tokens as {ratio} of {a.block_size}, {chunks} chunks"
     table.row("kernel", f"{kind} x{ratio}", stored and loaded, f"{detail}; {verdict(stored, loaded)}")
 
