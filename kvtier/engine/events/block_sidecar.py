@@ -11,7 +11,9 @@ by write-to-temp then `os.replace`; one whose magic, checksum, key or block size
 removed and names nothing; so is one that is not a regular file or is over `MAX_FILE_BYTES` (never
 read). Files and directories take the modes the fs tier gave its layout directory (0600/0700, or
 its `shared_group` modes) whatever the umask; a sidecar directory left more open is tightened
-when the sidecar starts. The chunk file itself is the fs tier's: a sidecar is only ever a hint for
+when the sidecar starts. Every directory below the root is opened from its parent's descriptor
+without following a link, and files are reached from their directory's (`_fan_dir`): a link
+planted in the root leads nowhere outside it. The chunk file itself is the fs tier's: a sidecar is only ever a hint for
 events, never read on the data path.
 
 Threads: the scheduler thread queues `save`, `drop` and `ask` (never blocking); one daemon thread
@@ -27,7 +29,7 @@ import os
 import queue
 import secrets
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Literal
 
 import xxhash
@@ -36,8 +38,8 @@ from kvtier.engine.events.chunk_blocks import ChunkBlocks
 from kvtier.format.chunks import ChunkKey, TierEventKind
 from kvtier.tiers.fs.safe_files import (
     HostileFile,
+    LayoutDir,
     create_file,
-    make_dirs,
     modes_of,
     read_regular,
     tighten_like,
@@ -114,10 +116,24 @@ class BlockSidecar:
             self._thread.join(timeout)
 
     def path(self, key: ChunkKey) -> str:
-        if self._dir is None:
-            self._dir = os.path.join(self.base, self._space()[:8].hex())
+        """Where `key`'s file is (for readers; the sidecar itself reaches it by `_fan_dir`)."""
         name = key.hex()
-        return os.path.join(self._dir, name[:2], name)
+        return os.path.join(self.base, self._space_dir(), name[:2], name)
+
+    def _space_dir(self) -> str:
+        if self._dir is None:
+            self._dir = self._space()[:8].hex()
+        return self._dir
+
+    @contextlib.contextmanager
+    def _fan_dir(self, key: ChunkKey, create: bool) -> Iterator[int]:
+        """An fd of the directory of `key`'s file, each directory below the tier's root opened
+        from its parent's fd without following a link (`LayoutDir`): nothing done through it
+        leaves the root, whatever was planted in it."""
+        modes = modes_of(self.base.removesuffix(".blocks"))
+        dirs = LayoutDir(os.path.dirname(self.base), os.path.basename(self.base), modes)
+        with dirs.sub(f"{self._space_dir()}/{key.hex()[:2]}", create) as fd:
+            yield fd
 
     # ---- the sidecar's thread ----------------------------------------------------------------
 
@@ -131,8 +147,9 @@ class BlockSidecar:
                 if op == "save" and isinstance(arg, ChunkBlocks):
                     self._save(key, arg)
                 elif op == "drop":
-                    with contextlib.suppress(FileNotFoundError):
-                        os.unlink(self.path(key))
+                    with contextlib.suppress(FileNotFoundError, HostileFile), \
+                            self._fan_dir(key, create=False) as fd:
+                        os.unlink(key.hex(), dir_fd=fd)
                 elif op == "ask" and isinstance(arg, TierEventKind):
                     self._answers.put((arg, key, self._read(key)))
             except Exception as e:  # a sidecar is a hint: its errors never reach the engine
@@ -141,34 +158,37 @@ class BlockSidecar:
                     self._answers.put((arg, key, None))
 
     def _save(self, key: ChunkKey, blocks: ChunkBlocks) -> None:
-        path = self.path(key)
-        if os.path.exists(path):
-            return
-        modes = modes_of(self.base.removesuffix(".blocks"))
-        make_dirs(os.path.dirname(path), modes.dir)
-        temp = f"{path}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
-        try:
-            with os.fdopen(create_file(temp, modes.file), "wb") as f:
-                f.write(encode(key, blocks, self.block_size))
-            os.replace(temp, path)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                os.unlink(temp)
-            raise
+        name = key.hex()
+        with self._fan_dir(key, create=True) as fd:
+            with contextlib.suppress(FileNotFoundError):
+                os.stat(name, dir_fd=fd, follow_symlinks=False)
+                return
+            temp = f"{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
+            try:
+                with os.fdopen(create_file(temp, modes_of(self.base.removesuffix(".blocks")).file,
+                                           dir_fd=fd), "wb") as f:
+                    f.write(encode(key, blocks, self.block_size))
+                os.replace(temp, name, src_dir_fd=fd, dst_dir_fd=fd)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(temp, dir_fd=fd)
+                raise
 
     def _read(self, key: ChunkKey) -> ChunkBlocks | None:
-        path = self.path(key)
+        name = key.hex()
         try:
-            data = read_regular(path, MAX_FILE_BYTES)
-        except FileNotFoundError:
+            with self._fan_dir(key, create=False) as fd:
+                try:
+                    data = read_regular(name, MAX_FILE_BYTES, dir_fd=fd)
+                except HostileFile:
+                    data = b""
+                blocks = decode(data, key, self.block_size)
+                if blocks is None:
+                    with contextlib.suppress(OSError):
+                        os.unlink(name, dir_fd=fd)
+                return blocks
+        except (FileNotFoundError, HostileFile):  # no file, or a planted link where a directory is
             return None
-        except HostileFile:
-            data = b""
-        blocks = decode(data, key, self.block_size)
-        if blocks is None:
-            with contextlib.suppress(OSError):
-                os.unlink(path)
-        return blocks
 
     def _failed(self, op: str, e: Exception) -> None:
         cause = f"{op}:{type(e).__name__}"

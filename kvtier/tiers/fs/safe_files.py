@@ -93,10 +93,11 @@ def open_regular(name: str, flags: int = os.O_RDONLY, dir_fd: int | None = None)
     return fd
 
 
-def read_regular(path: str, limit: int) -> bytes:
-    """The content of the regular file `path` (see `open_regular`); raises HostileFile when it is
-    not one or holds more than `limit` bytes, which are never read."""
-    fd = open_regular(path)
+def read_regular(path: str, limit: int, dir_fd: int | None = None) -> bytes:
+    """The content of the regular file `path` (relative to `dir_fd` when given; see
+    `open_regular`); raises HostileFile when it is not one or holds more than `limit` bytes, which
+    are never read."""
+    fd = open_regular(path, dir_fd=dir_fd)
     try:
         if os.fstat(fd).st_size > limit:
             raise HostileFile(errno.EFBIG, f"larger than {limit} bytes", path)
@@ -131,15 +132,6 @@ def make_dir(name: str, mode: int, dir_fd: int | None = None) -> None:
         os.fchmod(fd, mode)
     finally:
         os.close(fd)
-
-
-def make_dirs(path: str, mode: int) -> None:
-    """`path` and any missing parents created as by `make_dir` (existing ones left as they are)."""
-    parent = os.path.dirname(path)
-    if parent and parent != path and not os.path.isdir(parent):
-        make_dirs(parent, mode)
-    with contextlib.suppress(FileExistsError):
-        make_dir(path, mode)
 
 
 def open_dir(name: str, dir_fd: int | None = None) -> int:
@@ -198,16 +190,20 @@ class LayoutDir:
 
     @contextlib.contextmanager
     def sub(self, name: str, create: bool = False) -> Iterator[int]:
-        """An fd of the subdirectory `name`, closed after the block. With `create`, a missing
-        layout directory or subdirectory is made (`root` never is), and an entry that is not a
-        directory where one belongs is replaced by one. Raises FileNotFoundError, HostileFile
-        (without `create`) or the file system's OSError."""
-        top = self.open_top(create)
+        """An fd of the subdirectory `name` (a relative path: each of its components is opened
+        from the one before), closed after the block. With `create`, a missing layout directory
+        or subdirectory is made (`root` never is), and an entry that is not a directory where one
+        belongs is replaced by one. Raises FileNotFoundError, HostileFile (without `create`) or
+        the file system's OSError."""
+        fd = self.open_top(create)
         try:
-            fd = self._open(name, top, create)
-        finally:
-            os.close(top)
-        try:
+            for part in name.split("/"):
+                parent, fd = fd, -1
+                try:
+                    fd = self._open(part, parent, create)
+                finally:
+                    os.close(parent)
             yield fd
         finally:
-            os.close(fd)
+            if fd >= 0:
+                os.close(fd)

@@ -247,3 +247,33 @@ def test_fsck_streams_the_checksum_of_a_payload_it_cannot_judge_by_length(root: 
     assert [(b.path, b.reason) for b in report.bad] == [(str(sparse), "checksum")]
     assert report.removed == [str(sparse)] and all_files(root) == []
     assert peak < 16 << 20
+
+
+def test_a_sidecar_fanout_replaced_by_a_symlink_leads_nowhere_outside(root: Path, outside: Path) -> None:
+    """A sidecar's fan-out directory replaced by a link to a directory outside the root: a save
+    replaces the link with a directory of its own, a read or a removal never reaches through it."""
+    root.mkdir(exist_ok=True)
+    sidecar = BlockSidecar(str(root), LAYOUT_FP, 16, lambda: bytes(32))
+    try:
+        key = random_key()
+        blocks = ChunkBlocks((bytes(32),), None, array("I", range(16)))
+        sidecar.save(key, blocks)
+        path = Path(sidecar.path(key))
+        assert sidecar_answer(sidecar, key)[0][2] is not None  # saved and read back
+        victim = outside / path.name
+        victim.write_bytes(path.read_bytes())  # a valid sidecar, reachable only through the link
+        fanout = path.parent
+        for entry in fanout.iterdir():
+            entry.unlink()
+        fanout.rmdir()
+        fanout.symlink_to(outside)
+        assert sidecar_answer(sidecar, key) == [(TierEventKind.STORED, key, None)]
+        sidecar.drop(key)
+        assert victim.exists()  # the drop did not reach through the link
+        other = key[:1] + random_key()[1:]  # a key of the same fan-out directory
+        sidecar.save(other, blocks)
+        assert sidecar_answer(sidecar, other)[0][2] is not None
+        assert sorted(p.name for p in outside.iterdir()) == [victim.name]  # nothing written outside
+        assert fanout.is_dir() and not fanout.is_symlink()  # the link replaced by our directory
+    finally:
+        sidecar.close()
