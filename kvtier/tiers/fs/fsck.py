@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import io
 import json
 import os
 import time
@@ -43,7 +44,7 @@ from kvtier.tiers.fs.index import (
     TEMP_NAME_RE,
     fanout_name,
 )
-from kvtier.tiers.fs.safe_files import HostileFile, open_regular
+from kvtier.tiers.fs.safe_files import O_CLOEXEC, O_DIRECTORY, HostileFile, open_dir, open_regular
 
 STRAY = "stray"
 """Reason for an entry inside a layout directory whose name is not a chunk, temp or fan-out name."""
@@ -86,34 +87,41 @@ class FsckReport:
         return out
 
 
-def _verify(path: str, name: str, layout_fp: bytes, row_bytes: int | None,
-            buf: memoryview, fleet: FleetKey | None) -> str | None:
-    """Why the chunk file at `path` is bad (MACed with `fleet` when given), or None when it is
-    good; the payload is read into `buf` piece by piece. Raises FileNotFoundError."""
+def _verify(name: str, dir_fd: int, layout_fp: bytes, row_bytes: int | None,
+            buf: memoryview, fleet: FleetKey | None) -> tuple[str | None, int]:
+    """(why the chunk file `name` in the directory `dir_fd` is bad, MACed with `fleet` when given,
+    or None when it is good; its size); the payload is read into `buf` piece by piece. Raises
+    FileNotFoundError."""
     try:
-        fd = open_regular(path)
+        fd = open_regular(name, dir_fd=dir_fd)
     except HostileFile:
-        return ChunkError.MAGIC.value
+        return ChunkError.MAGIC.value, 0
     with open(fd, "rb", buffering=0) as f:
-        header = f.read(chunkfmt.HEADER_BYTES)
-        err, digest = chunkfmt.check_header(header, bytes.fromhex(name), layout_fp, row_bytes, fleet)
-        if err is not None:
-            return err.value
-        _key, _fp, payload_len = chunkfmt.header_fields(header)
-        size = os.fstat(f.fileno()).st_size
-        if size < chunkfmt.HEADER_BYTES + payload_len:
+        return _verify_open(f, name, layout_fp, row_bytes, buf, fleet), os.fstat(fd).st_size
+
+
+def _verify_open(f: io.FileIO, name: str, layout_fp: bytes, row_bytes: int | None,
+                 buf: memoryview, fleet: FleetKey | None) -> str | None:
+    """`_verify` of the open file `f`."""
+    header = f.read(chunkfmt.HEADER_BYTES)
+    err, digest = chunkfmt.check_header(header, bytes.fromhex(name), layout_fp, row_bytes, fleet)
+    if err is not None:
+        return err.value
+    _key, _fp, payload_len = chunkfmt.header_fields(header)
+    size = os.fstat(f.fileno()).st_size
+    if size < chunkfmt.HEADER_BYTES + payload_len:
+        return ChunkError.SHORT.value
+    if size > chunkfmt.HEADER_BYTES + payload_len:
+        return ChunkError.LENGTH.value
+    hasher = chunkfmt.payload_digest(header, fleet)
+    left = payload_len
+    while left:
+        n = f.readinto(buf[: min(left, len(buf))])
+        if not n:
             return ChunkError.SHORT.value
-        if size > chunkfmt.HEADER_BYTES + payload_len:
-            return ChunkError.LENGTH.value
-        hasher = chunkfmt.payload_digest(header, fleet)
-        left = payload_len
-        while left:
-            n = f.readinto(buf[: min(left, len(buf))])
-            if not n:
-                return ChunkError.SHORT.value
-            hasher.update(buf[:n])
-            left -= n
-        bad = chunkfmt.check_digest(hasher.digest(), digest, fleet)
+        hasher.update(buf[:n])
+        left -= n
+    bad = chunkfmt.check_digest(hasher.digest(), digest, fleet)
     return None if bad is None else bad.value
 
 
@@ -151,72 +159,78 @@ class _Checker:
         self.now = time.time()
         self.buf = memoryview(bytearray(PIECE_BYTES))
 
-    def bad(self, path: str, reason: str, removable: bool = True) -> None:
+    def bad(self, path: str, dir_fd: int, reason: str, removable: bool = True) -> None:
         self.report.bad.append(BadFile(path, reason))
         if removable:
-            self.remove(path)
+            self.remove(path, dir_fd)
 
-    def remove(self, path: str) -> None:
+    def remove(self, path: str, dir_fd: int) -> None:
+        """Remove the entry `path` names, through its directory's descriptor `dir_fd` (a link
+        swapped in above it leads nowhere)."""
         if not self.report.repair:
             return
         try:
-            os.unlink(path)
+            os.unlink(os.path.basename(path), dir_fd=dir_fd)
             self.report.removed.append(path)
         except FileNotFoundError:
             pass
         except OSError as e:
             self.report.not_removed.append(f"{path}: {e.strerror}")
 
-    def temp(self, entry: os.DirEntry[str]) -> None:
+    def temp(self, entry: os.DirEntry[str], path: str, dir_fd: int) -> None:
         try:
             age = self.now - entry.stat(follow_symlinks=False).st_mtime
         except FileNotFoundError:
             return
         if age > self.temp_grace_s:
-            self.report.orphans.append(entry.path)
-            self.remove(entry.path)
+            self.report.orphans.append(path)
+            self.remove(path, dir_fd)
         else:
-            self.report.in_progress.append(entry.path)
+            self.report.in_progress.append(path)
 
-    def layout_dir(self, path: str, layout_fp: bytes) -> None:
+    def layout_dir(self, path: str, layout_fp: bytes, fd: int) -> None:
         rows = self.row_bytes if self.row_bytes is not None else layout_row_bytes(path)
         self.report.row_bytes[layout_fp.hex()] = self.layout_rows = rows
-        for entry in sorted(os.scandir(path), key=lambda e: e.name):
+        for entry in sorted(os.scandir(fd), key=lambda e: e.name):
+            at = os.path.join(path, entry.name)
             if FANOUT_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
-                self.fanout_dir(entry.path, entry.name, layout_fp)
+                try:
+                    fan = open_dir(entry.name, fd)
+                except (FileNotFoundError, HostileFile):  # gone, or swapped for a link meanwhile
+                    continue
+                try:
+                    self.fanout_dir(at, entry.name, layout_fp, fan)
+                finally:
+                    os.close(fan)
             elif TEMP_NAME_RE.match(entry.name) and entry.is_file(follow_symlinks=False):
-                self.temp(entry)
+                self.temp(entry, at, fd)
             else:
-                self.bad(entry.path, STRAY, removable=entry.is_file(follow_symlinks=False))
+                self.bad(at, fd, STRAY, removable=entry.is_file(follow_symlinks=False))
 
-    def fanout_dir(self, path: str, fanout: str, layout_fp: bytes) -> None:
-        try:
-            entries = sorted(os.scandir(path), key=lambda e: e.name)
-        except FileNotFoundError:
-            return
-        for entry in entries:
+    def fanout_dir(self, path: str, fanout: str, layout_fp: bytes, fd: int) -> None:
+        for entry in sorted(os.scandir(fd), key=lambda e: e.name):
+            at = os.path.join(path, entry.name)
             is_file = entry.is_file(follow_symlinks=False)
             if not is_file:
-                self.bad(entry.path, STRAY, removable=False)
+                self.bad(at, fd, STRAY, removable=False)
             elif TEMP_NAME_RE.match(entry.name):
-                self.temp(entry)
+                self.temp(entry, at, fd)
             elif not CHUNK_NAME_RE.match(entry.name):
-                self.bad(entry.path, STRAY)
+                self.bad(at, fd, STRAY)
             elif fanout_name(entry.name) != fanout:
                 self.report.files += 1
-                self.bad(entry.path, WRONG_DIR)
+                self.bad(at, fd, WRONG_DIR)
             else:
-                self.chunk(entry.path, entry.name, layout_fp)
+                self.chunk(at, entry.name, layout_fp, fd)
 
-    def chunk(self, path: str, name: str, layout_fp: bytes) -> None:
+    def chunk(self, path: str, name: str, layout_fp: bytes, dir_fd: int) -> None:
         try:
-            reason = _verify(path, name, layout_fp, self.layout_rows, self.buf, self.fleet)
-            size = os.stat(path).st_size
+            reason, size = _verify(name, dir_fd, layout_fp, self.layout_rows, self.buf, self.fleet)
         except FileNotFoundError:
             return
         self.report.files += 1
         if reason is not None:
-            self.bad(path, reason)
+            self.bad(path, dir_fd, reason)
         else:
             self.report.good_files += 1
             self.report.good_bytes += size
@@ -233,11 +247,23 @@ def fsck(root: str, repair: bool, *, temp_grace_s: float = 600.0,
     """
     report = FsckReport(root=os.path.abspath(root), repair=repair)
     checker = _Checker(report, temp_grace_s, row_bytes, fleet)
-    for entry in sorted(os.scandir(root), key=lambda e: e.name):
-        if LAYOUT_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False):
-            checker.layout_dir(entry.path, bytes.fromhex(entry.name))
-        else:
-            report.ignored.append(entry.path)
+    root_fd = os.open(root, os.O_RDONLY | O_DIRECTORY | O_CLOEXEC)  # the operator's: may be a link
+    try:
+        for entry in sorted(os.scandir(root_fd), key=lambda e: e.name):
+            at = os.path.join(root, entry.name)
+            if not (LAYOUT_DIR_RE.match(entry.name) and entry.is_dir(follow_symlinks=False)):
+                report.ignored.append(at)
+                continue
+            try:
+                fd = open_dir(entry.name, root_fd)
+            except (FileNotFoundError, HostileFile):
+                continue
+            try:
+                checker.layout_dir(at, bytes.fromhex(entry.name), fd)
+            finally:
+                os.close(fd)
+    finally:
+        os.close(root_fd)
     return report
 
 

@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 
+from kvtier.tiers.fs import fsck as fsck_module
 from kvtier.tiers.fs.fsck import STRAY, WRONG_DIR, add_fsck_parser, fsck
 from kvtier.tiers.fs.tier import FsTier
 from tests.conftest import random_key
@@ -149,3 +150,34 @@ def test_a_missing_directory_cannot_be_checked(tmp_path: Path, capsys) -> None:
     assert code == 2 and "cannot check" in out
     with pytest.raises(FileNotFoundError):
         fsck(str(tmp_path / "nope"), repair=False)
+
+
+def test_repair_never_removes_through_a_fanout_swapped_for_a_link(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Between fsck's listing of a fan-out directory and its removal of a bad file there, a writer
+    of the root swaps the directory for a link to another directory holding a file of the same
+    name: the removal goes through the descriptor of the directory fsck listed, never the link."""
+    root, outside = tmp_path / "kv", tmp_path / "outside"
+    outside.mkdir()
+    [key] = populate(root, 1)
+    path = Path(chunk_path(root, key))
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))  # bad: fsck --repair removes it
+    victim = outside / path.name
+    victim.write_bytes(b"not fsck's to remove")
+    verify = fsck_module._verify
+
+    def swapped_then_verified(name: str, dir_fd: int, *args: object) -> tuple[str | None, int]:
+        result = verify(name, dir_fd, *args)  # type: ignore[arg-type]
+        fan = path.parent
+        fan.rename(tmp_path / "moved-away")
+        fan.symlink_to(outside)
+        return result
+
+    monkeypatch.setattr(fsck_module, "_verify", swapped_then_verified)
+    report = fsck(str(root), repair=True)
+    assert [b.reason for b in report.bad] == ["checksum"] and report.removed == [str(path)]
+    assert victim.read_bytes() == b"not fsck's to remove"
+    assert not (tmp_path / "moved-away" / path.name).exists()  # the bad file itself is gone

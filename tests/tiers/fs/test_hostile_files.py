@@ -180,6 +180,7 @@ def sidecar_answer(sidecar: BlockSidecar, key: bytes) -> list:
 def test_a_hostile_sidecar_is_not_read_and_names_nothing(
     root: Path, planted: str, caplog: pytest.LogCaptureFixture
 ) -> None:
+    root.mkdir()  # the fs tier's root, which the tier makes: a sidecar never does
     sidecar = BlockSidecar(str(root), LAYOUT_FP, 16, lambda: bytes(32))
     try:
         key = random_key()
