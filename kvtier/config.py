@@ -33,6 +33,9 @@ from kvtier.tiers.common.options import HIDDEN, Option
 from kvtier.tiers.registry import check_tier_options, declared_options, resolve_tier
 
 HASH_ALGORITHMS = ("sha256", "blake3")
+ALWAYS, AUTO = "always", "auto"
+LOAD_POLICIES = (ALWAYS, AUTO)
+"""`load_policy`'s values (`kvtier.engine.load_choice`)."""
 SECONDARY_MIN_PRIORITY = 35
 """A secondary tier's default `min_retention_priority` (TensorRT-LLM's default cut-off)."""
 TIER_KEYS = ("type", "module_path", "name", "min_retention_priority")
@@ -93,6 +96,9 @@ class KVTierConfig:
     """On the CPU backend, a model with one KV cache group: a load served by the host tier alone is
     copied before the forward pass of the step that schedules its request (vLLM's synchronous
     load), instead of a step before it (False: every load is asynchronous)."""
+    load_policy: str = ALWAYS
+    """`always`: load every chunk a tier holds; `auto`: promote a run of chunks from the secondary
+    tiers only as far as loading it is measured to come back sooner than recomputing it."""
     shm_dir: str = "/dev/shm"
     os_reserve_bytes: int | None = None
     """Host memory the memory plan keeps for the OS, its page cache and co-located services: the
@@ -143,6 +149,9 @@ class KVTierConfig:
         if hash_algorithm not in HASH_ALGORITHMS:
             raise ConfigError("hash_algorithm", hash_algorithm, f"one of {HASH_ALGORITHMS}")
         secrets_env = _optional_string(raw, "secrets_env")
+        load_policy = raw.get("load_policy", ALWAYS)
+        if load_policy not in LOAD_POLICIES:
+            raise ConfigError("load_policy", load_policy, f"one of {', '.join(LOAD_POLICIES)}")
         secrets = _env_secrets(secrets_env, os.environ if environ is None else environ)
         return cls(
             cpu_bytes_to_use=_int(raw, "cpu_bytes_to_use", None, minimum=1),
@@ -164,6 +173,7 @@ class KVTierConfig:
             promotion_wait_s=_float(raw, "promotion_wait_s", 0.0, minimum=0.0),
             stream_promotions=_bool(raw, "stream_promotions", True),
             sync_host_loads=_bool(raw, "sync_host_loads", True),
+            load_policy=load_policy,
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
             os_reserve_bytes=(None if raw.get("os_reserve_bytes") is None
                               else _int(raw, "os_reserve_bytes", None, minimum=0)),

@@ -21,8 +21,8 @@ import itertools
 import logging
 import time
 from collections import Counter
-from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
 
 from kvtier.format.chunks import HOST, ChunkKey, TierEvent
 from kvtier.host.region import HostRegion
@@ -39,13 +39,11 @@ log = logging.getLogger("kvtier.manager")
 
 @dataclass(frozen=True)
 class PrefixLookup:
-    """The answer for a request's chunk keys.
-
-    `ready` leading chunks are in the host tier now. `pending` holds when more chunks may become
-    ready soon (a promotion or a tier lookup is in flight): ask again on a later step. `promoting`
-    names the source of each chunk after the `ready` ones whose promotion this call started
-    (chunk `ready + i` comes from `promoting[i]`; "host" for one the host tier already held behind
-    a missing one, now held for the caller), so a caller can tell host hits from promotions."""
+    """The answer for a request's chunk keys: `ready` leading chunks are in the host tier now.
+    `pending` holds when more may become ready soon (a promotion or a tier lookup is in flight): ask
+    again on a later step. `promoting` names the source of each chunk after the `ready` ones whose
+    promotion this call started (chunk `ready + i` from `promoting[i]`; "host" for one the host tier
+    held behind a missing one, now held for the caller), so a caller can tell hits from promotions."""
 
     ready: int
     pending: bool
@@ -61,6 +59,7 @@ class _Transfer:
     kind: JobKind
     keys: tuple[ChunkKey, ...]
     priority: int
+    started: float = field(default_factory=time.monotonic)
 
 
 class TieringManager:
@@ -96,6 +95,7 @@ class TieringManager:
         """The priority each chunk was cascaded with: a promoted chunk gets it back."""
         self._disabled: set[str] = set()
         self.cascades = True  # False on an instance keeping its chunks in the host tier (`kv_consumer`)
+        self.load_timer: Callable[[str, int, float], None] | None = None  # (tier, bytes, seconds) per load
         for name in self.tiers:
             self.metrics.set("tier_enabled", 1.0, name)
 
@@ -112,22 +112,25 @@ class TieringManager:
     def lookup_prefix(
         self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True,
         stream: bool = False, priority: int = DEFAULT_PRIORITY,
+        choose: Callable[[Sequence[str]], int] | None = None,
     ) -> PrefixLookup:
         """How many leading `keys` are ready in the host tier; promote what follows if found.
 
-        `tiers` restricts which secondary tiers may serve (None: all of them). With `promote`
-        False the answer is what the host tier holds now (and the promotions in flight): a caller
-        whose promotion already ran takes what it brought rather than evicting to promote again.
-        The chunks found that do not fit in the host tier now are refused (counted), or with
-        `stream` reported in `beyond` for the caller to `promote` once room is freed. A promoted
-        chunk gets the retention priority it was cascaded with, or the caller's `priority` when
-        higher (or when that is not remembered).
+        `tiers` restricts which secondary tiers may serve (None: all of them). With `promote` False
+        the answer is what the host tier holds now (and the promotions in flight): a caller whose
+        promotion already ran takes what it brought rather than evicting to promote again. `choose`,
+        given the source tier of each chunk of the run found, says how many leading ones to promote.
+        The chunks found that do not fit in the host tier now are refused (counted), or with `stream`
+        reported in `beyond` for the caller to `promote` once room is freed. A promoted chunk gets
+        the retention priority it was cascaded with, or the caller's `priority` when higher or unknown.
         """
         ready = self.host.lookup(keys)
         rest = keys[ready:]
         if rest and self.host.is_pending(rest[0]):
             return PrefixLookup(ready, pending=True)
         sources, pending = self._find(rest, tiers) if rest and promote else ([], False)
+        if sources and not pending and choose is not None:
+            sources = sources[: choose(sources)]
         promoting: tuple[str, ...] = ()
         beyond: tuple[str, ...] = ()
         if sources and not pending:
@@ -146,8 +149,7 @@ class TieringManager:
         self, keys: Sequence[ChunkKey], sources: Sequence[str], priority: int = DEFAULT_PRIORITY
     ) -> int:
         """Start promoting the leading `keys` that fit in the host tier, chunk i from `sources[i]`
-        (retention priority as `lookup_prefix`); how many fitted (0: no room now). Each is held
-        once loaded, until `release`d."""
+        (priority as `lookup_prefix`); how many fitted (0: no room), each held once loaded till `release`d."""
         return self._promote((), keys, sources, priority)
 
     def await_promotions(self, keys: Sequence[ChunkKey], timeout_s: float) -> None:
@@ -161,8 +163,7 @@ class TieringManager:
         self.poll()
 
     def _find(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None) -> tuple[list[str], bool]:
-        """The source tier of each of the leading keys some tier holds, and whether the run stopped
-        on a key whose presence is not known yet."""
+        """The source tier of each leading key some tier holds; whether the run stopped on an unknown."""
         names = [n for n in self.tiers if (tiers is None or n in tiers) and n not in self._disabled]
         answers = {n: self.tiers[n].lookup(keys) for n in names}
         asking = [n for n in names if LookupResult.RETRY in answers[n]]
@@ -186,12 +187,11 @@ class TieringManager:
         self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str], priority: int
     ) -> int:
         """Allocate host slots for the leading `keys` that fit and load each from its source tier;
-        returns how many fitted. When any did, the `ready` chunks before them and those of `keys`
-        already READY are held like the promoted ones (`release`), so no store evicts the prefix
-        the promotion extends while the rest load (the promoted chunks would be useless without
-        it). A chunk is useful only after every chunk before it: when the host tier cannot take
-        them all, the first ones are promoted; the rest are the caller's to stream (`promote`
-        later) or recompute."""
+        how many fitted. When any did, the `ready` chunks before them and the READY ones of `keys`
+        are held like the promoted ones (`release`): no store evicts the prefix the promotion
+        extends meanwhile. A chunk is useful only after every chunk before it: when the host tier
+        cannot take them all, the first ones are promoted; the rest are the caller's to stream
+        (`promote` later) or recompute."""
         host = self.host
         slots, fitted = host.reserve_prefix([*ready, *keys])
         fitted -= len(ready)
@@ -353,11 +353,10 @@ class TieringManager:
             self.cascade(keys, priority, skip=transfer.tier)
 
     def release(self, keys: Sequence[ChunkKey]) -> None:
-        """Release the hold a promotion puts on each of `keys` (keys without one are ignored).
-        A promoted chunk stays pinned in the host tier from the end of its promotion until the
-        caller that asked for it releases it, once it pinned the rows for its own load or gave up,
-        so no other promotion or store can evict it in between. A key released while its
-        promotion is still in flight is not held when that promotion ends."""
+        """Release the hold a promotion puts on each of `keys` (keys without one are ignored): a
+        promoted chunk stays pinned from the end of its promotion until its caller pinned the rows
+        for its own load or gave up, so nothing evicts it in between. A key released while its
+        promotion is in flight is not held when that promotion ends."""
         unique = set(keys)
         self._claimed -= unique
         held = [k for k in unique if k in self._held]
@@ -379,6 +378,8 @@ class TieringManager:
             m.inc("transfer_bytes", result.bytes_moved, tier, op)
             m.inc("transfer_seconds", result.seconds, tier, op)
             m.observe("transfer_latency_seconds", result.seconds, tier, op)
+            if transfer.kind is JobKind.LOAD and self.load_timer is not None:
+                self.load_timer(tier, result.bytes_moved, time.monotonic() - transfer.started)
 
     @property
     def in_flight(self) -> int:

@@ -16,7 +16,7 @@ def test_defaults() -> None:
     cfg = parse()
     assert cfg.cpu_bytes_to_use == 1 << 20
     assert cfg.blocks_per_chunk == 1 and cfg.eviction_policy == "lru"
-    assert cfg.secondary_tiers == ()
+    assert cfg.secondary_tiers == () and cfg.load_policy == "always"
 
 
 def test_full_config_is_parsed() -> None:
@@ -57,6 +57,7 @@ def test_missing_cpu_bytes_is_named() -> None:
         ({"eviction_policy": "lru", "eviction_policy_module_path": "no.such.mod"},
          "eviction_policy", "cannot import"),
         ({"hash_algorithm": "md5"}, "hash_algorithm", "sha256"),
+        ({"load_policy": "sometimes"}, "load_policy", "one of always, auto"),
         ({"secondary_tiers": {"type": "fs"}}, "secondary_tiers", "list"),
         ({"secondary_tiers": [{"root_dir": "/x"}]}, "secondary_tiers[0].type", "required"),
         ({"secondary_tiers": [{"type": "fss"}]}, "secondary_tiers[0].type", "did you mean 'fs'"),

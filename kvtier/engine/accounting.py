@@ -5,9 +5,11 @@ The scheduler half calls `Accounting` on the scheduler thread only; nothing here
 Per request (`RequestHits`): the device prefix-cache hit vLLM reported to
 `get_num_new_matched_tokens`, then the chunks kvtier loaded, each counted under the tier it came
 from: "host" when it was in the host tier already, else the secondary tier (by name) that promoted
-it for this request; a chunk whose load failed is recomputed. When the request finishes its split
-`{"device": n, "host": n, <tier name>: n, ..., "recomputed": n}` (prompt tokens; they add up to the
-prompt length) is returned to the caller in the request output's `kv_transfer_params` under
+it for this request; a chunk whose load failed is recomputed. A chunk a tier held that
+`load_policy: auto` chose to recompute (`kvtier.engine.load_choice`) is "recomputed_by_choice" (the
+key is in the split under `auto` only). When the request finishes its split `{"device": n, "host":
+n, <tier name>: n, ..., "recomputed_by_choice": n, "recomputed": n}` (prompt tokens; they add up
+to the prompt length) is returned to the caller in the request output's `kv_transfer_params` under
 `"kvtier": {"tokens": ...}`, kept for in-process readers in `Accounting.finished` (the last
 `FINISHED_KEPT` requests, by request id) and added to the `kvtier_prompt_tokens{source=...}`
 counters. Tier names default to the tier type (`"fs"`, `"obj"`, ...) unless configured.
@@ -21,6 +23,7 @@ from typing import Any
 
 from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
 from kvtier.manager import TieringManager
+from kvtier.ops.metrics import RECOMPUTED_BY_CHOICE
 from kvtier.tiers.base import TierUsage
 
 FINISHED_KEPT = 4096
@@ -33,6 +36,8 @@ class RequestHits:
     prompt_tokens: int
     device: int = 0
     loaded: Counter[str] = field(default_factory=Counter)
+    by_choice: Counter[str] = field(default_factory=Counter)
+    """Tokens recomputed by choice, by the tier that held them."""
     recorded: bool = False
 
     def split(self, sources: list[str]) -> dict[str, int]:
@@ -40,6 +45,8 @@ class RequestHits:
         out = {DEVICE: self.device, **dict.fromkeys(sources, 0)}
         for source, tokens in self.loaded.items():
             out[source] = out.get(source, 0) + tokens
+        if self.by_choice:
+            out[RECOMPUTED_BY_CHOICE] = sum(self.by_choice.values())
         out[RECOMPUTED] = max(self.prompt_tokens - sum(out.values()), 0)
         return out
 
@@ -47,11 +54,12 @@ class RequestHits:
 class Accounting:
     """Metrics of one engine's kvtier and the per-request hit records."""
 
-    def __init__(self, manager: TieringManager, chunk_tokens: int) -> None:
+    def __init__(self, manager: TieringManager, chunk_tokens: int, by_choice: bool = False) -> None:
+        """`by_choice`: `load_policy` is `auto`, so every split has "recomputed_by_choice"."""
         self.manager = manager
         self.chunk_tokens = chunk_tokens
         self.metrics = manager.metrics
-        self.sources = [HOST, *manager.tiers]
+        self.sources = [HOST, *manager.tiers, *([RECOMPUTED_BY_CHOICE] if by_choice else [])]
         self.finished: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     def record_alloc(
@@ -100,6 +108,8 @@ class Accounting:
         split = hits.split(self.sources)
         for source, tokens in split.items():
             self.metrics.inc("prompt_tokens", tokens, source)
+        for tier, tokens in hits.by_choice.items():
+            self.metrics.inc("recomputed_by_choice_tokens", tokens, tier)
         self.finished[req_id] = split
         while len(self.finished) > FINISHED_KEPT:
             self.finished.popitem(last=False)

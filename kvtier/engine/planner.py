@@ -30,18 +30,22 @@ in; it trims lookups to chunk ends whose state is held and plans the state copie
 Per-request options (`kvtier.engine.request_options`) may skip the load or the store, restrict the
 load's tiers and set the retention priority; `kvtier.engine.accounting` keeps metrics and each
 request's token split; `take_events` drains tier events through the integration's translator;
-`kvtier.engine.tracing` records each finished request when `trace_path` is set.
+`kvtier.engine.tracing` records each finished request when `trace_path` is set;
+`kvtier.engine.load_choice` measures loads and prefill, and under `load_policy: auto` cuts a
+promotion short where recomputing comes back sooner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
+from functools import partial
 from typing import Any, Protocol
 
-from kvtier.config import KVTierConfig
+from kvtier.config import AUTO, KVTierConfig
 from kvtier.engine.accounting import Accounting
 from kvtier.engine.copies import ChunkCopy, LoadCopy
 from kvtier.engine.geometry import EngineGeometry, load_blocks
+from kvtier.engine.load_choice import LoadChoice
 from kvtier.engine.operations import Operations
 from kvtier.engine.request import Request
 from kvtier.engine.request_state import RequestState, mark_load_failed
@@ -79,7 +83,8 @@ class Planner:
         layout = geometry.layout
         self.geometry = geometry
         self.manager = start_manager(config, layout.row_bytes, layout.fingerprint)
-        self.accounting = Accounting(self.manager, geometry.chunk_tokens)
+        self.accounting = Accounting(self.manager, geometry.chunk_tokens, config.load_policy == AUTO)
+        self.choice = LoadChoice(config.load_policy, self.manager, geometry.chunk_tokens)
         self.tier_types = {t.name: t.type for t in config.secondary_tiers}
         self.events = events
         self.hasher = ChunkHasher(config.hash_algorithm, geometry.fingerprint, layout.chunk_tokens)
@@ -147,6 +152,7 @@ class Planner:
         found = self.manager.lookup_prefix(
             keys, state.options.load_tiers, promote=state.may_promote(start),
             stream=self.stream_promotions, priority=state.priority,
+            choose=partial(self.choice.choose, state.hits.by_choice),
         )
         state.record_promotion(start, found.ready, (*found.promoting, *found.beyond))
         if found.beyond:
@@ -267,12 +273,15 @@ class Planner:
         self.tracer.step()
         self.ops.step(s.request for s in self._requests.values())
         stores: list[ChunkCopy] = []
+        prompt_tokens = 0
         for req_id, num_new in scheduled.items():
             state = self._requests.get(req_id)
             if state is None:
                 continue
             # Draft tokens may be rejected: their KV is not final, so it is not stored.
             computed = state.request.num_computed_tokens + num_new - len(speculative.get(req_id, ()))
+            prompt_tokens += max(min(computed, state.request.num_prompt_tokens)
+                                 - state.request.num_computed_tokens, 0)
             self.tracer.scheduled(req_id, computed, state.request.num_prompt_tokens)
             first = state.extend_keys(computed, self.hasher)
             if first is not None and self.events is not None:
@@ -280,6 +289,7 @@ class Planner:
             store = self.stores.plan(state, computed)
             if store is not None:
                 stores.append(store)
+        self.choice.step_planned(prompt_tokens)
         tail_stores, released = self.tails.step(self.stores.plan)
         loads, self._loads_to_send = tuple(self._loads_to_send), []
         plan = StepPlan(self.region_name, self.shm_dir, loads, (*stores, *tail_stores),
@@ -295,6 +305,7 @@ class Planner:
         Called once per step with the workers' merged report of an earlier step and the requests
         whose asynchronous loads the engine saw end (vLLM's `update_connector_output`).
         """
+        self.choice.step_ended()
         if self.states is not None:
             self.states.copies_done(meta, finished_loading)
         if meta is not None:
@@ -322,6 +333,7 @@ class Planner:
                 self.streams.part_done(load.req_id, load.ok)
             if load.ok:
                 self.accounting.copied("load", len(load.sources), load.seconds, ok=True)
+                self.choice.host_loaded(len(load.sources), load.seconds)
             else:
                 state = self._requests.get(load.req_id)
                 mark_load_failed(state)

@@ -7,7 +7,8 @@ or why a stored chunk was rejected (`bad_chunks`: a `ChunkError` value); `counte
 here like every other metric, and reported as a `TierCounts`); `cause` one of
 `kvtier.tiers.process.FAILURE_CAUSES`; `config_info` carries the configuration
 (one series per engine); `source` is "device", "host", a
-secondary tier's name, or "recomputed". For the host tier,
+secondary tier's name, "recomputed_by_choice" (`load_policy: auto` judged recomputing sooner), or
+"recomputed". For the host tier,
 "store" is a device → host copy and "load" a host → device copy; for a secondary tier, "store" is
 a cascade (host → tier) and "load" a promotion (tier → host).
 
@@ -206,12 +207,26 @@ METRICS: tuple[MetricSpec, ...] = (
                ("tier", "cause")),
     MetricSpec("jobs_in_flight", "gauge", "Store and load jobs submitted to the tier and not finished", _T),
     MetricSpec("host_pinned_chunks", "gauge", "Host-tier chunks pinned by copies in flight (not evictable)"),
+    MetricSpec("load_fixed_seconds", "gauge",
+               "Measured cost of one load job from the tier, before its bytes (decayed over recent jobs; "
+               "host: a host to device copy)", _T),
+    MetricSpec("load_bytes_per_second", "gauge",
+               "Measured throughput of loads from the tier past their fixed cost (decayed; 0: unbounded)",
+               _T),
+    MetricSpec("prefill_tokens_per_second", "gauge",
+               "Measured prompt tokens the engine computes per second (decayed over recent steps)"),
+    MetricSpec("recomputed_by_choice_tokens", "counter",
+               "Prompt tokens the tier held that were recomputed because that was judged sooner", _T),
+    MetricSpec("load_probes", "counter",
+               "Loads from a tier judged slower than recomputing, made to measure it again", _T),
     MetricSpec("config_info", "gauge", "1, labelled with the configuration that produced these metrics",
                CONFIG_LABELS),
 )
 SPECS = {spec.name: spec for spec in METRICS}
 OPS = ("store", "load")
 """The `op` label's values."""
+RECOMPUTED_BY_CHOICE = "recomputed_by_choice"
+"""The `source` of prompt tokens a tier held that `load_policy: auto` recomputed instead."""
 
 
 def declared_series(
@@ -229,12 +244,13 @@ def declared_series(
     for name in ("transfer_chunks", "transfer_bytes", "transfer_seconds", "transfer_latency_seconds",
                  "failures"):
         series += [(name, pair) for pair in pairs]
-    series += [("prompt_tokens", (s,)) for s in (DEVICE, *tiers, RECOMPUTED)]
-    series += [(name, (t,)) for name in ("hit_chunks", "admitted_chunks") for t in tiers]
+    series += [("prompt_tokens", (s,)) for s in (DEVICE, *tiers, RECOMPUTED_BY_CHOICE, RECOMPUTED)]
+    series += [(name, (t,)) for name in ("hit_chunks", "admitted_chunks", "recomputed_by_choice_tokens")
+               for t in tiers]
     series += [("rejected_chunks", (t, r)) for t in tiers for r in reasons]
     series += [("probation_chunks", (HOST, r)) for r in reasons]
     series += [("probation_reused_chunks", (HOST,))]
-    series += [(name, (t,)) for name in ("cascade_skipped_chunks", "promotion_wait_seconds")
+    series += [(name, (t,)) for name in ("cascade_skipped_chunks", "promotion_wait_seconds", "load_probes")
                for t in secondary]
     return series
 

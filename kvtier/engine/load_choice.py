@@ -1,0 +1,190 @@
+"""Load or recompute (`load_policy`): per request, from the speeds measured now.
+
+`always` (the default) loads every chunk a secondary tier holds. `auto` promotes the run of chunks
+a lookup found in the secondary tiers only as far as loading it comes back sooner than recomputing
+it: of the run's lengths k whose expected load time is under `MARGIN` times their expected recompute
+time, the one that saves the most; none such, none (the chunks the host tier holds before the run
+are always loaded: they are cheap). A run cut short is recomputed and counted: the request's split
+gives its tokens as "recomputed_by_choice", and `recomputed_by_choice_tokens` counts them by the
+tier that held them when the request finishes.
+
+Measured, with `always` too (each estimate decayed: a sample weighs `DECAY` times the one after it):
+- each secondary tier's loads: its promotion jobs, seconds from submission to completion by bytes
+  (the manager's `load_timer`), fit as a fixed cost per job plus bytes / throughput (`LinearCost`);
+- the host tier's loads: the workers' host → device copy seconds per job (`CopyReport.seconds`);
+- the engine's prefill rate: the prompt tokens a step computes over its time, from its plan
+  (`Planner.step`) to the first of the workers' report of it (`copies_done`) or the next step.
+They are the gauges `load_fixed_seconds`, `load_bytes_per_second` (by tier, "host" included) and
+`prefill_tokens_per_second`. What is not measured yet (no prefill rate, a tier never loaded from)
+counts as free: the run is loaded, and measured.
+
+A tier judged slower than recomputing sees no loads, so its recovery would go unseen: it is probed,
+its whole run loaded anyway, on the `PROBE_EVERY`-th candidate run since its last load or on the
+first one `PROBE_INTERVAL_S` after it (`load_probes`). A probe that comes back sooner than
+recomputing restarts the tier's estimate from that job: a recovered tier is used again at once.
+
+Scheduler thread only; nothing here blocks.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kvtier.config import AUTO
+from kvtier.format.chunks import HOST
+from kvtier.manager import TieringManager
+
+MARGIN = 0.9
+"""A run is loaded only when its expected load time is under this share of its recompute time."""
+DECAY = 0.8
+PROBE_EVERY = 20
+PROBE_INTERVAL_S = 30.0
+
+
+@dataclass
+class LinearCost:
+    """seconds ≈ fixed + size * per_unit, a least-squares fit over samples weighted `DECAY`^age
+    (age: how many samples came after). Sizes all alike leave the two parts apart unknown: the
+    cost is then taken as proportional to the size."""
+
+    _w: float = 0.0
+    _x: float = 0.0
+    _y: float = 0.0
+    _xx: float = 0.0
+    _xy: float = 0.0
+
+    def add(self, size: float, seconds: float) -> None:
+        d = DECAY
+        self._w, self._x, self._y = self._w * d + 1, self._x * d + size, self._y * d + seconds
+        self._xx, self._xy = self._xx * d + size * size, self._xy * d + size * seconds
+
+    def fit(self) -> tuple[float, float] | None:
+        """(fixed seconds, seconds per unit of size), both >= 0; None before the first sample."""
+        w, x, y, xx, xy = self._w, self._x, self._y, self._xx, self._xy
+        if not w:
+            return None
+        spread = w * xx - x * x
+        if spread <= 1e-9 * w * xx:
+            return (0.0, y / x) if x else (y / w, 0.0)
+        per_unit = (w * xy - x * y) / spread
+        if per_unit < 0:
+            return y / w, 0.0
+        fixed = (y - per_unit * x) / w
+        return (fixed, per_unit) if fixed >= 0 else (0.0, xy / xx)
+
+    def seconds(self, size: float) -> float:
+        """The expected seconds of a job of `size` (0 before the first sample)."""
+        fit = self.fit()
+        return 0.0 if fit is None else fit[0] + fit[1] * size
+
+
+class LoadChoice:
+    """The measurements of one engine and the `auto` decision (see the module docstring)."""
+
+    def __init__(self, policy: str, manager: TieringManager, chunk_tokens: int,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """Built once by the planner; takes the manager's `load_timer`."""
+        self.auto = policy == AUTO
+        self.metrics = manager.metrics
+        self.row_bytes = manager.row_bytes
+        self.chunk_tokens = chunk_tokens
+        self.clock = clock
+        self.costs = {name: LinearCost() for name in (HOST, *manager.tiers)}
+        self._tokens = self._seconds = 0.0
+        self._step: tuple[float, int] | None = None
+        now = clock()
+        self._skipped = dict.fromkeys(manager.tiers, 0)
+        self._last_load = dict.fromkeys(manager.tiers, now)
+        self._probing: set[str] = set()
+        manager.load_timer = self.tier_loaded
+
+    # -- measurements --------------------------------------------------------------------------
+
+    def tier_loaded(self, tier: str, size: int, seconds: float) -> None:
+        """A promotion job of `size` bytes from `tier` ended `seconds` after it was submitted."""
+        rate = self.prefill_rate()
+        if tier in self._probing:
+            self._probing.discard(tier)
+            if rate and seconds < MARGIN * size / self.row_bytes * self.chunk_tokens / rate:
+                self.costs[tier] = LinearCost()
+        self._sample(tier, size, seconds)
+
+    def host_loaded(self, chunks: int, seconds: float) -> None:
+        """The workers copied `chunks` host rows to the device in `seconds` (one load job)."""
+        self._sample(HOST, chunks * self.row_bytes, seconds)
+
+    def step_planned(self, prompt_tokens: int) -> None:
+        """A step is planned that computes `prompt_tokens` prompt tokens (it ends the last one)."""
+        self.step_ended()
+        if prompt_tokens:
+            self._step = (self.clock(), prompt_tokens)
+
+    def step_ended(self) -> None:
+        """The workers reported the last planned step (or another was planned)."""
+        if self._step is None:
+            return
+        (start, tokens), self._step = self._step, None
+        seconds = self.clock() - start
+        if seconds > 0:
+            self._tokens = self._tokens * DECAY + tokens
+            self._seconds = self._seconds * DECAY + seconds
+            self.metrics.set("prefill_tokens_per_second", self._tokens / self._seconds)
+
+    def prefill_rate(self) -> float | None:
+        """Prompt tokens per second of recent steps; None before the first measured step."""
+        return self._tokens / self._seconds if self._seconds else None
+
+    def _sample(self, tier: str, size: int, seconds: float) -> None:
+        cost = self.costs[tier]
+        cost.add(size, seconds)
+        fit = cost.fit()
+        if fit is not None:
+            self.metrics.set("load_fixed_seconds", fit[0], tier)
+            self.metrics.set("load_bytes_per_second", 1 / fit[1] if fit[1] else 0.0, tier)
+
+    # -- the decision --------------------------------------------------------------------------
+
+    def choose(self, by_choice: Counter[str], sources: Sequence[str]) -> int:
+        """How many leading chunks of a run found in the secondary tiers (chunk i held by tier
+        `sources[i]`) to promote; `by_choice` (the request's, cleared first) gets the tokens of
+        the others by tier. Called once per promoting lookup, before anything is promoted."""
+        by_choice.clear()
+        rate = self.prefill_rate()
+        if not self.auto or not rate or not sources:
+            return len(sources)
+        best, saving = 0, 0.0
+        counts: Counter[str] = Counter()
+        for k, tier in enumerate(sources, 1):
+            counts[tier] += 1
+            load = max(self.costs[t].seconds(c * self.row_bytes) for t, c in counts.items())
+            load += self.costs[HOST].seconds(k * self.row_bytes)
+            recompute = k * self.chunk_tokens / rate
+            if load < MARGIN * recompute and recompute - load > saving:
+                best, saving = k, recompute - load
+        if best == len(sources) or self._probe(set(sources[best:])):
+            self._loaded(set(sources))
+            return len(sources)
+        self._loaded(set(sources[:best]))
+        for tier in sources[best:]:
+            by_choice[tier] += self.chunk_tokens
+        return best
+
+    def _probe(self, slow: set[str]) -> bool:
+        """Whether a candidate run the `slow` tiers were judged too slow for is loaded anyway."""
+        now = self.clock()
+        for tier in slow:
+            self._skipped[tier] += 1
+        due = {t for t in slow
+               if self._skipped[t] >= PROBE_EVERY or now - self._last_load[t] >= PROBE_INTERVAL_S}
+        for tier in due:
+            self.metrics.inc("load_probes", 1, tier)
+        self._probing |= due
+        return bool(due)
+
+    def _loaded(self, tiers: set[str]) -> None:
+        now = self.clock()
+        for tier in tiers:
+            self._skipped[tier], self._last_load[tier] = 0, now

@@ -1,0 +1,156 @@
+"""`load_policy`: the real planner over a real tier process whose loads can be slowed (the memory
+tier of `benchmarks.slow_tier`, slow while a flag file exists). The engine's prefill rate is set by
+the steps the tests plan, on a clock of their own; tier loads are timed as they really run."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kvtier.config import KVTierConfig
+from kvtier.engine.load_choice import PROBE_EVERY, PROBE_INTERVAL_S, LinearCost
+from kvtier.engine.planner import Planner
+from kvtier.engine.step import CopyReport
+from tests.engine.fakes import ROW_BYTES, FakeRequest, geometry
+from tests.integrations.shared_helpers import settle
+
+PROMPT = list(range(100, 114))  # 14 tokens: 3 full chunks of 4, 12 tokens a lookup may offer
+TOKENS_PER_S = 24.0
+"""The prefill rate the tests' steps show: 12 tokens recompute in 0.5 s."""
+SLOW_S = 1.0
+"""A slowed load: 3 chunks come back in 1 s, slower than recomputing them."""
+
+
+class Clock:
+    """The planner's clock for step times and probe intervals, moved by the test."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def flag(tmp_path: Path) -> Path:
+    return tmp_path / "slow"
+
+
+def planner(flag: Path, policy: str) -> tuple[Planner, Clock]:
+    """A planner with `load_policy` `policy` over a host tier of 8 rows and a tier "mem" whose
+    loads take `SLOW_S` while `flag` exists; its prefill rate measured at `TOKENS_PER_S`."""
+    config = KVTierConfig.from_dict({
+        "cpu_bytes_to_use": 8 * ROW_BYTES, "tier_lookup_wait_s": 30.0, "load_policy": policy,
+        "secondary_tiers": [{"type": "FlaggedSlowTier", "module_path": "benchmarks.slow_tier",
+                             "name": "mem", "flag_path": str(flag), "delay_s": SLOW_S}]})
+    s = Planner(config, geometry(), 1)
+    clock = Clock()
+    s.choice.clock = clock
+    s.bind_block_ids(lambda req_id: ([1, 2, 3, 4],))
+    req = FakeRequest("first", PROMPT)
+    assert s.lookup(req, 0) == (0, False)  # type: ignore[arg-type]
+    plan = s.step({req.request_id: len(PROMPT)})
+    clock.now += len(PROMPT) / TOKENS_PER_S
+    req.num_computed_tokens = len(PROMPT)
+    s.copies_done(CopyReport({job.job_id: (1, True) for job in plan.stores}))
+    s.finished(req)  # type: ignore[arg-type]
+    settle(s)  # cascaded to "mem"
+    return s, clock
+
+
+@pytest.fixture
+def auto(flag: Path) -> Iterator[tuple[Planner, Clock]]:
+    s, clock = planner(flag, "auto")
+    yield s, clock
+    s.shutdown()
+
+
+def ask(s: Planner, name: str) -> tuple[int | None, bool]:
+    """A new request for the prompt, the host tier emptied first: what its first lookup offers.
+    A promotion it starts is waited for and its request finished, so the load is measured."""
+    s.reset_cache()
+    req = FakeRequest(name, PROMPT)
+    first = s.lookup(req, 0)  # type: ignore[arg-type]
+    if first[0] is None:
+        settle(s)
+        assert s.lookup(req, 0) == (12, True)  # type: ignore[arg-type]
+    s.finished(req)  # type: ignore[arg-type]
+    return first
+
+
+def metric(s: Planner, name: str, tier: str = "mem") -> float:
+    return s.manager.metrics.value(name, tier=tier)
+
+
+def test_the_prefill_rate_is_measured_from_the_steps(auto: tuple[Planner, Clock]) -> None:
+    s, _ = auto
+    assert s.choice.prefill_rate() == pytest.approx(TOKENS_PER_S)
+    assert s.manager.metrics.value("kvtier_prefill_tokens_per_second") == pytest.approx(TOKENS_PER_S)
+
+
+def test_a_slow_tier_is_recomputed_and_counted(auto: tuple[Planner, Clock], flag: Path) -> None:
+    s, _ = auto
+    flag.touch()
+    assert ask(s, "measured") == (None, False)  # nothing measured yet: loaded, and timed
+    assert metric(s, "kvtier_load_fixed_seconds") + 3 * ROW_BYTES / metric(
+        s, "kvtier_load_bytes_per_second") >= SLOW_S
+    assert ask(s, "recomputed") == (0, False)
+    split = s.accounting.finished["recomputed"]
+    assert split["recomputed_by_choice"] == 12 and split["mem"] == 0 and split["recomputed"] == 2
+    assert metric(s, "kvtier_recomputed_by_choice_tokens_total") == 12
+    assert s.manager.metrics.value("kvtier_prompt_tokens_total", source="recomputed_by_choice") == 12
+
+
+def test_a_fast_tier_is_loaded(auto: tuple[Planner, Clock]) -> None:
+    s, _ = auto
+    assert ask(s, "measured") == (None, False)
+    assert ask(s, "loaded") == (None, False)
+    assert s.accounting.finished["loaded"]["recomputed_by_choice"] == 0
+    assert metric(s, "kvtier_recomputed_by_choice_tokens_total") == 0
+    assert metric(s, "kvtier_load_probes_total") == 0
+
+
+def test_a_slow_tier_is_probed_and_used_again_once_it_recovered(
+    auto: tuple[Planner, Clock], flag: Path
+) -> None:
+    s, clock = auto
+    flag.touch()
+    ask(s, "measured")
+    for i in range(PROBE_EVERY - 1):
+        assert ask(s, f"skipped-{i}") == (0, False)
+    assert ask(s, "probe") == (None, False)  # 1 in PROBE_EVERY candidates still loads
+    assert metric(s, "kvtier_load_probes_total") == 1
+    assert ask(s, "still-slow") == (0, False)
+    flag.unlink()
+    clock.now += PROBE_INTERVAL_S  # and one per PROBE_INTERVAL_S, however few candidates came
+    assert ask(s, "second-probe") == (None, False)
+    assert metric(s, "kvtier_load_probes_total") == 2
+    assert ask(s, "recovered") == (None, False)
+    assert ask(s, "again") == (None, False)
+    assert metric(s, "kvtier_load_probes_total") == 2
+
+
+def test_always_loads_from_a_slow_tier(flag: Path) -> None:
+    s, _ = planner(flag, "always")
+    try:
+        flag.touch()
+        ask(s, "measured")
+        assert ask(s, "loaded") == (None, False)
+        assert "recomputed_by_choice" not in s.accounting.finished["loaded"]
+        assert metric(s, "kvtier_recomputed_by_choice_tokens_total") == 0
+    finally:
+        s.shutdown()
+
+
+def test_the_fit_separates_a_fixed_cost_from_a_throughput() -> None:
+    cost = LinearCost()
+    assert cost.fit() is None and cost.seconds(100) == 0
+    for size in (1000, 2000, 4000, 1000, 3000):
+        cost.add(size, 0.5 + size / 1000)
+    fixed, per_byte = cost.fit()  # type: ignore[misc]
+    assert fixed == pytest.approx(0.5) and per_byte == pytest.approx(1e-3)
+    alike = LinearCost()
+    alike.add(1000, 2.0)
+    assert alike.seconds(3000) == pytest.approx(6.0)  # one size: taken as proportional
