@@ -19,9 +19,10 @@ They are the gauges `load_fixed_seconds`, `load_bytes_per_second` (by tier, "hos
 counts as free: the run is loaded, and measured.
 
 A tier judged slower than recomputing sees no loads, so its recovery would go unseen: it is probed,
-its whole run loaded anyway, on the `PROBE_EVERY`-th candidate run since its last load or on the
-first one `PROBE_INTERVAL_S` after it (`load_probes`). A probe that comes back sooner than
-recomputing restarts the tier's estimate from that job: a recovered tier is used again at once.
+its whole run loaded anyway, on the `probe_every`-th candidate run since its last load or on the
+first one `probe_interval_s` after it (`load_probes`; defaults `PROBE_EVERY`, `PROBE_INTERVAL_S`).
+A probe that comes back sooner than recomputing restarts the tier's estimate from that job: a
+recovered tier is used again at once.
 
 Scheduler thread only; nothing here blocks.
 """
@@ -99,6 +100,7 @@ class LoadChoice:
         self._skipped = dict.fromkeys(manager.tiers, 0)
         self._last_load = dict.fromkeys(manager.tiers, now)
         self._probing: set[str] = set()
+        self.probe_every, self.probe_interval_s = PROBE_EVERY, PROBE_INTERVAL_S
         manager.load_timer = self.tier_loaded
 
     # -- measurements --------------------------------------------------------------------------
@@ -178,7 +180,7 @@ class LoadChoice:
         for tier in slow:
             self._skipped[tier] += 1
         due = {t for t in slow
-               if self._skipped[t] >= PROBE_EVERY or now - self._last_load[t] >= PROBE_INTERVAL_S}
+               if self._skipped[t] >= self.probe_every or now - self._last_load[t] >= self.probe_interval_s}
         for tier in due:
             self.metrics.inc("load_probes", 1, tier)
         self._probing |= due

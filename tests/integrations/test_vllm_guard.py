@@ -1,7 +1,8 @@
 """Real vLLM (CPU, float32, in-process) with a plug-in tier, loaded by `module_path`, whose loads
 each take seconds: a promotion from it drives p99 TTFT over the SLO guard's budget, the guard
 disables the tier once it stayed over for `sustain_s`, and serving goes on without it with identical
-outputs.
+outputs. Under `load_policy: auto` the same engine recomputes the slow tier's chunk by choice, with
+the same answer.
 
 The guard runs on a clock of the test's (`StoppedClock`, set as the guard's `clock`): its window and
 `sustain_s` pass when the test advances it, so they are steps of the test, not the machine's speed.
@@ -22,6 +23,7 @@ from typing import Any
 import pytest
 
 from kvtier.cli import main
+from kvtier.engine.load_choice import PROBE_INTERVAL_S
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
 from tests.integrations.engine_steps import evict_host, generate
 from tests.integrations.prompts import PROMPTS
@@ -191,3 +193,32 @@ def test_kvtier_ctl_lists_switches_and_shows_the_guard(
     listing = ctl(control_dir, capsys, "list").splitlines()
     row = next(line.split() for line in listing if line.startswith("slow"))
     assert row[8] == "exited"
+
+
+def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any) -> None:
+    """The same engine under `load_policy: auto` (switched on in place; no probe by time): the slow
+    tier's load was measured at `DELAY_S`, far slower than recomputing one chunk at the prefill
+    rate the engine's steps show, so its chunk is recomputed by choice, with vLLM's own answer."""
+    scheduler, _ = connector_halves(llm)
+    manager, choice = scheduler.manager, scheduler.choice
+    deadline = time.monotonic() + 60
+    while not manager.is_enabled("slow") or not manager.tiers["slow"].is_up:
+        assert time.monotonic() < deadline, "the slow tier did not come back"
+        generate(llm, tokens(llm, "chess")[:8], max_tokens=1)
+    prompt = tokens(llm, "bread")
+    keys = scheduler.hasher.keys(prompt)
+    evict(llm, keys)
+    computed = generate(llm, prompt)  # stored, and cascaded to the slow tier
+    settle(scheduler)
+    evict(llm, keys)
+    assert choice.prefill_rate() and choice.costs["slow"].seconds(ROW_BYTES) >= DELAY_S * 0.9
+    choice.auto, choice.probe_interval_s = True, float("inf")
+    try:
+        chosen = generate(llm, prompt)
+    finally:
+        choice.auto, choice.probe_interval_s = False, PROBE_INTERVAL_S
+    split = chosen.kv_transfer_params["kvtier"]["tokens"]
+    assert split["slow"] == 0 and split["recomputed_by_choice"] == CHUNK
+    assert chosen.outputs[0].token_ids == computed.outputs[0].token_ids
+    assert manager.metrics.value("kvtier_recomputed_by_choice_tokens_total", tier="slow") == CHUNK
+    assert manager.metrics.value("kvtier_load_probes_total", tier="slow") == 0
