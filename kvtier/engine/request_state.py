@@ -58,10 +58,13 @@ class RequestState:
     def record_promotion(self, start: int, ready: int, tiers: Sequence[str]) -> None:
         """A lookup from chunk `start` found `ready` chunks in the host tier and promotes the
         chunks after them from `tiers`. The ready ones count as promoted from the host tier: the
-        promotion holds them too, and the request releases them with the rest."""
+        promotion holds them too, and the request releases them with the rest. A lookup that chose
+        to recompute chunks a tier held (`hits.by_choice`) counts as the request's promotion too:
+        the choice is made once, however many steps the request waits."""
         if tiers:
             for i, tier in enumerate((*(HOST,) * ready, *tiers), start):
                 self.promoted_from.setdefault(i, tier)
+        if tiers or self.hits.by_choice:
             self.promoted_at = start
 
     def extend_keys(self, computed: int, hasher: ChunkHasher) -> int | None:

@@ -101,6 +101,10 @@ def test_a_slow_tier_is_recomputed_and_counted(auto: tuple[Planner, Clock], flag
     assert split["recomputed_by_choice"] == 12 and split["mem"] == 0 and split["recomputed"] == 2
     assert metric(s, "kvtier_recomputed_by_choice_tokens_total") == 12
     assert s.manager.metrics.value("kvtier_prompt_tokens_total", source="recomputed_by_choice") == 12
+    waiting = FakeRequest("waiting", PROMPT)
+    for _ in range(PROBE_EVERY):  # a request asked again on many steps is chosen for once
+        assert s.lookup(waiting, 0) == (0, False)  # type: ignore[arg-type]
+    assert metric(s, "kvtier_load_probes_total") == 0
 
 
 def test_a_fast_tier_is_loaded(auto: tuple[Planner, Clock]) -> None:
