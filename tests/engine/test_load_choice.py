@@ -4,15 +4,18 @@ the steps the tests plan, on a clock of their own; tier loads are timed as they 
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
 from kvtier.config import KVTierConfig
-from kvtier.engine.load_choice import PROBE_EVERY, PROBE_INTERVAL_S, LinearCost
+from kvtier.engine.load_choice import PROBE_EVERY, PROBE_INTERVAL_S, LinearCost, LoadChoice
 from kvtier.engine.planner import Planner
 from kvtier.engine.step import CopyReport
+from kvtier.ops.metrics import KVTierMetrics
 from tests.engine.fakes import ROW_BYTES, FakeRequest, geometry
 from tests.integrations.shared_helpers import settle
 
@@ -96,6 +99,9 @@ def test_a_slow_tier_is_recomputed_and_counted(auto: tuple[Planner, Clock], flag
     assert ask(s, "measured") == (None, False)  # nothing measured yet: loaded, and timed
     assert metric(s, "kvtier_load_fixed_seconds") + 3 * ROW_BYTES / metric(
         s, "kvtier_load_bytes_per_second") >= SLOW_S
+    host_hit = FakeRequest("host-hit", PROMPT)
+    assert s.lookup(host_hit, 0) == (12, True)  # type: ignore[arg-type]  # the host tier's: loaded
+    s.finished(host_hit)  # type: ignore[arg-type]
     assert ask(s, "recomputed") == (0, False)
     split = s.accounting.finished["recomputed"]
     assert split["recomputed_by_choice"] == 12 and split["mem"] == 0 and split["recomputed"] == 2
@@ -158,3 +164,25 @@ def test_the_fit_separates_a_fixed_cost_from_a_throughput() -> None:
     alike = LinearCost()
     alike.add(1000, 2.0)
     assert alike.seconds(3000) == pytest.approx(6.0)  # one size: taken as proportional
+
+
+def test_the_choice_follows_the_run_length() -> None:
+    """A tier with a fixed cost per job (0.3 s) and 0.1 s per chunk, against 1/6 s per chunk to
+    recompute: a short run is recomputed, a long one loaded, a run that goes on in a far slower tier
+    cut where that tier begins."""
+    manager = SimpleNamespace(metrics=KVTierMetrics(), row_bytes=1000, tiers={"t": 0, "u": 0},
+                              load_timer=None)
+    clock = Clock()
+    choice = LoadChoice("auto", manager, 4, clock)  # type: ignore[arg-type]
+    choice.step_planned(24)
+    clock.now += 1.0
+    choice.step_ended()
+    assert manager.load_timer == choice.tier_loaded
+    choice.tier_loaded("t", 1000, 0.4)
+    choice.tier_loaded("t", 4000, 0.7)
+    choice.tier_loaded("u", 1000, 5.0)  # a tier far too slow
+    short, long = Counter[str](), Counter[str]()
+    assert choice.choose(short, ["t"] * 3) == 0 and short == {"t": 12}
+    assert choice.choose(long, ["t"] * 10) == 10 and not long
+    mixed = Counter[str]()
+    assert choice.choose(mixed, ["t"] * 10 + ["u"] * 2) == 10 and mixed == {"u": 8}
