@@ -41,8 +41,11 @@ from kvtier.manager import TieringManager
 MARGIN = 0.9
 """A run is loaded only when its expected load time is under this share of its recompute time."""
 DECAY = 0.8
+"""Each sample weighs this much less than the next: an estimate follows the last few jobs or steps."""
 PROBE_EVERY = 20
+"""A tier judged slow is loaded from anyway on this candidate run since its last load."""
 PROBE_INTERVAL_S = 30.0
+"""... or on its first candidate run this long after its last load."""
 
 
 @dataclass
