@@ -13,8 +13,8 @@ read). Files and directories take the modes the fs tier gave its layout director
 its `shared_group` modes) whatever the umask; a sidecar directory left more open is tightened
 when the sidecar starts. Every directory below the root is opened from its parent's descriptor
 without following a link, and files are reached from their directory's (`_fan_dir`): a link
-planted in the root leads nowhere outside it. The chunk file itself is the fs tier's: a sidecar is only ever a hint for
-events, never read on the data path.
+planted in the root leads nowhere outside it. The chunk file itself is the fs tier's: a sidecar is
+only ever a hint for events, never read on the data path.
 
 Threads: the scheduler thread queues `save`, `drop` and `ask` (never blocking); one daemon thread
 does the file I/O and queues each `ask`'s answer for `take_answers`. I/O errors are logged once per
