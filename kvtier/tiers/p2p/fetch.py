@@ -6,10 +6,12 @@ back to back: per key the status block, the 4 KiB chunk header into a small buff
 magic, version, key, layout, length), then the row with `recv_into` directly into its slot
 (aligned: see `protocol.BLOCK`), piece by piece, each piece fed to a streaming xxh3-128 while it is
 still in cache (measured: half the CPU of hashing the whole row after it arrived), the last piece
-read with the trailer and the next key's status. Only a row whose trailer is OK and whose
-checksum matches the header is reported loaded; a holder that closes, resets or stalls past
-`transfer_timeout_s` mid-batch fails the key in flight and the rest of the batch (the slots'
-partial bytes are never published: the host tier rolls them back).
+read with the trailer and the next key's status. With a fleet key the digest is the keyed MAC
+of the chunk (the holder's header says so; a row sealed otherwise is read and refused, counted as
+a bad MAC): a peer that passes the p2p handshake without the fleet key cannot serve a forged row.
+Only a row whose trailer is OK and whose digest matches the header is reported loaded; a holder
+that closes, resets or stalls past `transfer_timeout_s` mid-batch fails the key in flight and the
+rest of the batch (the slots' partial bytes are never published: the host tier rolls them back).
 
 A connection reused after being idle may have been closed by the holder meanwhile: a failure before
 any reply byte arrived on a reused connection is retried once on a fresh connection. A peer that
@@ -26,12 +28,11 @@ import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-import xxhash
-
 from kvtier.format.chunks import ChunkError
 from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
+from kvtier.tiers.common.fleetkey import FleetKey
 from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.protocol import PeerFailure
@@ -59,10 +60,11 @@ class Fetcher:
     def __init__(
         self, secret: Secret, layout_fp: bytes, row_bytes: int, book: TierBook, failures: FailureLog, *,
         connect_timeout_s: float, transfer_timeout_s: float, reconnect_interval_s: float,
-        tls: Tls | None = None,
+        tls: Tls | None = None, fleet: FleetKey | None = None,
     ) -> None:
         self._secret = secret
         self._tls = tls
+        self._fleet = fleet
         self._fp = layout_fp
         self._row_bytes = row_bytes
         self._spans = rowhash.piece_spans(row_bytes)
@@ -154,14 +156,18 @@ class Fetcher:
         """Read one chunk's header and row, then `tail`: its trailer (and the next key's status)."""
         (first, end), *rest = self._spans
         protocol.recv_parts(conn, [header, row[first:end]])
-        err, digest = chunkfmt.check_header(header, key, self._fp, self._row_bytes)
-        if err is not None:
+        err, digest = chunkfmt.check_header(header, key, self._fp, self._row_bytes, self._fleet)
+        if err is not None and err is not ChunkError.MAC:
             raise protocol.ProtocolError(f"chunk header rejected: {err.value}")
-        whole = xxhash.xxh3_128(row[first:end])
+        # A row sealed without the fleet key (or with it, to a reader without): read, then refused.
+        whole = None if err is not None else chunkfmt.payload_digest(header, self._fleet)
+        if whole is not None:
+            whole.update(row[first:end])
         for n, (start, end) in enumerate(rest, 1):
             piece = row[start:end]
             protocol.recv_parts(conn, [piece, tail] if n == len(rest) else [piece])
-            whole.update(piece)
+            if whole is not None:
+                whole.update(piece)
         if not rest:
             protocol.recv_exact(conn, tail)
         trailer = bytes(tail[: protocol.BLOCK])
@@ -170,9 +176,10 @@ class Fetcher:
             return False
         if trailer != protocol.TRAILER_OK:
             raise protocol.ProtocolError(f"unknown trailer block {trailer[:8]!r}...")
-        if whole.digest() != digest:
-            self._book.bad(ChunkError.CHECKSUM)
-            self._failures.failed("bad:checksum", PeerFailure("a received chunk failed its checksum"))
+        bad = err if whole is None else chunkfmt.check_digest(whole.digest(), digest, self._fleet)
+        if bad is not None:
+            self._book.bad(bad)
+            self._failures.failed(f"bad:{bad.value}", PeerFailure(f"a received chunk failed its {bad.value}"))
             return False
         return True
 

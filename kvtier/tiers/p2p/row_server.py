@@ -49,6 +49,7 @@ import zmq
 from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
+from kvtier.tiers.common.fleetkey import FleetKey
 from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.curve import Curve
@@ -85,9 +86,10 @@ class P2PServer:
         instance_id: bytes, book: TierBook, failures: FailureLog, *, max_connections: int,
         handshake_timeout_s: float, idle_timeout_s: float, transfer_timeout_s: float,
         curve: Curve | None = None, tls: Tls | None = None, max_handshakes: int = 16,
-        max_handshakes_per_address: int = 4,
+        max_handshakes_per_address: int = 4, fleet: FleetKey | None = None,
     ) -> None:
         self._secret = secret
+        self._fleet = fleet
         self._tls = tls
         self._index = index
         self._region = region
@@ -341,7 +343,8 @@ class P2PServer:
             self._send_miss(conn)
             return
         row = self._region[claim.slot * self._row_bytes : (claim.slot + 1) * self._row_bytes]
-        chunkfmt.pack_header_digest(head[protocol.BLOCK :], key, self._fp, self._row_bytes, claim.digest)
+        chunkfmt.pack_header_digest(head[protocol.BLOCK :], key, self._fp, self._row_bytes, claim.digest,
+                                    self._fleet)
         for i, (start, end) in enumerate(self._spans):
             if i and self._generations[claim.slot] != claim.generation:
                 for rest_start, rest_end in self._spans[i:]:  # never the new chunk's next pieces

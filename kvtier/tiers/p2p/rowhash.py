@@ -2,8 +2,8 @@
 
 A row is cut into pieces of PIECE_BYTES (the last one may be shorter). The holder sends a row piece
 by piece (`server`); the requester reads it piece by piece into its slot and feeds each piece to a
-streaming xxh3-128 while the piece is still in cache (`fetch`), which gives the same digest as the
-chunk header's checksum of the whole row (`chunkfmt.checksum`).
+streaming digest while the piece is still in cache (`fetch`): xxh3-128, or under a fleet key its
+keyed MAC, the same digest as the chunk header's of the whole row (`chunkfmt.digest_of`).
 """
 
 from __future__ import annotations

@@ -151,7 +151,7 @@ class P2PTier(BookedTier):
                 max_handshakes=o["max_handshakes"],
                 max_handshakes_per_address=o["max_handshakes_per_address"],
                 idle_timeout_s=o["idle_timeout_s"], transfer_timeout_s=o["transfer_timeout_s"],
-                curve=curve, tls=tls,
+                curve=curve, tls=tls, fleet=self.ctx.fleet_key,
             )
         except (zmq.ZMQError, OSError) as e:
             raise ConfigError("listen", o["listen"], f"cannot listen there: {e}") from None
@@ -172,7 +172,7 @@ class P2PTier(BookedTier):
         self._fetcher = Fetcher(
             key, self._fp, self.ctx.row_bytes, self._book, self._failures,
             connect_timeout_s=o["connect_timeout_s"], transfer_timeout_s=o["transfer_timeout_s"],
-            reconnect_interval_s=o["reconnect_interval_s"], tls=tls,
+            reconnect_interval_s=o["reconnect_interval_s"], tls=tls, fleet=self.ctx.fleet_key,
         )
         self._built.append(self._fetcher)
         peers = list(o["peers"])
@@ -246,12 +246,14 @@ class P2PTier(BookedTier):
     # ---- I/O threads -------------------------------------------------------------------------
 
     def _store_key(self, tracker: JobTracker, i: int) -> None:
-        """Remember where the host tier holds the key, with its checksum and the slot's generation
-        (stable: the slot is pinned while the STORE job is in flight): nothing is copied."""
+        """Remember where the host tier holds the key, with its digest (its checksum, or with the
+        fleet key its MAC) and the slot's generation (stable: the slot is pinned while the STORE
+        job is in flight): nothing is copied."""
         slot = tracker.job.slots[i]
         generation = self._generations[slot]
-        digest = chunkfmt.checksum(self.ctx.slot_view(slot))
-        self._index.remember(tracker.job.keys[i], Claim(slot, digest, generation))
+        key = tracker.job.keys[i]
+        digest = chunkfmt.digest_of(key, self._fp, self.ctx.slot_view(slot), self.ctx.fleet_key)
+        self._index.remember(key, Claim(slot, digest, generation))
         self._book.finish_key(tracker, i, True)
 
     def _drain_loads(self) -> None:

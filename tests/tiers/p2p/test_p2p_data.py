@@ -20,10 +20,12 @@ import pytest
 import xxhash
 import zmq
 
+from kvtier.format.chunks import ChunkError
 from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import FailureLog, TierBook
+from kvtier.tiers.common.fleetkey import FleetKey
 from kvtier.tiers.p2p import protocol, rowhash
 from kvtier.tiers.p2p.auth import Secret
 from kvtier.tiers.p2p.fetch import Fetcher
@@ -41,8 +43,10 @@ class Holder:
     """A serving half over its own region (rows of `row_bytes`, with slot generations), and a
     requester's fetcher pointed at it."""
 
-    def __init__(self, idle_timeout_s: float = 30, row_bytes: int = ROW, slots: int = SLOTS) -> None:
+    def __init__(self, idle_timeout_s: float = 30, row_bytes: int = ROW, slots: int = SLOTS,
+                 fleet: FleetKey | None = None, requester_fleet: FleetKey | None = None) -> None:
         self.row_bytes = row_bytes
+        self.fleet = fleet
         self.region = memoryview(bytearray(os.urandom(row_bytes * slots)))
         self.generations = memoryview(bytearray(8 * slots)).cast("Q")
         self.index = ChunkIndex(slots)
@@ -54,19 +58,22 @@ class Holder:
             self.zctx, "tcp://127.0.0.1:0", SECRET, self.index, self.region, self.generations,
             row_bytes, FP, os.urandom(16),
             self.book, FailureLog(ctx.log, "holder"), max_connections=4, handshake_timeout_s=5,
-            idle_timeout_s=idle_timeout_s, transfer_timeout_s=5,
+            idle_timeout_s=idle_timeout_s, transfer_timeout_s=5, fleet=fleet,
         )
         self.address = ("127.0.0.1", self.server.data_port)
         self.requester = TierBook(TierContext(memoryview(bytearray(0)), row_bytes, 0, LAYOUT_FP, "req"))
         self.fetcher = Fetcher(SECRET, FP, row_bytes, self.requester, FailureLog(ctx.log, "req"),
-                               connect_timeout_s=2, transfer_timeout_s=5, reconnect_interval_s=1)
+                               connect_timeout_s=2, transfer_timeout_s=5, reconnect_interval_s=1,
+                               fleet=requester_fleet)
 
     def row(self, slot: int) -> memoryview:
         return self.region[slot * self.row_bytes : (slot + 1) * self.row_bytes]
 
     def store(self, key: bytes, slot: int) -> None:
-        """What a STORE job does: remember the slot's checksum and generation."""
-        self.index.remember(key, Claim(slot, chunkfmt.checksum(self.row(slot)), self.generations[slot]))
+        """What a STORE job does: remember the slot's digest (checksum, or MAC under a fleet key)
+        and generation."""
+        digest = chunkfmt.digest_of(key, FP, self.row(slot), self.fleet)
+        self.index.remember(key, Claim(slot, digest, self.generations[slot]))
 
     def reuse(self, slot: int) -> bytes:
         """What the host tier and a writer do to a reused slot: a new generation, then new bytes."""
@@ -283,3 +290,26 @@ def test_answers_come_in_whole_blocks_so_rows_arrive_aligned(holder: Holder) -> 
     assert chunkfmt.check_header(answer[block : block + header], held, FP, ROW)[0] is None
     assert answer[block + header : block + header + ROW] == bytes(holder.row(1))
     assert answer[-2 * block :] == protocol.TRAILER_OK + protocol.STATUS_MISS
+
+
+def test_under_a_fleet_key_only_rows_sealed_with_it_load() -> None:
+    """With a fleet key a row's digest is the chunk's keyed MAC: a holder with the key serves rows
+    that load; a peer that passes the p2p handshake but seals without the key, or with another,
+    serves rows that are read, refused and counted as a bad MAC, on a connection that goes on."""
+    key_a, key_b = FleetKey.from_bytes(os.urandom(32)), FleetKey.from_bytes(os.urandom(32))
+    for holder_key, requester_key, loads in ((key_a, key_a, True), (None, key_a, False),
+                                             (key_b, key_a, False), (key_a, None, False)):
+        h = Holder(fleet=holder_key, requester_fleet=requester_key)
+        try:
+            key = random_key()
+            h.store(key, 2)
+            out = memoryview(bytearray(ROW))
+            assert h.fetcher.fetch(h.address, [(key, out)]) == [loads]
+            counts = h.requester.counts()
+            assert counts.bad_chunks == (0 if loads else 1)
+            assert counts[ChunkError.MAC] == (0 if loads else 1)
+            other = random_key()
+            h.store(other, 4)  # the connection was not broken by a refused row
+            assert h.fetcher.fetch(h.address, [(other, out)]) == [loads]
+        finally:
+            h.close()
