@@ -343,8 +343,7 @@ class P2PServer:
             self._send_miss(conn)
             return
         row = self._region[claim.slot * self._row_bytes : (claim.slot + 1) * self._row_bytes]
-        chunkfmt.pack_header_digest(head[protocol.BLOCK :], key, self._fp, self._row_bytes, claim.digest,
-                                    self._fleet)
+        chunkfmt.pack_header_digest(head[protocol.BLOCK :], key, self._fp, len(row), claim.digest, self._fleet)
         for i, (start, end) in enumerate(self._spans):
             if i and self._generations[claim.slot] != claim.generation:
                 for rest_start, rest_end in self._spans[i:]:  # never the new chunk's next pieces
