@@ -88,9 +88,7 @@ class P2PServer:
         curve: Curve | None = None, tls: Tls | None = None, max_handshakes: int = 16,
         max_handshakes_per_address: int = 4, fleet: FleetKey | None = None,
     ) -> None:
-        self._secret = secret
-        self._fleet = fleet
-        self._tls = tls
+        self._secret, self._fleet, self._tls = secret, fleet, tls
         self._index = index
         self._region = region
         self._generations = generations
@@ -343,7 +341,8 @@ class P2PServer:
             self._send_miss(conn)
             return
         row = self._region[claim.slot * self._row_bytes : (claim.slot + 1) * self._row_bytes]
-        chunkfmt.pack_header_digest(head[protocol.BLOCK :], key, self._fp, len(row), claim.digest, self._fleet)
+        chunkfmt.pack_header_digest(
+            head[protocol.BLOCK :], key, self._fp, self._row_bytes, claim.digest, self._fleet)
         for i, (start, end) in enumerate(self._spans):
             if i and self._generations[claim.slot] != claim.generation:
                 for rest_start, rest_end in self._spans[i:]:  # never the new chunk's next pieces
