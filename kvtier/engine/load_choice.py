@@ -2,8 +2,9 @@
 
 `always` (the default) loads every chunk a secondary tier holds. `auto` promotes the run of chunks
 a lookup found in the secondary tiers only as far as loading it comes back sooner than recomputing
-it: of the run's lengths k whose expected load time is under `MARGIN` times their expected recompute
-time, the one that saves the most; none such, none (the chunks the host tier holds before the run
+it: of the run's lengths k whose expected load pays against their expected recompute
+(`kvtier.policies.load_rule`, the rule `kvtier plan`'s verdict applies too), the one that saves
+the most; none such, none (the chunks the host tier holds before the run
 are always loaded: they are cheap). A run cut short is recomputed and counted: the request's split
 gives its tokens as "recomputed_by_choice", and `recomputed_by_choice_tokens` counts them by the
 tier that held them when the request finishes.
@@ -37,9 +38,8 @@ from dataclasses import dataclass
 from kvtier.config import AUTO
 from kvtier.format.chunks import HOST
 from kvtier.manager import TieringManager
+from kvtier.policies.load_rule import load_pays
 
-MARGIN = 0.9
-"""A run is loaded only when its expected load time is under this share of its recompute time."""
 DECAY = 0.8
 """Each sample weighs this much less than the next: an estimate follows the last few jobs or steps."""
 PROBE_EVERY = 20
@@ -113,7 +113,7 @@ class LoadChoice:
         rate = self.prefill_rate()
         if tier in self._probing:
             self._probing.discard(tier)
-            if rate and seconds < MARGIN * size / self.row_bytes * self.chunk_tokens / rate:
+            if rate and load_pays(seconds, size / self.row_bytes * self.chunk_tokens / rate):
                 self.costs[tier] = LinearCost()
         self._sample(tier, size, seconds)
 
@@ -167,7 +167,7 @@ class LoadChoice:
             load = max(self.costs[t].seconds(c * self.row_bytes) for t, c in counts.items())
             load += self.costs[HOST].seconds(k * self.row_bytes)
             recompute = k * self.chunk_tokens / rate
-            if load < MARGIN * recompute and recompute - load > saving:
+            if load_pays(load, recompute) and recompute - load > saving:
                 best, saving = k, recompute - load
         if best == len(sources) or self._probe(set(sources[best:])):
             self._loaded(set(sources))

@@ -7,7 +7,9 @@ the operator guide's cases where offloading is the wrong optimization, checked o
    prefix (`reusable_token_fraction`). Even a host tier that keeps everything would save under a
    tenth of the prefill, while it copies every chunk to the host.
 2. transfer time above recompute time: loading one chunk of the trace (`chunk_bytes` at the host
-   transfer budget) takes longer than recomputing its tokens at the prefill rate. The rate is
+   transfer budget) does not pay against recomputing its tokens at the prefill rate: the rule of
+   the engine's `load_policy: auto` (`kvtier.policies.load_rule`: a load pays only under 0.9x the
+   recompute time), so the plan recommends no offload the engine would decline. The rate is
    `--prefill-tok-s`, else the trace's recomputed tokens over the TTFTs of the requests that
    loaded nothing (`prefill_tokens_per_s`); a TTFT also holds queueing and the first decode step,
    so that rate is a lower bound and the rule fires only where loading is slower still. Not
@@ -30,6 +32,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+from kvtier.policies.load_rule import MARGIN, load_pays
 from kvtier.trace.probation import HostRun
 from kvtier.trace.records import Trace
 
@@ -90,7 +93,7 @@ def decide(e: Evidence) -> dict[str, Any]:
     holding = (best if best.hit_ratio > everything.hit_ratio else everything).holding_s
     checks = {
         "reusable_token_fraction": e.reusable_token_fraction, "min_reusable_token_fraction": MIN_REUSABLE,
-        "load_ms_per_chunk": load_ms, "recompute_ms_per_chunk": recompute_ms,
+        "load_ms_per_chunk": load_ms, "recompute_ms_per_chunk": recompute_ms, "load_margin": MARGIN,
         "prefill_tokens_per_s": rate, "host_bytes": e.host_bytes, "host_hit_ratio": hit,
         "reuse_served_fraction": served, "min_reuse_served_fraction": MIN_SERVED,
         "reuse_gap_p50_s": e.reuse_gap_p50_s, "holding_s": holding,
@@ -100,10 +103,11 @@ def decide(e: Evidence) -> dict[str, Any]:
     if e.reusable_token_fraction < MIN_REUSABLE:
         return _verdict(NO_HELP, f"{UNIQUE}: {e.reusable_token_fraction:.1%} of the prompt tokens "
                         f"repeat an earlier prefix, under {MIN_REUSABLE:.0%}", checks)
-    if recompute_ms is not None and load_ms > recompute_ms:
+    if recompute_ms is not None and not load_pays(load_ms, recompute_ms):
         return _verdict(NO_HELP, f"{TRANSFER}: loading a chunk of {e.chunk_bytes} bytes takes "
                         f"{load_ms:.3g} ms at {e.host_bytes_per_s / GIB:.3g} GiB/s, recomputing its "
-                        f"{e.chunk_tokens} tokens {recompute_ms:.3g} ms at {rate:.0f} tokens/s", checks)
+                        f"{e.chunk_tokens} tokens {recompute_ms:.3g} ms at {rate:.0f} tokens/s (a "
+                        f"load pays under {MARGIN:.0%} of it)", checks)
     if served < MIN_SERVED:
         return _verdict(NO_HELP, f"{BEYOND}: {size} serves {served:.0%} of the reachable reuse, under "
                         f"{MIN_SERVED:.0%}; reuses come {_s(e.reuse_gap_p50_s)} (p50) after the "

@@ -10,6 +10,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.cli import main
+from kvtier.policies.load_rule import load_pays
 from kvtier.trace.analysis import Stream
 from kvtier.trace.mrc import lru_hit_ratios, previous_reference, stack_distances
 from kvtier.trace.plan import plan
@@ -60,9 +61,19 @@ def test_transfer_above_recompute_will_not_help(tmp_path: Path) -> None:
     assert report["verdict"] == NO_HELP
     assert report["verdict_reason"] == (
         f"{TRANSFER}: loading a chunk of 1000 bytes takes 100 ms at 9.31e-06 GiB/s, recomputing "
-        "its 16 tokens 16 ms at 1000 tokens/s")
+        "its 16 tokens 16 ms at 1000 tokens/s (a load pays under 90% of it)")
     # The engine's rate, when given, replaces the trace's.
     assert _plan(tmp_path, CHATS, host_bytes_per_s=1e4, prefill_tok_s=100.0)["verdict"] == OFFLOAD
+
+
+@pytest.mark.parametrize(("load_ms", "helps"), [(14.0, True), (15.0, False), (17.0, False)])
+def test_the_verdict_applies_the_engines_load_rule(tmp_path: Path, load_ms: float, helps: bool) -> None:
+    """A chunk of 1000 bytes against a 16 ms recompute: a load of 14 ms pays, one of 15 ms is
+    within the margin that makes `load_policy: auto` recompute, so the plan says it will not help;
+    the same rule decides in the engine (`tests/engine/test_load_choice.py`)."""
+    report = _plan(tmp_path, CHATS, host_bytes_per_s=1000 / (load_ms / 1000))
+    assert (report["verdict"] != NO_HELP) is helps
+    assert (report["verdict"] != NO_HELP) is load_pays(load_ms / 1000, 16 / 1000)
 
 
 def test_mostly_unique_prompts_will_not_help(tmp_path: Path) -> None:
