@@ -10,22 +10,23 @@ Last use is wall-clock seconds so that it is comparable with file mtimes, which 
 survives restarts and is shared with other instances (a load refreshes the file's mtime).
 
 Threading: every method takes the index lock; methods are called from the tier's I/O threads and
-from the dispatch thread (`stats`). Invariant: `bytes_used` is the sum of the sizes of the entries,
-and `reserved` is the sum of the reservations handed out by `reserve` and not yet released.
+from the dispatch thread (`stats`). Invariant: `bytes_used` is `file_bytes` times the number of
+known keys (a scan keeps only files of that size), and `reserved` is the sum of the reservations
+handed out by `reserve` and not yet released.
 """
 
 from __future__ import annotations
 
-import contextlib
-import heapq
 import os
 import re
 import secrets
 import stat
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kvtier.tiers.common.io_tier import KeyIndex
+from kvtier.tiers.fs.order import UseOrder
 from kvtier.tiers.fs.safe_files import HostileFile, LayoutDir, open_dir
 
 KEY_BYTES = 32
@@ -52,9 +53,8 @@ def temp_name(name: str) -> str:
     return f".{name}.tmp.{os.getpid()}.{secrets.token_hex(4)}"
 
 
-@dataclass(frozen=True)
-class ScannedFile:
-    """One published chunk file found by a directory scan."""
+class ScannedFile(NamedTuple):
+    """One published chunk file found by a directory scan (a tuple: a scan makes one per file)."""
 
     key: bytes
     size: int
@@ -74,23 +74,25 @@ class ScanResult:
 
 def _scan_fanout(fd: int, fan: str, base: str, expected_size: int, temp_grace_s: float,
                  now: float, result: ScanResult) -> None:
+    """Scan one fan-out directory into `result`. Per good file: one regex match, one `stat` and
+    one tuple; paths are joined only for the entries reported as bad."""
+    files = result.files
     for entry in os.scandir(fd):
-        path = os.path.join(base, fan, entry.name)
-        with contextlib.suppress(FileNotFoundError):
-            if CHUNK_NAME_RE.match(entry.name) and fanout_name(entry.name) == fan:
+        name = entry.name
+        try:
+            if CHUNK_NAME_RE.match(name) and name[:2] == fan:
                 st = entry.stat(follow_symlinks=False)
-                if not stat.S_ISREG(st.st_mode):
-                    result.not_regular.append(path)
-                elif st.st_size != expected_size:
-                    result.wrong_size.append(path)
+                if st.st_size == expected_size and stat.S_ISREG(st.st_mode):
+                    files.append(ScannedFile(bytes.fromhex(name), expected_size, st.st_mtime))
+                elif not stat.S_ISREG(st.st_mode):
+                    result.not_regular.append(os.path.join(base, fan, name))
                 else:
-                    result.files.append(
-                        ScannedFile(bytes.fromhex(entry.name), st.st_size, st.st_mtime)
-                    )
-            elif TEMP_NAME_RE.match(entry.name):
-                st = entry.stat(follow_symlinks=False)
-                if now - st.st_mtime > temp_grace_s:
-                    result.stale_temps.append(path)
+                    result.wrong_size.append(os.path.join(base, fan, name))
+            elif (TEMP_NAME_RE.match(name)
+                  and now - entry.stat(follow_symlinks=False).st_mtime > temp_grace_s):
+                result.stale_temps.append(os.path.join(base, fan, name))
+        except FileNotFoundError:
+            continue
 
 
 def scan_layout_dir(
@@ -138,73 +140,59 @@ def remove_scanned(layout: LayoutDir, path: str) -> bool:
     return True
 
 
-@dataclass
-class _Entry:
-    size: int
-    last_use: float
-    seq: int
-
-
 class FsIndex(KeyIndex):
-    """Known chunk files, evicted by least recent use, bounded by `max_bytes` (None: unbounded)."""
+    """Known chunk files, all `file_bytes` long, evicted by least recent use, bounded by
+    `max_bytes` (None: unbounded). A key costs its bytes object, a dict slot, its last use (a float)
+    and its place in the `UseOrder`: no per-key object beyond those."""
 
-    def __init__(self, max_bytes: int | None) -> None:
+    def __init__(self, max_bytes: int | None, file_bytes: int) -> None:
         super().__init__()
         self.max_bytes = max_bytes
-        self._entries: dict[bytes, _Entry] = {}
-        self._heap: list[tuple[float, int, bytes]] = []
-        self._seq = 0
-        self.bytes_used = 0
+        self.file_bytes = file_bytes
+        self._times: dict[bytes, float] = {}
+        self._order = UseOrder(self._times)
+        self._changed: set[bytes] | None = None
         self.reserved = 0
 
     def __len__(self) -> int:
         with self._lock:
-            return len(self._entries)
+            return len(self._times)
 
     def __contains__(self, key: object) -> bool:
         with self._lock:
-            return key in self._entries
+            return key in self._times
 
-    def _next_seq(self) -> int:
-        self._seq += 1
-        return self._seq
+    @property
+    def bytes_used(self) -> int:
+        """The bytes of the known files."""
+        return len(self._times) * self.file_bytes
 
-    def _push(self, key: bytes, entry: _Entry) -> None:
-        heapq.heappush(self._heap, (entry.last_use, entry.seq, key))
-        if len(self._heap) > 2 * len(self._entries) + 64:
-            self._heap = [(e.last_use, e.seq, k) for k, e in self._entries.items()]
-            heapq.heapify(self._heap)
+    def _set(self, key: bytes, last_use: float) -> None:
+        """Make `last_use` the key's time (caller holds the lock), noting the change for a scan."""
+        if self._times.get(key) != last_use:
+            self._times[key] = last_use
+            self._order.push(key, last_use)
+        if self._changed is not None:
+            self._changed.add(key)
 
-    def add(self, key: bytes, size: int, last_use: float) -> bool:
+    def add(self, key: bytes, last_use: float) -> bool:
         """Record a published file (or refresh it); True when the key was not known before."""
         with self._lock:
-            old = self._entries.get(key)
-            if old is not None:
-                self.bytes_used -= old.size
-            entry = _Entry(size, max(last_use, old.last_use) if old else last_use, self._next_seq())
-            self._entries[key] = entry
-            self.bytes_used += size
-            self._push(key, entry)
+            old = self._times.get(key)
+            self._set(key, last_use if old is None else max(last_use, old))
             return old is None
 
     def touch(self, key: bytes, now: float) -> None:
         """Mark a known key as used at `now` (no-op for unknown keys)."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is None:
-                return
-            entry.last_use = max(entry.last_use, now)
-            entry.seq = self._next_seq()
-            self._push(key, entry)
+            old = self._times.get(key)
+            if old is not None:
+                self._set(key, max(old, now))
 
     def remove(self, key: bytes) -> bool:
         """Forget a key; True when it was known."""
         with self._lock:
-            entry = self._entries.pop(key, None)
-            if entry is None:
-                return False
-            self.bytes_used -= entry.size
-            return True
+            return self._times.pop(key, None) is not None
 
     def reserve(self, size: int) -> tuple[bool, list[bytes]]:
         """Make room for a new file of `size` bytes.
@@ -217,72 +205,74 @@ class FsIndex(KeyIndex):
             if self.max_bytes is None:
                 self.reserved += size
                 return True, []
-            victims: list[bytes] = []
-            skipped: list[tuple[float, int, bytes]] = []
+            victims: list[tuple[float, bytes]] = []
+            chosen: set[bytes] = set()
+            skipped: list[tuple[float, bytes]] = []
             need = self.bytes_used + self.reserved + size - self.max_bytes
-            freed = 0
-            while freed < need and self._heap:
-                item = heapq.heappop(self._heap)
-                _last_use, seq, key = item
-                entry = self._entries.get(key)
-                if entry is None or entry.seq != seq:
+            while len(victims) * self.file_bytes < need:
+                item = self._order.pop()
+                if item is None:
+                    break
+                key = item[1]
+                if key in chosen:  # a second current item of a key re-added at the same time
                     continue
                 if key in self._pins:
                     skipped.append(item)
                     continue
-                victims.append(key)
-                freed += entry.size
-            for item in skipped:
-                heapq.heappush(self._heap, item)
-            if freed < need:
-                for key in victims:
-                    entry = self._entries[key]
-                    heapq.heappush(self._heap, (entry.last_use, entry.seq, key))
+                victims.append(item)
+                chosen.add(key)
+            for last_use, key in skipped:
+                self._order.push(key, last_use)
+            if len(victims) * self.file_bytes < need:
+                for last_use, key in victims:
+                    self._order.push(key, last_use)
                 return False, []
-            for key in victims:
-                self.bytes_used -= self._entries.pop(key).size
+            for _last_use, key in victims:
+                del self._times[key]
             self.reserved += size
-            return True, victims
+            return True, [key for _last_use, key in victims]
 
     def release(self, size: int) -> None:
         """Return a reservation (the file was published, or the write failed)."""
         with self._lock:
             self.reserved -= size
 
-    def start_scan(self) -> int:
-        """A marker to pass to `merge_scan`: entries changed after it are newer than the scan."""
+    def start_scan(self) -> None:
+        """Begin noting the keys changed from now on: `merge_scan` keeps them whatever it found.
+        One scan at a time."""
         with self._lock:
-            return self._seq
+            self._changed = set()
 
-    def merge_scan(
-        self, marker: int, found: Iterable[ScannedFile]
-    ) -> tuple[list[bytes], list[bytes]]:
-        """Reconcile with a directory scan started at `marker`; returns (appeared, vanished) keys.
+    def merge_scan(self, found: Iterable[ScannedFile]) -> tuple[list[bytes], list[bytes]]:
+        """Reconcile with the directory scan begun by `start_scan`; returns (appeared, vanished).
 
         A file on disk that is unknown is added with its mtime as last use; a known file whose mtime
         is newer (another instance used it) moves up. A known key missing from the scan is
-        forgotten unless it changed after the scan started (it was stored meanwhile).
+        forgotten unless it changed after the scan started (it was stored meanwhile). When most
+        keys moved, the order is rebuilt once rather than pushed key by key.
         """
         appeared: list[bytes] = []
         vanished: list[bytes] = []
         with self._lock:
+            times = self._times
+            changed, self._changed = self._changed or set(), None
             seen: set[bytes] = set()
+            moved: list[bytes] = []
             for f in found:
                 seen.add(f.key)
-                entry = self._entries.get(f.key)
-                if entry is None:
-                    entry = _Entry(f.size, f.mtime, self._next_seq())
-                    self._entries[f.key] = entry
-                    self.bytes_used += f.size
+                old = times.get(f.key)
+                if old is None:
                     appeared.append(f.key)
-                    self._push(f.key, entry)
-                elif f.mtime > entry.last_use:
-                    entry.last_use = f.mtime
-                    entry.seq = self._next_seq()
-                    self._push(f.key, entry)
-            for key, entry in list(self._entries.items()):
-                if key not in seen and entry.seq <= marker:
-                    del self._entries[key]
-                    self.bytes_used -= entry.size
-                    vanished.append(key)
+                elif f.mtime <= old:
+                    continue
+                times[f.key] = f.mtime
+                moved.append(f.key)
+            for key in [k for k in times if k not in seen and k not in changed]:
+                del times[key]
+                vanished.append(key)
+            if len(moved) > len(times) // 4:
+                self._order.rebuild()
+            else:
+                for key in moved:
+                    self._order.push(key, times[key])
         return appeared, vanished

@@ -122,7 +122,8 @@ class FsTier(PerKeyTier):
         self._check_writable()
         self.direct_io = self._choose_direct_io(o["direct_io"])
         self._native = store_helper.load()
-        self._index = FsIndex(None if o["max_bytes"] is None else int(o["max_bytes"]))
+        self._index = FsIndex(None if o["max_bytes"] is None else int(o["max_bytes"]),
+                             self.file_bytes)
         self._faillog = FailureLog(ctx.log, f"fs tier {ctx.tier_name}")
         self._local = threading.local()
         self._stop = threading.Event()
@@ -251,7 +252,7 @@ class FsTier(PerKeyTier):
                 present = False
         if present:
             os.utime(name, dir_fd=dir_fd, follow_symlinks=False)
-            if self._index.add(key, self.file_bytes, time.time()):
+            if self._index.add(key, time.time()):
                 self._book.event(TierEventKind.STORED, key)
             return True
         granted, victims = self._index.reserve(self.file_bytes)
@@ -264,7 +265,7 @@ class FsTier(PerKeyTier):
                         self.direct_io, self.modes.file, self._native, self.ctx.fleet_key)
         finally:
             self._index.release(self.file_bytes)
-        if self._index.add(key, self.file_bytes, time.time()):
+        if self._index.add(key, time.time()):
             self._book.event(TierEventKind.STORED, key)
         self._book.count(TierCounter.STORED)
         return True
@@ -301,7 +302,7 @@ class FsTier(PerKeyTier):
             self._index.unpin(key)
         if key in self._index:
             self._index.touch(key, now)
-        elif self._index.add(key, self.file_bytes, now):
+        elif self._index.add(key, now):
             self._book.event(TierEventKind.STORED, key)
         self._book.count(TierCounter.LOADED)
         return True
@@ -346,7 +347,7 @@ class FsTier(PerKeyTier):
     def _rescan(self, initial: bool = False) -> None:
         """Reconcile the index with the directory (stat only); drop stale temps and wrong sizes,
         counting each wrong size this scan removed as a bad chunk (reported at once)."""
-        marker = self._index.start_scan()
+        self._index.start_scan()
         found = scan_layout_dir(self.layout_dir, self.file_bytes, self.temp_grace_s, time.time())
         for path in found.stale_temps:
             remove_scanned(self._layout, path)
@@ -356,7 +357,7 @@ class FsTier(PerKeyTier):
             removed = sum(remove_scanned(self._layout, path) for path in paths)
             if removed:
                 self._book.bad(reason, removed)
-        appeared, vanished = self._index.merge_scan(marker, found.files)
+        appeared, vanished = self._index.merge_scan(found.files)
         self._book.count(TierCounter.RESCANS)
         if not initial:
             self._book.events(TierEventKind.STORED, appeared)
