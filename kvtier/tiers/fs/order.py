@@ -16,6 +16,8 @@ from __future__ import annotations
 import heapq
 from array import array
 
+import numpy as np
+
 HEAP_SLACK = 64
 """The heap may hold this many items beyond its share before a rebuild."""
 
@@ -42,10 +44,14 @@ class UseOrder:
             self.rebuild()
 
     def rebuild(self) -> None:
-        """Every key of `times` in one sorted run (ties keep the dict's order); no stale item."""
+        """Every key of `times` in one sorted run (ties keep the dict's order); no stale item.
+        The times are sorted as one numpy array: no Python call a key."""
         times = self._times
-        self._run_keys = sorted(times, key=times.__getitem__)
-        self._run_times = array("d", map(times.__getitem__, self._run_keys))
+        keys = list(times)
+        run_times = np.fromiter(times.values(), dtype=np.float64, count=len(keys))
+        order = np.argsort(run_times, kind="stable")
+        self._run_keys = [keys[i] for i in order.tolist()]
+        self._run_times = array("d", run_times[order].tobytes())
         self._pos = 0
         self._heap = []
 
