@@ -112,7 +112,7 @@ class TieringManager:
     def lookup_prefix(
         self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True,
         stream: bool = False, priority: int = DEFAULT_PRIORITY,
-        choose: Callable[[Sequence[str]], int] | None = None,
+        choose: Callable[[Sequence[str]], int] | None = None, tenant: int = 0,
     ) -> PrefixLookup:
         """How many leading `keys` are ready in the host tier; promote what follows if found.
 
@@ -122,8 +122,8 @@ class TieringManager:
         given the source tier of each chunk of the run found, says how many leading ones to promote.
         The chunks found that do not fit in the host tier now are refused (counted), or with `stream`
         reported in `beyond` for the caller to `promote` once room is freed. A promoted chunk gets
-        the retention priority it was cascaded with, or the caller's `priority` when higher or unknown.
-        """
+        the retention priority it was cascaded with, or the caller's `priority` when higher or unknown,
+        its host row held by the caller's `tenant` (`HostTier.reserve`)."""
         ready = self.host.lookup(keys)
         rest = keys[ready:]
         if rest and self.host.is_pending(rest[0]):
@@ -136,7 +136,7 @@ class TieringManager:
         if sources and not pending:
             # Only a fully known run is promoted: the caller promotes once per request, so a
             # promotion started on a partial answer would cap the hit at its first chunks.
-            fitted = self._promote(keys[:ready], rest[: len(sources)], sources, priority)
+            fitted = self._promote(keys[:ready], rest[: len(sources)], sources, priority, tenant)
             promoting = tuple(HOST if self.host.contains(rest[i]) else sources[i] for i in range(fitted))
             if stream:
                 beyond = tuple(sources[fitted:])
@@ -146,11 +146,11 @@ class TieringManager:
         return PrefixLookup(ready, pending, promoting, beyond)
 
     def promote(
-        self, keys: Sequence[ChunkKey], sources: Sequence[str], priority: int = DEFAULT_PRIORITY
-    ) -> int:
+        self, keys: Sequence[ChunkKey], sources: Sequence[str], priority: int = DEFAULT_PRIORITY,
+        tenant: int = 0) -> int:
         """Start promoting the leading `keys` that fit in the host tier, chunk i from `sources[i]`
-        (priority as `lookup_prefix`); how many fitted (0: no room), each held once loaded till `release`d."""
-        return self._promote((), keys, sources, priority)
+        (`priority`, `tenant` as `lookup_prefix`); how many fitted (0: no room), each held till `release`d."""
+        return self._promote((), keys, sources, priority, tenant)
 
     def await_promotions(self, keys: Sequence[ChunkKey], timeout_s: float) -> None:
         """Block up to `timeout_s` until the promotions of `keys` in flight ended, then `poll`:
@@ -184,8 +184,8 @@ class TieringManager:
         return sources, False
 
     def _promote(
-        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str], priority: int
-    ) -> int:
+        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str], priority: int,
+        tenant: int) -> int:
         """Allocate host slots for the leading `keys` that fit and load each from its source tier;
         how many fitted. When any did, the `ready` chunks before them and the READY ones of `keys`
         are held like the promoted ones (`release`): no store evicts the prefix the promotion
@@ -193,7 +193,7 @@ class TieringManager:
         cannot take them all, the first ones are promoted; the rest are the caller's to stream
         (`promote` later) or recompute."""
         host = self.host
-        slots, fitted = host.reserve_prefix([*ready, *keys])
+        slots, fitted = host.reserve_prefix([*ready, *keys], tenant)
         fitted -= len(ready)
         run = [*ready, *keys[:fitted]] if fitted > 0 else []
         present = [k for k in run if k not in slots and k not in self._held and host.contains(k)]
@@ -279,10 +279,10 @@ class TieringManager:
 
     def unpin_rows(self, keys: Sequence[ChunkKey]) -> None:
         self.host.unpin(keys)
-    def reserve_rows(self, keys: Sequence[ChunkKey]) -> tuple[dict[ChunkKey, int], int]:
-        """Rows for a device → host store of the leading `keys` that fit: (key → slot for those
-        not held already, how many leading keys fitted). Each is `publish`ed or `abandon_rows`."""
-        return self.host.reserve_prefix(keys)
+    def reserve_rows(self, keys: Sequence[ChunkKey], tenant: int = 0) -> tuple[dict[ChunkKey, int], int]:
+        """Rows, held by `tenant`, for a device → host store of the leading `keys` that fit: (key → slot for
+        those not held already, how many leading keys fitted). Each is `publish`ed or `abandon_rows`."""
+        return self.host.reserve_prefix(keys, tenant)
 
     def abandon_rows(self, keys: Sequence[ChunkKey]) -> None:
         """Roll back rows `reserve_rows` gave and no copy will fill."""

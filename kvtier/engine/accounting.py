@@ -13,6 +13,10 @@ to the prompt length) is returned to the caller in the request output's `kv_tran
 `"kvtier": {"tokens": ...}`, kept for in-process readers in `Accounting.finished` (the last
 `FINISHED_KEPT` requests, by request id) and added to the `kvtier_prompt_tokens{source=...}`
 counters. Tier names default to the tier type (`"fs"`, `"obj"`, ...) unless configured.
+
+With `tenants` (`kvtier.policies.tenants`), each split is also counted by tenant
+(`kvtier_tenant_prompt_tokens{tenant, source}`: a named salt, `other` or `none`, so the labels are
+bounded by the config), and every step sets the host bytes each tenant holds.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from typing import Any
 from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
 from kvtier.manager import TieringManager
 from kvtier.ops.metrics import RECOMPUTED_BY_CHOICE
+from kvtier.policies.tenants import TenantShares
 from kvtier.tiers.base import TierUsage
 
 FINISHED_KEPT = 4096
@@ -39,6 +44,8 @@ class RequestHits:
     by_choice: Counter[str] = field(default_factory=Counter)
     """Tokens recomputed by choice, by the tier that held them."""
     recorded: bool = False
+    tenant: str | None = None
+    """The request's `tenant` label (None: no `tenants` configured)."""
 
     def split(self, sources: list[str]) -> dict[str, int]:
         """Tokens by source, every source in `sources` present (0 when none)."""
@@ -54,9 +61,12 @@ class RequestHits:
 class Accounting:
     """Metrics of one engine's kvtier and the per-request hit records."""
 
-    def __init__(self, manager: TieringManager, chunk_tokens: int, by_choice: bool = False) -> None:
-        """`by_choice`: `load_policy` is `auto`, so every split has "recomputed_by_choice"."""
+    def __init__(self, manager: TieringManager, chunk_tokens: int, by_choice: bool = False,
+                 tenants: TenantShares | None = None) -> None:
+        """`by_choice`: `load_policy` is `auto`, so every split has "recomputed_by_choice";
+        `tenants`: the configured shares, whose labels the per-tenant metrics use (None: none)."""
         self.manager = manager
+        self.tenants = tenants
         self.chunk_tokens = chunk_tokens
         self.metrics = manager.metrics
         self.sources = [HOST, *manager.tiers, *([RECOMPUTED_BY_CHOICE] if by_choice else [])]
@@ -108,6 +118,8 @@ class Accounting:
         split = hits.split(self.sources)
         for source, tokens in split.items():
             self.metrics.inc("prompt_tokens", tokens, source)
+            if hits.tenant is not None:
+                self.metrics.inc("tenant_prompt_tokens", tokens, hits.tenant, source)
         for tier, tokens in hits.by_choice.items():
             self.metrics.inc("recomputed_by_choice_tokens", tokens, tier)
         self.finished[req_id] = split
@@ -119,6 +131,9 @@ class Accounting:
         """Once per engine step: occupancy of every tier (the manager counts its own transfers)."""
         host = self.manager.host_stats()
         self._set_occupancy(HOST, host.ready * host.row_bytes, host.ready, host.capacity_bytes)
+        if self.tenants is not None:
+            for label, held in zip(self.tenants.labels, host.tenant_bytes, strict=True):
+                self.metrics.set("tenant_host_bytes", held, label)
         for name, tier in self.manager.tiers.items():
             self._occupancy(name, tier.last_usage)
 

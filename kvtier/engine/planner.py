@@ -83,7 +83,8 @@ class Planner:
         layout = geometry.layout
         self.geometry = geometry
         self.manager = start_manager(config, layout.row_bytes, layout.fingerprint)
-        self.accounting = Accounting(self.manager, geometry.chunk_tokens, config.load_policy == AUTO)
+        self.accounting = Accounting(self.manager, geometry.chunk_tokens, config.load_policy == AUTO,
+                                     config.tenants)
         self.choice = LoadChoice(config.load_policy, self.manager, geometry.chunk_tokens)
         self.tier_types = {t.name: t.type for t in config.secondary_tiers}
         self.events = events
@@ -151,7 +152,7 @@ class Planner:
         # One promotion per request (or its device hit shrank): it takes what that brought.
         found = self.manager.lookup_prefix(
             keys, state.options.load_tiers, promote=state.may_promote(start),
-            stream=self.stream_promotions, priority=state.priority,
+            stream=self.stream_promotions, priority=state.priority, tenant=state.tenant,
             choose=partial(self.choice.choose, state.hits.by_choice),
         )
         state.record_promotion(start, found.ready, (*found.promoting, *found.beyond))
@@ -221,7 +222,7 @@ class Planner:
         if streamed:
             self.streams.start(req_id, state.keys[first + len(head) : first + count],
                                sources[len(head):], chunks[len(head):], state.priority,
-                               head_in_flight=bool(head))
+                               head_in_flight=bool(head), tenant=state.tenant)
         if head and slots is not None:
             copy = ChunkCopy(next(self._job_ids), req_id, tuple(head), tuple(chunks[: len(head)]),
                              tuple(slots), last=not streamed, sync=state.load_sync)
@@ -390,8 +391,8 @@ class Planner:
     def _state(self, request: Request) -> RequestState | None:
         """The request's state, keyed on first sight (None: it cannot be cached)."""
         state = self._requests.get(request.request_id)
-        cap = self.max_client_priority
-        if state is None and (state := RequestState.of(request, self.hasher, cap)) is not None:
+        cap, tenants = self.max_client_priority, self.accounting.tenants
+        if state is None and (state := RequestState.of(request, self.hasher, cap, tenants)) is not None:
             self.manager.record_request(state.keys)
             if self.events is not None:
                 self.events.remember(request, state.keys)

@@ -12,6 +12,7 @@ from kvtier.engine.request import Request
 from kvtier.engine.request_options import RequestOptions, retention_priority
 from kvtier.format.chunks import HOST
 from kvtier.format.keys import ChunkHasher
+from kvtier.policies.tenants import NO_SALT, TenantShares
 
 
 @dataclass
@@ -46,6 +47,8 @@ class RequestState:
     released: bool = False
     load_failed: bool = False
     """A load for this request failed (vLLM recomputes it): it is offered no load again."""
+    tenant: int = NO_SALT
+    """The tenant id of its `cache_salt` (`policies.tenants`), which holds the host rows it fills."""
 
     def may_promote(self, start: int) -> bool:
         """Whether a lookup from chunk `start` (vLLM's device hit now) may promote: once per
@@ -94,17 +97,23 @@ class RequestState:
         return [self.keys[i] for i in self.promoted_from if i not in keep]
 
     @classmethod
-    def of(cls, request: Request, hasher: ChunkHasher, max_priority: int = 100) -> RequestState | None:
+    def of(cls, request: Request, hasher: ChunkHasher, max_priority: int = 100,
+           tenants: TenantShares | None = None) -> RequestState | None:
         """A new request's state, its prompt keyed, its retention priority at most `max_priority`
-        (the operator's `max_client_priority`); None when it cannot be cached (multimodal inputs
-        or prompt embeddings are not hashed yet)."""
+        (the operator's `max_client_priority`), its tenant by `tenants` (None: no shares, tenant
+        0 and no tenant label); None when it cannot be cached (multimodal inputs or prompt
+        embeddings are not hashed yet)."""
         if request.prompt_token_ids is None or request.mm_features:
             return None
         lora = request.lora_request.lora_name if request.lora_request else None
         keys = hasher.keys(request.prompt_token_ids, cache_salt=request.cache_salt, lora=lora)
         options = RequestOptions.from_params(request.request_id, request.kv_transfer_params)
         priority = min(retention_priority(options, request.priority), max_priority)
-        return cls(request, keys, lora, options, RequestHits(request.num_prompt_tokens), priority)
+        if tenants is None:
+            return cls(request, keys, lora, options, RequestHits(request.num_prompt_tokens), priority)
+        salt = request.cache_salt
+        hits = RequestHits(request.num_prompt_tokens, tenant=tenants.label_of(salt))
+        return cls(request, keys, lora, options, hits, priority, tenant=tenants.tenant_of(salt))
 
 
 def mark_load_failed(state: RequestState | None) -> None:

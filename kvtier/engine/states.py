@@ -75,7 +75,7 @@ class StatePlanner:
         keys = state_keys(self.states.layout, state.keys[end - 1])
         found = self.manager.lookup_prefix(
             keys, state.options.load_tiers, promote=req_id not in self._promoted,
-            priority=state.priority,
+            priority=state.priority, tenant=state.tenant,
         )
         if found.ready == len(keys):
             return True
@@ -135,7 +135,7 @@ class StatePlanner:
         if any(blocks.get(g, 0) == 0 for g in self.states.group_ids):
             return None
         keys = state_keys(self.states.layout, state.keys[chunk])
-        slots, fitted = self.manager.reserve_rows(keys)
+        slots, fitted = self.manager.reserve_rows(keys, state.tenant)
         if fitted < len(keys) or len(slots) < len(keys):
             self.manager.abandon_rows(list(slots))  # held already, or no room
             return None

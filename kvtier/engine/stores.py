@@ -54,7 +54,7 @@ class StorePlanner:
         held = [(c, b) for c in range(state.stored, done)
                 if c not in state.refused and (b := store_blocks(ids, c, bpc)) is not None]
         keys = [state.keys[c] for c, _ in held]
-        slots, fitted = self.manager.reserve_rows(keys)
+        slots, fitted = self.manager.reserve_rows(keys, state.tenant)
         state.stored = held[fitted][0] if fitted < len(held) else done
         if fitted < len(keys):
             self.accounting.store_rejected(len(keys) - fitted)

@@ -41,6 +41,8 @@ class _Stream:
     block_ids: list[tuple[int, ...]]
     priority: int
     """The request's retention priority, which its promotions get."""
+    tenant: int
+    """The request's tenant id, which holds the host rows its promotions fill."""
     promoting: int = 0
     """How many leading `keys` are being promoted (0: none)."""
     in_flight: bool = False
@@ -74,10 +76,11 @@ class LoadStreams:
         return len(self._streams)
 
     def start(self, req_id: str, keys: list[bytes], sources: list[str],
-              block_ids: list[tuple[int, ...]], priority: int, head_in_flight: bool) -> None:
-        """Stream `keys` (from `sources`) into `block_ids` for a request of retention `priority`,
-        after the part already sent for the request's leading chunks when `head_in_flight`."""
-        self._streams[req_id] = _Stream(keys, sources, block_ids, priority, in_flight=head_in_flight)
+              block_ids: list[tuple[int, ...]], priority: int, head_in_flight: bool, tenant: int = 0) -> None:
+        """Stream `keys` (from `sources`) into `block_ids` for a request of retention `priority`
+        and tenant id `tenant`, after the part already sent for the request's leading chunks when
+        `head_in_flight`."""
+        self._streams[req_id] = _Stream(keys, sources, block_ids, priority, tenant, in_flight=head_in_flight)
 
     def part_done(self, req_id: str, ok: bool) -> None:
         """A part that was not the last ended on every worker (`ok`: every copy succeeded)."""
@@ -110,7 +113,8 @@ class LoadStreams:
         if stream.failed:
             return self._part(req_id, stream, 0, ())
         if not stream.promoting:
-            stream.promoting = self.manager.promote(stream.keys, stream.sources, stream.priority)
+            stream.promoting = self.manager.promote(stream.keys, stream.sources, stream.priority,
+                                                    stream.tenant)
             if not stream.promoting:
                 now = time.monotonic()
                 stream.no_room_since = stream.no_room_since or now

@@ -21,7 +21,7 @@ def start_manager(config: KVTierConfig, row_bytes: int, layout_fingerprint: str)
     started: list[TierProcess] = []
     try:
         policy, gens = config.eviction_class(num_slots), rows.generations
-        host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy, gens)
+        host = HostTier(region.buf[: num_slots * row_bytes], row_bytes, policy, gens, config.tenants)
         for i, tier in enumerate(config.secondary_tiers):
             spec = TierSpec(
                 tier_name=tier.name, type=tier.type, module_path=tier.module_path,

@@ -34,6 +34,7 @@ from kvtier.errors import KVTierError
 from kvtier.format.chunks import TierEvent, TierEventKind
 from kvtier.policies.base import DEFAULT_PRIORITY, EvictionPolicy, Retention
 from kvtier.policies.classes import PriorityClasses
+from kvtier.policies.tenants import NO_SALT, TenantClasses, TenantShares
 
 
 class HostTierError(KVTierError, RuntimeError):
@@ -42,7 +43,8 @@ class HostTierError(KVTierError, RuntimeError):
 
 @dataclass(frozen=True)
 class HostTierStats:
-    """A snapshot of slot usage. `used` counts READY and WRITING slots; `pinned` counts keys."""
+    """A snapshot of slot usage. `used` counts READY and WRITING slots; `pinned` counts keys;
+    `tenant_bytes`: the bytes of the rows each tenant id holds (empty without tenant shares)."""
 
     capacity: int
     used: int
@@ -50,6 +52,7 @@ class HostTierStats:
     writing: int
     pinned: int
     row_bytes: int
+    tenant_bytes: tuple[int, ...] = ()
 
     @property
     def used_bytes(self) -> int:
@@ -81,10 +84,11 @@ class HostTier:
     is owned by the tier from now on; its capacity must be at least the number of slots.
     `generations` (uint64 per slot, `host.generations`): each slot's word is incremented whenever
     `reserve` hands the slot out, so other processes can tell a reused slot from its old row.
+    `shares`: each tenant's share of the slots (`policies.tenants`; None: no tenants).
     """
 
     def __init__(self, buf: memoryview, row_bytes: int, policy: EvictionPolicy[int],
-                 generations: memoryview | None = None) -> None:
+                 generations: memoryview | None = None, shares: TenantShares | None = None) -> None:
         if row_bytes < 1:
             raise ValueError(f"row_bytes must be >= 1, got {row_bytes}")
         num_slots = len(buf) // row_bytes
@@ -97,7 +101,9 @@ class HostTier:
         self._buf = buf
         self.row_bytes = row_bytes
         self.num_slots = num_slots
-        self._policy = PriorityClasses(policy, DEFAULT_PRIORITY)
+        tenants = None if shares is None else TenantClasses(policy, DEFAULT_PRIORITY, shares, num_slots)
+        self._policy = PriorityClasses(policy, DEFAULT_PRIORITY) if tenants is None else tenants
+        self._tenants = tenants
         self._ready: dict[bytes, int] = {}
         self._writing: dict[bytes, int] = {}
         self._pins: Counter[bytes] = Counter()
@@ -126,19 +132,19 @@ class HostTier:
 
     # Store: device or secondary tier → host.
 
-    def reserve(self, keys: Sequence[bytes]) -> dict[bytes, int] | None:
-        """Allocate a WRITING slot for each key that is neither READY nor WRITING.
+    def reserve(self, keys: Sequence[bytes], tenant: int = NO_SALT) -> dict[bytes, int] | None:
+        """Allocate a WRITING slot for each key that is neither READY nor WRITING, held by `tenant`.
 
         Returns the new key → slot pairs (keys already present are left out, duplicates get one
         slot), or None when not enough slots can be freed: eviction takes unpinned READY entries
-        that this call does not name, all-or-nothing, and a None result changes nothing.
+        that this call does not name, all-or-nothing, and a None result changes nothing. With
+        tenant shares, eviction takes from tenants over their share first, and refuses (None) a
+        `tenant` that would be over its own share once the over-share rows are taken.
         """
         ready, writing = self._ready, self._writing
         wanted = dict.fromkeys(keys)
         present = wanted.keys() & ready.keys()
-        for key in present:
-            del wanted[key]
-        for key in wanted.keys() & writing.keys():
+        for key in present | (wanted.keys() & writing.keys()):
             del wanted[key]
         free = self._free
         count = len(wanted)
@@ -148,7 +154,8 @@ class HostTier:
                 _Protected(self._pins, present) if present else self._pins
             )
             held = [*self._pins, *present] if present else self._pins
-            victims = self._policy.evict(shortfall, protected, held)
+            victims = (self._policy.evict(shortfall, protected, held) if self._tenants is None
+                       else self._tenants.evict(shortfall, protected, held, tenant, count))
             if victims is None:
                 return None
             evicted = [key for key, _ in victims]
@@ -166,11 +173,13 @@ class HostTier:
         if gens is not None:
             for slot in taken:
                 gens[slot] += 1
+        if self._tenants is not None:
+            self._tenants.claim(taken, tenant)
         new = dict(zip(wanted, taken, strict=True))
         writing.update(new)
         return new
 
-    def reserve_prefix(self, keys: Sequence[bytes]) -> tuple[dict[bytes, int], int]:
+    def reserve_prefix(self, keys: Sequence[bytes], tenant: int = NO_SALT) -> tuple[dict[bytes, int], int]:
         """`reserve` for the longest leading run of `keys` that fits.
 
         Returns (new key → slot pairs, n): `keys[:n]` are READY or WRITING afterwards and the rest
@@ -183,7 +192,7 @@ class HostTier:
         step = total
         while done < total and step:
             step = min(step, total - done)
-            got = self.reserve(keys[done : done + step])
+            got = self.reserve(keys[done : done + step], tenant)
             if got is None:
                 step //= 2
                 continue
@@ -202,6 +211,8 @@ class HostTier:
         done = {key: take(key) for key in keys if key in writing}
         if done and not success:
             self._free.extend(done.values())
+            if self._tenants is not None:
+                self._tenants.release(done.values())
         elif done:
             self._publish(done, priority, probation)
         if self._uses:
@@ -344,15 +355,9 @@ class HostTier:
         return events
 
     def stats(self) -> HostTierStats:
-        ready, writing = len(self._ready), len(self._writing)
-        return HostTierStats(
-            capacity=self.num_slots,
-            used=ready + writing,
-            ready=ready,
-            writing=writing,
-            pinned=len(self._pins),
-            row_bytes=self.row_bytes,
-        )
+        ready, writing, row = len(self._ready), len(self._writing), self.row_bytes
+        held = () if self._tenants is None else tuple(n * row for n in self._tenants.held)
+        return HostTierStats(self.num_slots, ready + writing, ready, writing, len(self._pins), row, held)
 
     def pin_count(self, key: bytes) -> int:
         """How many `pin` pins `key` holds now."""
@@ -386,6 +391,8 @@ class HostTier:
             raise HostTierError("uses wait with no store in flight to take effect after")
         if not self._fresh <= ready.keys():
             raise HostTierError("a key used by no request since published is not READY")
+        if self._tenants is not None and sum(self._tenants.held) != len(ready) + len(writing):
+            raise HostTierError(f"tenants hold {sum(self._tenants.held)} rows, not READY + WRITING")
         if len(policy) != len(ready):
             raise HostTierError(f"policy holds {len(policy)} keys, READY index {len(ready)}")
         for key, slot in ready.items():

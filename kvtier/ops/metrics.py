@@ -178,6 +178,12 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("lookup_chunks", "counter", "Chunks looked up past the device prefix-cache hit"),
     MetricSpec("hit_chunks", "counter", "Looked-up chunks served by the tier (host: already there)", _T),
     MetricSpec("prompt_tokens", "counter", "Prompt tokens by where their KV came from", _S),
+    MetricSpec("tenant_prompt_tokens", "counter",
+               "Prompt tokens by tenant (a `tenants` salt, `other` for the rest, `none`: no salt) and by "
+               "where their KV came from; counted with `tenants` set", ("tenant", "source")),
+    MetricSpec("tenant_host_bytes", "gauge",
+               "Bytes of the host tier's rows each tenant holds (being written or ready), with `tenants` set",
+               ("tenant",)),
     MetricSpec("promotion_refused_chunks", "counter",
                "Chunks not promoted because the host tier had no room for them (they are recomputed)"),
     MetricSpec("cascade_skipped_chunks", "counter",

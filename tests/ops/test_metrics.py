@@ -25,7 +25,7 @@ def test_every_metric_has_the_prefix_and_bounded_labels() -> None:
     for spec in METRICS:
         assert spec.full_name.startswith(PREFIX)
         assert set(spec.labels) <= {"tier", "op", "source", "reason", "cause", "counter", "gauge",
-                                     *CONFIG_LABELS}
+                                     "tenant", *CONFIG_LABELS}
 
 
 def test_every_tier_stat_has_its_metric_and_a_distinct_label() -> None:
