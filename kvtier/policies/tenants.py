@@ -35,7 +35,8 @@ from kvtier.policies.classes import PriorityClasses
 NO_SALT, OTHER_SALT = 0, 1
 """The tenant ids of requests without a salt and of salts the config does not name."""
 NONE_LABEL, OTHER_LABEL = "none", "other"
-"""Their `tenant` metric labels; a named tenant's label is its salt."""
+"""Their `tenant` metric labels; the named tenants' are `t1`, `t2`, ... in config order: a salt
+keeps another tenant from probing a prefix cache, so it never appears in `/metrics`."""
 MAX_TENANTS = 250
 """The most named tenants (a tenant id is one byte per row)."""
 
@@ -50,8 +51,9 @@ class TenantShares:
 
     @property
     def labels(self) -> tuple[str, ...]:
-        """The `tenant` label of each tenant id: `none`, `other`, then the named salts."""
-        return (NONE_LABEL, OTHER_LABEL, *self.named)
+        """The `tenant` label of each tenant id: `none`, `other`, then `t1`, `t2`, ... for the
+        named salts in config order."""
+        return (NONE_LABEL, OTHER_LABEL, *(f"t{i}" for i in range(1, len(self.named) + 1)))
 
     @property
     def shares(self) -> tuple[float, ...]:
