@@ -16,7 +16,7 @@ the real `FsTier`:
 
 The files are synced to disk after the fill (so evicting one frees allocated blocks at every N),
 and the page cache is warm (the files were just written or listed): these are warm-cache figures.
-Usage: python benchmarks/bench_fs_scale.py --root /tmp/fs-scale --n 10000 1000000 --out R.json
+Usage: python benchmarks/bench_fs_scale.py --root /var/tmp/kvtier-fs-scale --n 10000 1000000 --out R.json
 """
 
 from __future__ import annotations
@@ -33,6 +33,7 @@ import time
 import tracemalloc
 from typing import Any
 
+from kvtier.bench.neutral_paths import neutral_path
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs.fsck import fsck
@@ -179,7 +180,8 @@ def main() -> None:
         growth = vals[-1] / vals[0] if vals[0] else float("nan")
         print(f"{fig:28}" + "".join(f"{v:14.4g}" for v in vals) + f"  {growth:.2f}x")
     if args.out:
-        result = {"args": vars(args), "runs": runs,
+        recorded = {k: neutral_path(v) if isinstance(v, str) else v for k, v in vars(args).items()}
+        result = {"args": recorded, "runs": runs,
                   "growth": {f: runs[-1][f] / runs[0][f] for f in FIGURES if runs[0][f]}}
         with open(args.out, "w") as f:
             json.dump(result, f, indent=1)
