@@ -3,14 +3,13 @@ rows are held by the tenant that asked for it, and count against that tenant's s
 
 from __future__ import annotations
 
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from kvtier.manager import PrefixLookup, TieringManager
 from kvtier.policies.tenants import NO_SALT
-from tests.conftest import random_key
+from tests.conftest import random_key, wait_until
 from tests.manager_helpers import ROW, drain, evict_all, start, store_in_host
 
 A = 2  # the tenant id of the first named salt
@@ -23,17 +22,15 @@ def manager(request: pytest.FixtureRequest) -> Iterator[TieringManager]:
     m.shutdown()
 
 
-def promote_for(m: TieringManager, keys: list[bytes], tenant: int, timeout_s: float = 10) -> PrefixLookup:
+def promote_for(m: TieringManager, keys: list[bytes], tenant: int) -> PrefixLookup:
     """Look `keys` up for `tenant` until the promotion it started has ended."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+
+    def ended() -> PrefixLookup | None:
         m.poll()
         found = m.lookup_prefix(keys, tenant=tenant)
-        if not found.pending:
-            return found
-        if time.monotonic() > deadline:
-            pytest.fail("lookup still pending")
-        time.sleep(0.002)
+        return None if found.pending else found
+
+    return wait_until(ended, "the promotion's end")
 
 
 def test_a_promotion_is_held_by_the_tenant_that_asked(manager: TieringManager) -> None:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import contextlib
 import os
 import shutil
-import time
 import tracemalloc
 from array import array
 from pathlib import Path
@@ -23,7 +22,7 @@ from kvtier.tiers.base import LookupResult
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs.fsck import fsck
 from kvtier.tiers.fs.tier import FsTier
-from tests.conftest import random_key
+from tests.conftest import random_key, wait_until
 from tests.tiers.fs.helpers import (
     LAYOUT_FP,
     all_files,
@@ -155,10 +154,7 @@ def test_the_rescan_never_walks_into_a_symlinked_fanout(root: Path, outside: Pat
         fanout.rmdir()
         fanout.symlink_to(outside, target_is_directory=True)
         scans = tier.counts()[TierCounter.RESCANS]
-        deadline = time.monotonic() + WAIT_S
-        while tier.counts()[TierCounter.RESCANS] < scans + 2:
-            assert time.monotonic() < deadline, "no rescan"
-            time.sleep(0.01)
+        wait_until(lambda: tier.counts()[TierCounter.RESCANS] >= scans + 2, "two rescans", WAIT_S)
         assert tier.usage().chunks == 0 and tier.counts().bad_chunks == 0
         assert victim.read_bytes() == b"the operator's file" and stale.exists()
     finally:
@@ -167,13 +163,7 @@ def test_the_rescan_never_walks_into_a_symlinked_fanout(root: Path, outside: Pat
 
 def sidecar_answer(sidecar: BlockSidecar, key: bytes) -> list:
     sidecar.ask(TierEventKind.STORED, key)
-    deadline = time.monotonic() + WAIT_S
-    while time.monotonic() < deadline:
-        answers = sidecar.take_answers()
-        if answers:
-            return answers
-        time.sleep(0.01)
-    raise TimeoutError(f"the sidecar did not answer within {WAIT_S} s")
+    return wait_until(sidecar.take_answers, "the sidecar's answer", WAIT_S)
 
 
 @pytest.mark.parametrize("planted", ["/dev/zero", "fifo"])
