@@ -16,7 +16,7 @@ the real `FsTier`:
 
 The files are synced to disk after the fill (so evicting one frees allocated blocks at every N),
 and the page cache is warm (the files were just written or listed): these are warm-cache figures.
-Usage: python benchmarks/bench_fs_scale.py --root /var/tmp/kvtier-fs-scale --n 10000 1000000 --out R.json
+Usage: python -m benchmarks.bench_fs_scale --root /var/tmp/kvtier-fs-scale --n 10000 1000000 --out R.json
 """
 
 from __future__ import annotations
@@ -27,35 +27,22 @@ import json
 import logging
 import mmap
 import os
-import random
-import statistics
 import time
 import tracemalloc
 from typing import Any
 
-from kvtier.bench.neutral_paths import neutral_path
+from benchmarks.scale import LAYOUT_FP, ChunkHeaders, keys_for, measure_lookups, report
 from kvtier.tiers.base import TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.fs.fsck import fsck
 from kvtier.tiers.fs.index import fanout_name
 from kvtier.tiers.fs.tier import FsTier
 
-LAYOUT_FP = "5ca1ab1e5ca1ab1e5ca1ab1e5ca1ab1e"
-SEED = 38
-
-
-def keys_for(n: int) -> list[bytes]:
-    """The N stored keys of a run (the same for every run with this N)."""
-    rng = random.Random(SEED)
-    return [rng.randbytes(32) for _ in range(n)]
-
 
 def fill(layout_dir: str, keys: list[bytes], row_bytes: int) -> tuple[int, float]:
     """Write the chunk files of `keys` that are not there yet; (files written, seconds)."""
     t0 = time.perf_counter()
-    fp = chunkfmt.fingerprint_bytes(LAYOUT_FP)
-    row = bytes(row_bytes)
-    digest = chunkfmt.digest_of(bytes(32), fp, row)
+    headers = ChunkHeaders(row_bytes)
     header = bytearray(chunkfmt.HEADER_BYTES)
     fds = {}
     for i in range(256):
@@ -72,8 +59,8 @@ def fill(layout_dir: str, keys: list[bytes], row_bytes: int) -> tuple[int, float
             except FileExistsError:
                 continue
             try:
-                chunkfmt.pack_header_digest(header, key, fp, row_bytes, digest)
-                if os.writev(fd, [header, row]) != chunkfmt.HEADER_BYTES + row_bytes:
+                wrote = os.writev(fd, [headers.pack(key, header), headers.row])
+                if wrote != chunkfmt.HEADER_BYTES + row_bytes:
                     raise OSError(f"short write of {name}")
             finally:
                 os.close(fd)
@@ -90,21 +77,6 @@ def make_tier(root: str, row_bytes: int, max_bytes: int | None) -> FsTier:
                       tier_name="fs-scale", log=logging.getLogger("kvtier.tier.fs-scale"))
     return FsTier(ctx, root_dir=root, max_bytes=max_bytes, n_read_threads=1, n_write_threads=1,
                   rescan_interval_s=None, direct_io=False)
-
-
-def measure_lookups(tier: FsTier, keys: list[bytes], batch: int, batches: int) -> dict[str, float]:
-    rng = random.Random(SEED + 1)
-    lat: list[float] = []
-    t_all = time.perf_counter()
-    for _ in range(batches):
-        ks = [rng.choice(keys) if i % 2 else rng.randbytes(32) for i in range(batch)]
-        t0 = time.perf_counter()
-        tier.lookup(ks)
-        lat.append(time.perf_counter() - t0)
-    total = time.perf_counter() - t_all
-    q = statistics.quantiles(lat, n=100)
-    return {"lookups_per_s": batch * batches / total, "batch_p50_us": q[49] * 1e6,
-            "batch_p99_us": q[98] * 1e6}
 
 
 def run_one(root: str, n: int, args: argparse.Namespace) -> dict[str, Any]:
@@ -174,17 +146,7 @@ def main() -> None:
     for n in args.n:
         runs.append(run_one(os.path.join(args.root, str(n)), n, args))
         print(json.dumps(runs[-1]), flush=True)
-    print(f"{'figure':28}" + "".join(f"{r['n']:>14,}" for r in runs) + "  growth")
-    for fig in FIGURES:
-        vals = [r[fig] for r in runs]
-        growth = vals[-1] / vals[0] if vals[0] else float("nan")
-        print(f"{fig:28}" + "".join(f"{v:14.4g}" for v in vals) + f"  {growth:.2f}x")
-    if args.out:
-        recorded = {k: neutral_path(v) if isinstance(v, str) else v for k, v in vars(args).items()}
-        result = {"args": recorded, "runs": runs,
-                  "growth": {f: runs[-1][f] / runs[0][f] for f in FIGURES if runs[0][f]}}
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(runs, FIGURES, args)
 
 
 if __name__ == "__main__":

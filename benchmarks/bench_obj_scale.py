@@ -15,7 +15,7 @@ checksum serves them all) by `--fill-threads` threads of boto3 `put_object`. The
   key answered by a HEAD; HEADs per second until all are answered.
 
 The server runs on this machine, sharing its CPUs with the benchmark: these are loopback figures.
-Usage: python benchmarks/bench_obj_scale.py --root /var/tmp/kvtier-obj-scale --n 1000 100000 --out R.json
+Usage: python -m benchmarks.bench_obj_scale --root /var/tmp/kvtier-obj-scale --n 1000 100000 --out R.json
 """
 
 from __future__ import annotations
@@ -25,27 +25,17 @@ import json
 import logging
 import mmap
 import random
-import statistics
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+from benchmarks.scale import LAYOUT_FP, SEED, ChunkHeaders, keys_for, measure_lookups, report
 from kvtier.bench.chaos.services import Seaweed
-from kvtier.bench.neutral_paths import neutral_path
 from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.obj.tier import ObjTier
-
-LAYOUT_FP = "5ca1ab1e5ca1ab1e5ca1ab1e5ca1ab1e"
-SEED = 38
-
-
-def keys_for(n: int) -> list[bytes]:
-    """The N stored keys of a run (the same for every run with this N)."""
-    rng = random.Random(SEED)
-    return [rng.randbytes(32) for _ in range(n)]
 
 
 def fill(server: Seaweed, bucket: str, keys: list[bytes], row_bytes: int, threads: int) -> float:
@@ -53,15 +43,12 @@ def fill(server: Seaweed, bucket: str, keys: list[bytes], row_bytes: int, thread
     t0 = time.perf_counter()
     client = server.client(max_pool_connections=threads)
     client.create_bucket(Bucket=bucket)
-    fp = chunkfmt.fingerprint_bytes(LAYOUT_FP)
-    row = bytes(row_bytes)
-    digest = chunkfmt.digest_of(bytes(32), fp, row)
+    headers = ChunkHeaders(row_bytes)
 
     def put(key: bytes) -> None:
-        header = bytearray(chunkfmt.HEADER_BYTES)
-        chunkfmt.pack_header_digest(header, key, fp, row_bytes, digest)
+        header = headers.pack(key, bytearray(chunkfmt.HEADER_BYTES))
         client.put_object(Bucket=bucket, Key=f"kvtier/{LAYOUT_FP}/{key.hex()}",
-                          Body=bytes(header) + row)
+                          Body=bytes(header) + headers.row)
 
     with ThreadPoolExecutor(threads) as pool:
         for _ in pool.map(put, keys):
@@ -107,21 +94,6 @@ def measure_startup(server: Seaweed, bucket: str, keys: list[bytes],
     finally:
         tier.shutdown()
     return out
-
-
-def measure_lookups(tier: ObjTier, keys: list[bytes], batch: int, batches: int) -> dict[str, float]:
-    rng = random.Random(SEED + 1)
-    lat: list[float] = []
-    t_all = time.perf_counter()
-    for _ in range(batches):
-        ks = [rng.choice(keys) if i % 2 else rng.randbytes(32) for i in range(batch)]
-        t0 = time.perf_counter()
-        tier.lookup(ks)
-        lat.append(time.perf_counter() - t0)
-    total = time.perf_counter() - t_all
-    q = statistics.quantiles(lat, n=100)
-    return {"lookups_per_s": batch * batches / total, "batch_p50_us": q[49] * 1e6,
-            "batch_p99_us": q[98] * 1e6}
 
 
 def measure_heads(server: Seaweed, bucket: str, keys: list[bytes],
@@ -175,17 +147,7 @@ def main() -> None:
             print(json.dumps(runs[-1]), flush=True)
     finally:
         server.kill()
-    print(f"{'figure':28}" + "".join(f"{r['n']:>14,}" for r in runs) + "  growth")
-    for fig in FIGURES:
-        vals = [r[fig] for r in runs]
-        growth = vals[-1] / vals[0] if vals[0] else float("nan")
-        print(f"{fig:28}" + "".join(f"{v:14.4g}" for v in vals) + f"  {growth:.2f}x")
-    if args.out:
-        recorded = {k: neutral_path(v) if isinstance(v, str) else v for k, v in vars(args).items()}
-        result = {"args": recorded, "runs": runs,
-                  "growth": {f: runs[-1][f] / runs[0][f] for f in FIGURES if runs[0][f]}}
-        with open(args.out, "w") as f:
-            json.dump(result, f, indent=1)
+    report(runs, FIGURES, args)
 
 
 if __name__ == "__main__":
