@@ -121,6 +121,11 @@ class Injectors:
         self._stop.set()
         self._thread.join()
 
+    def every_fault_ran(self) -> bool:
+        """Whether each process fault of the pace has run at least once (its window is closed)."""
+        ran = {w.kind for w in list(self.windows)}
+        return all(kind in ran for kind in self.pace.faults)
+
     def _run(self) -> None:
         next_fault = time.monotonic() + self.pace.fault_every_s
         faults = list(self.pace.faults)

@@ -1,8 +1,9 @@
 """The campaign's named shapes: the workload, the caches, how hard the injectors push, and when
 the run stops.
 
-- `smoke` (CI, under 3 minutes here): 4 conversations of 3 turns, rounds until at least 3 rounds
-  and 60 corruptions, a corruption every 0.5 s and every process fault in turn every 3 s.
+- `smoke` (CI, under 3 minutes here): 4 conversations of 3 turns, rounds until at least 3 rounds,
+  60 corruptions and each process fault run once, a corruption every 0.5 s and every process fault
+  in turn every 3 s.
 - `full`: 8 conversations of 4 turns, rounds until each shared tier (obj, the cluster, p2p) has
   detected at least 300 corruptions (and at least 3 rounds, at most `max_s` seconds of rounds), two
   corruptions every 0.25 s while under half of a tier's chunks are corrupted, every process fault
@@ -71,7 +72,7 @@ class ChaosPreset:
 PRESETS: dict[str, ChaosPreset] = {
     "smoke": ChaosPreset(
         "smoke", WorkloadSpec(128, 48, 3, 4, 4, 4), Pace(0.5, 1, 3.0, 1.5, FAULTS), min_rounds=3,
-        min_corruptions=60, device_blocks=20, host_chunks=8, fs_mib=256, hang_s=60.0),
+        max_rounds=200, min_corruptions=60, device_blocks=20, host_chunks=8, fs_mib=256, hang_s=60.0),
     "full": ChaosPreset(
         "full", WorkloadSpec(160, 48, 4, 8, 4, 6), Pace(0.25, 3, 8.0, 2.0, FAULTS, max_open=0.5),
         min_rounds=3, max_rounds=200,

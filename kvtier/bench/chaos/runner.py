@@ -171,6 +171,7 @@ def run(preset: ChaosPreset, model: Path, work: Path, seed: int = 0) -> dict[str
                 return False
             injected = ledger.counts()["injected"]
             return (rnd + 1 < preset.min_rounds or injected < preset.min_corruptions
+                    or (injectors is not None and not injectors.every_fault_ran())
                     or any(ledger.detected(t) < preset.min_detected for t in preset.detect_tiers))
 
         def stop() -> bool:
