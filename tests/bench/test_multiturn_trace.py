@@ -1,5 +1,6 @@
 """`kvtier bench multiturn --trace DIR`: every kvtier configuration traces its run to its own file;
-`--blocks-per-chunk N`: every kvtier configuration offloads in chunks of N engine blocks."""
+`--blocks-per-chunk N`: every kvtier configuration offloads in chunks of N engine blocks;
+`--load-policy P`: every kvtier configuration loads or recomputes by `load_policy` P."""
 
 from __future__ import annotations
 
@@ -28,3 +29,13 @@ def test_blocks_per_chunk_option_sets_kvtier_chunk_size_only(tmp_path: Path) -> 
     assert configs.resolve("no-offload", ctx).kvtier is None
     default = configs.resolve("host", configs.BenchContext(1 << 20, 40, 400, 80, tmp_path / "run2")).kvtier
     assert default is not None and "blocks_per_chunk" not in default
+
+
+def test_load_policy_option_sets_every_kvtier_configuration_only(tmp_path: Path) -> None:
+    ctx = configs.BenchContext(1 << 20, 40, 400, 80, tmp_path / "run1", {"load_policy": "auto"})
+    for name in ("host", "host+fs"):
+        kv = configs.resolve(name, ctx).kvtier
+        assert kv is not None and kv["load_policy"] == "auto"
+    assert configs.resolve("no-offload", ctx).kvtier is None
+    default = configs.resolve("host+fs", configs.BenchContext(1 << 20, 40, 400, 80, tmp_path / "run2")).kvtier
+    assert default is not None and "load_policy" not in default

@@ -48,6 +48,7 @@ from kvtier.bench.multiturn import presets, report
 from kvtier.bench.multiturn.fleet import ROUTES
 from kvtier.bench.multiturn.workload import Mix, Ramp
 from kvtier.bench.neutral_paths import neutral_path
+from kvtier.config import ALWAYS, LOAD_POLICIES
 from kvtier.errors import KVTierError
 
 if TYPE_CHECKING:
@@ -137,6 +138,8 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--ramp-step-s", type=float, default=None, help="seconds per ramp step")
     p.add_argument("--blocks-per-chunk", type=_ints_one, default=None,
                    help="engine blocks per chunk of every kvtier configuration (default 1)")
+    p.add_argument("--load-policy", choices=LOAD_POLICIES, default=None,
+                   help="load_policy of every kvtier configuration (default: the config's, always)")
     p.add_argument("--trace", type=Path, default=None,
                    help="write each kvtier run's connector trace (trace_path) into this directory")
     p.add_argument("--json", action="store_true", help="print the results JSON instead of the table")
@@ -223,6 +226,8 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
                if (v := getattr(args, k))}
     if args.blocks_per_chunk is not None:
         options["blocks_per_chunk"] = str(args.blocks_per_chunk)
+    if args.load_policy is not None:
+        options["load_policy"] = args.load_policy
     if args.trace is not None:
         args.trace.mkdir(parents=True, exist_ok=True)
         options["trace_dir"] = str(args.trace.resolve())
@@ -245,6 +250,7 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
         "workload": spec.as_json(), "mix": mix.__dict__ if mix else None,
         "ramp": ramp.__dict__ if ramp else None, "sweep": list(sweep), "configs": names,
         "repeats": args.repeats, "blocks_per_chunk": args.blocks_per_chunk or 1,
+        "load_policy": args.load_policy or ALWAYS,
         "mode": mode, "endpoints": list(endpoints),
         "route": args.route if len(endpoints) > 1 else None,
         "model": neutral_path(str(model)) if model else None, "dtype": dtype,

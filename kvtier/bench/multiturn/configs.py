@@ -30,6 +30,9 @@ The baseline connectors are modules of `benchmarks/baselines/`, imported by the 
 With `--blocks-per-chunk N` (option `blocks_per_chunk`) every kvtier configuration offloads in
 chunks of N engine blocks (the host tier keeps its bytes); the others are unchanged.
 
+With `--load-policy P` (option `load_policy`) every kvtier configuration loads or recomputes by
+`load_policy` P (`kvtier.engine.load_choice`); the others are unchanged.
+
 With `--trace DIR` (option `trace_dir`) every kvtier configuration writes its run's connector trace
 to `DIR/<run directory>.jsonl`.
 
@@ -262,6 +265,9 @@ def resolve(name: str, ctx: BenchContext) -> EngineConfig:
     blocks_per_chunk = ctx.options.get("blocks_per_chunk")
     if config.kvtier is not None and blocks_per_chunk:  # `--blocks-per-chunk`: kvtier's chunk size
         config = replace(config, kvtier={**config.kvtier, "blocks_per_chunk": int(blocks_per_chunk)})
+    load_policy = ctx.options.get("load_policy")
+    if config.kvtier is not None and load_policy:  # `--load-policy`: load or recompute
+        config = replace(config, kvtier={**config.kvtier, "load_policy": load_policy})
     trace_dir = ctx.options.get("trace_dir")
     if config.kvtier is not None and trace_dir:  # `--trace`: one trace file per run
         config = replace(config, kvtier={**config.kvtier,
