@@ -22,7 +22,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from kvtier.format.chunks import HOST, ChunkKey, TierEvent
 from kvtier.host.region import HostRegion
@@ -31,8 +31,9 @@ from kvtier.ops.metrics import KVTierMetrics
 from kvtier.policies.admission import AdmissionChain
 from kvtier.policies.base import DEFAULT_PRIORITY, AdmitAll
 from kvtier.policies.remembered import RememberedPriorities
-from kvtier.tiers.base import Job, JobKind, JobResult, LookupResult
+from kvtier.tiers.base import JobKind, JobResult, LookupResult
 from kvtier.tiers.process import TierProcess
+from kvtier.tiers.transfers import LoadTimer, Transfers
 
 log = logging.getLogger("kvtier.manager")
 
@@ -53,15 +54,6 @@ class PrefixLookup:
     tier holds but the host tier had no room for now (to promote later with `promote`)."""
 
 
-@dataclass(frozen=True)
-class _Transfer:
-    tier: str
-    kind: JobKind
-    keys: tuple[ChunkKey, ...]
-    priority: int
-    started: float = field(default_factory=time.monotonic)
-
-
 class TieringManager:
     """Lookups across tiers, promotions into the host tier and cascades out of it."""
 
@@ -80,7 +72,6 @@ class TieringManager:
         self.admission = admission or AdmissionChain([AdmitAll()])
         self.job_ids = itertools.count(1)
         """The one job-id space: tier jobs and the request path's copy jobs draw from it."""
-        self._transfers: dict[int, _Transfer] = {}
         self._events: list[tuple[str, TierEvent]] = []
         self._claimed: set[ChunkKey] = set()
         """Keys being promoted for a caller that has not released them: held once loaded."""
@@ -90,12 +81,12 @@ class TieringManager:
         """How long a lookup may wait for tiers' answers before it answers "ask again"."""
         self.metrics = metrics or KVTierMetrics()
         """Where every transfer, failure and refusal of this manager is counted."""
+        self._transfers = Transfers(self.metrics, self.job_ids)
         self.region: HostRegion | None = None
         self.priorities = RememberedPriorities()
         """The priority each chunk was cascaded with: a promoted chunk gets it back."""
         self._disabled: set[str] = set()
         self.cascades = True  # False on an instance keeping its chunks in the host tier (`kv_consumer`)
-        self.load_timer: Callable[[str, int, float], None] | None = None  # (tier, bytes, seconds) per load
         for name in self.tiers:
             self.metrics.set("tier_enabled", 1.0, name)
 
@@ -155,23 +146,15 @@ class TieringManager:
     def await_promotions(self, keys: Sequence[ChunkKey], timeout_s: float) -> None:
         """Block up to `timeout_s` until the promotions of `keys` in flight ended, then `poll`:
         the one wait on the scheduler thread a caller chooses (`promotion_wait_s`)."""
-        deadline, wanted = time.monotonic() + timeout_s, set(keys)
+        deadline = time.monotonic() + timeout_s
         for name, tier in self.tiers.items():
-            jobs = [j for j, t in self._transfers.items() if t.tier == name and not wanted.isdisjoint(t.keys)]
-            if jobs:
+            if jobs := self._transfers.ids_touching(name, keys):
                 tier.await_jobs(jobs, max(deadline - time.monotonic(), 0.0))
         self.poll()
 
     def _find(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None) -> tuple[list[str], bool]:
         """The source tier of each leading key some tier holds; whether the run stopped on an unknown."""
-        names = [n for n in self.tiers if (tiers is None or n in tiers) and n not in self._disabled]
-        answers = {n: self.tiers[n].lookup(keys) for n in names}
-        asking = [n for n in names if LookupResult.RETRY in answers[n]]
-        if asking and self.lookup_wait_s > 0:
-            deadline = time.monotonic() + self.lookup_wait_s
-            for n in asking:
-                self.tiers[n].await_answers(max(deadline - time.monotonic(), 0.0))
-                answers[n] = self.tiers[n].lookup(keys)
+        names, answers = self._answers(keys, tiers)
         sources: list[str] = []
         for i, key in enumerate(keys):
             if self.host.is_pending(key):
@@ -182,6 +165,38 @@ class TieringManager:
                 return sources, unknown
             sources.append(found)
         return sources, False
+
+    def locate(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None
+               ) -> list[str | LookupResult]:
+        """Where each of `keys` is, each on its own (not a prefix): "host" when the host tier holds
+        it readable, else the first enabled secondary tier (of `tiers`; None: all) that holds it,
+        else MISS, or RETRY while it is being written to the host tier or a tier's answer is still
+        unknown after `lookup_wait_s`."""
+        names, answers = self._answers(keys, tiers)
+        out: list[str | LookupResult] = []
+        for i, key in enumerate(keys):
+            if self.host.lookup([key]):
+                out.append(HOST)
+                continue
+            found = [answers[n][i] for n in names]
+            hit = next((n for n, a in zip(names, found, strict=True) if a is LookupResult.HIT), None)
+            unknown = self.host.is_pending(key) or LookupResult.RETRY in found
+            out.append(hit or (LookupResult.RETRY if unknown else LookupResult.MISS))
+        return out
+
+    def _answers(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None
+                 ) -> tuple[list[str], dict[str, list[LookupResult]]]:
+        """The enabled tiers asked (of `tiers`) and each one's answer per key, waited for up to
+        `lookup_wait_s`."""
+        names = [n for n in self.tiers if (tiers is None or n in tiers) and n not in self._disabled]
+        answers = {n: self.tiers[n].lookup(keys) for n in names}
+        asking = [n for n in names if LookupResult.RETRY in answers[n]]
+        if asking and self.lookup_wait_s > 0:
+            deadline = time.monotonic() + self.lookup_wait_s
+            for n in asking:
+                self.tiers[n].await_answers(max(deadline - time.monotonic(), 0.0))
+                answers[n] = self.tiers[n].lookup(keys)
+        return names, answers
 
     def _promote(
         self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str], priority: int,
@@ -204,7 +219,7 @@ class TieringManager:
             if key in slots:
                 by_tier.setdefault(source, []).append(key)
         for name, tier_keys in by_tier.items():
-            job = self._job(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys], priority)
+            job = self._transfers.add(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys], priority)
             self._claimed.update(tier_keys)
             self.tiers[name].submit_load(job)
         return fitted
@@ -258,7 +273,7 @@ class TieringManager:
             self.metrics.inc("cascade_skipped_chunks", len(admitted) - len(resident), name)
             slots = self.host.pin(resident, access=False) if resident else None
             if slots is not None:
-                tier.submit_store(self._job(name, JobKind.STORE, resident, slots, priority))
+                tier.submit_store(self._transfers.add(name, JobKind.STORE, resident, slots, priority))
 
     # -- host rows, for the request path -------------------------------------------------------
 
@@ -327,13 +342,10 @@ class TieringManager:
         self._events.extend((HOST, e) for e in self.host.take_events())
 
     def _finish(self, result: JobResult) -> None:
-        transfer = self._transfers.pop(result.job_id, None)
-        if transfer is None:
+        taken = self._transfers.take(result)
+        if taken is None:
             return
-        ok = set(result.successful_keys).intersection(transfer.keys)
-        failed = [k for k in transfer.keys if k not in ok]
-        done = [k for k in transfer.keys if k in ok]
-        self._count(transfer, len(done), len(failed), result)
+        transfer, done, failed = taken
         if transfer.kind is JobKind.STORE:
             self.host.unpin(transfer.keys)
             return
@@ -370,31 +382,19 @@ class TieringManager:
         events, self._events = self._events, []
         return events
 
-    def _count(self, transfer: _Transfer, done: int, failed: int, result: JobResult) -> None:
-        m, tier, op = self.metrics, transfer.tier, transfer.kind.value
-        m.inc("failures", failed, tier, op)
-        if done:
-            m.inc("transfer_chunks", done, tier, op)
-            m.inc("transfer_bytes", result.bytes_moved, tier, op)
-            m.inc("transfer_seconds", result.seconds, tier, op)
-            m.observe("transfer_latency_seconds", result.seconds, tier, op)
-            if transfer.kind is JobKind.LOAD and self.load_timer is not None:
-                self.load_timer(tier, result.bytes_moved, time.monotonic() - transfer.started)
-
     @property
     def in_flight(self) -> int:
         return len(self._transfers)
 
+    @property
+    def load_timer(self) -> LoadTimer | None:
+        """Called with (tier, bytes, seconds) for every finished load job."""
+        return self._transfers.load_timer
+
+    @load_timer.setter
+    def load_timer(self, timer: LoadTimer | None) -> None:
+        self._transfers.load_timer = timer
+
     def jobs_in_flight(self) -> dict[str, int]:
         """Jobs submitted and not finished, per secondary tier (every tier named)."""
-        counts = dict.fromkeys(self.tiers, 0)
-        for transfer in self._transfers.values():
-            counts[transfer.tier] += 1
-        return counts
-
-    def _job(
-        self, tier: str, kind: JobKind, keys: Sequence[ChunkKey], slots: Sequence[int], priority: int
-    ) -> Job:
-        job = Job(next(self.job_ids), kind, tuple(keys), tuple(slots))
-        self._transfers[job.job_id] = _Transfer(tier, kind, job.keys, priority)
-        return job
+        return self._transfers.by_tier(self.tiers)

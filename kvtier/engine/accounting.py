@@ -73,29 +73,33 @@ class Accounting:
         self.finished: OrderedDict[str, dict[str, int]] = OrderedDict()
 
     def record_alloc(
-        self, hits: RequestHits, looked_up: int, sources: list[str], skipped: int = 0
+        self, hits: RequestHits, looked_up: int, sources: list[str], skipped: int = 0, unfilled: int = 0
     ) -> None:
         """A request got its blocks: `looked_up` chunks were asked past the device hit and
         `sources[i]` served the i-th loaded chunk, the first one but its `skipped` tokens (the
-        device held them). Called once per request (first allocation)."""
+        device held them), the last one but its `unfilled` tokens (an unfull chunk). Called once
+        per request (first allocation)."""
         hits.recorded = True
-        self._add(hits, sources, skipped, 1)
+        self._add(hits, sources, skipped, unfilled, 1)
         if looked_up:
             self.metrics.inc("lookups", 1)
             self.metrics.inc("lookup_chunks", looked_up)
         for tier, count in Counter(sources).items():
             self.metrics.inc("hit_chunks", count, tier)
 
-    def load_failed(self, hits: RequestHits | None, sources: list[str], skipped: int = 0) -> None:
-        """A host → device load of chunks from `sources` (the first one but its `skipped` tokens)
+    def load_failed(self, hits: RequestHits | None, sources: list[str], skipped: int = 0,
+                    unfilled: int = 0) -> None:
+        """A host → device load of chunks from `sources` (counted as `record_alloc` counts them)
         failed: vLLM recomputes them."""
         self.metrics.inc("failures", len(sources), HOST, "load")
         if hits is not None:
-            self._add(hits, sources, skipped, -1)
+            self._add(hits, sources, skipped, unfilled, -1)
 
-    def _add(self, hits: RequestHits, sources: list[str], skipped: int, sign: int) -> None:
+    def _add(self, hits: RequestHits, sources: list[str], skipped: int, unfilled: int, sign: int) -> None:
+        last = len(sources) - 1
         for i, source in enumerate(sources):
-            hits.loaded[source] += sign * (self.chunk_tokens - (skipped if i == 0 else 0))
+            tokens = self.chunk_tokens - (skipped if i == 0 else 0) - (unfilled if i == last else 0)
+            hits.loaded[source] += sign * tokens
 
     def copied(self, op: str, chunks: int, seconds: float, ok: bool) -> None:
         """Workers finished a device ↔ host copy job (`op` "store": device → host)."""

@@ -90,3 +90,5 @@ class LoadCopy(CopyAcks):
     sync: bool = False
     skipped: int = 0
     """Tokens of the first chunk the device already held: its load wrote only the rest."""
+    unfilled: int = 0
+    """Tokens the last chunk lacks (an unfull chunk, `kvtier.engine.unfull`): not loaded."""

@@ -1,49 +1,47 @@
 """The scheduler side of the request path: which chunks to load and store, per request and step.
 
 Runs on the engine's scheduler thread; it waits there only where the manager does (a lookup's
-`tier_lookup_wait_s`, and `await_promotions` up to `promotion_wait_s` when a promotion it started
-is nearly done); host rows are reached through the manager, secondary tiers through its
-non-blocking calls. An engine integration calls it at the points named below (vLLM's hooks in
+`tier_lookup_wait_s`; `await_promotions` up to `promotion_wait_s` when a promotion it started is
+nearly done). An engine integration calls it at the points named below (vLLM's hooks in
 parentheses) with plain values: requests (`kvtier.engine.request.Request`), block ids per KV cache
 group, token counts; it answers with `StepPlan`s for the workers.
 
 Loads: `lookup` (`get_num_new_matched_tokens`) offers the chunks the host tier holds past the
-device hit (from the chunk the hit ends in; None, "ask again", while a promotion is in flight);
-`allocated` (`update_state_after_alloc`) pins their rows; the next `step` sends the copies. With
-`sync_loads` (CPU backend, one KV cache group) a load the host tier alone serves is copied before
-its own step's forward pass, its pins released once every worker reported it; other loads are
-asynchronous (released when the engine reports the request's load finished). Chunks the
-secondary tiers hold beyond the host tier's room are streamed in parts
-(`kvtier.engine.streamed_loads`). A request whose load failed is recomputed and offered no load
-again (it could wait forever in the engine's admission).
+device hit (from the chunk the hit ends in; None, "ask again", while a promotion is in flight),
+and the unfull chunk where they end (`kvtier.engine.unfull`); `allocated`
+(`update_state_after_alloc`) pins their rows; the next `step` sends the copies. With `sync_loads`
+(CPU backend, one KV cache group) a load the host tier alone serves is copied before its own
+step's forward pass, its pins released once every worker reported it; other loads are asynchronous
+(released when the engine reports the request's load finished). Chunks the secondary tiers hold
+beyond the host tier's room are streamed in parts (`kvtier.engine.streamed_loads`). A request whose
+load failed is recomputed and offered no load again (it could wait forever in admission).
 
-Stores: `step` (`build_connector_meta`) reserves host rows for every full chunk the step
-completes, prompt and decode chunks alike (a reply is part of the next turn's prefix); a partly
-filled chunk is never stored. Chunks without room wait for the request's next step, or become a
-tail once it finished (`kvtier.engine.tails`). The workers copy device → host after the forward
-pass; `copies_done` (`update_connector_output`) publishes the rows once every worker reported
-(settled or on probation) and cascades the settled.
+Stores: `step` (`build_connector_meta`) reserves host rows for every full chunk the step completes,
+prompt and decode chunks alike (a reply is part of the next turn's prefix). Chunks without room
+wait for the request's next step, or become a tail once it finished (`kvtier.engine.tails`), as
+does its unfull chunk. The workers copy device → host after the forward pass; `copies_done`
+(`update_connector_output`) publishes the rows once every worker reported and cascades the settled.
 
 Recurrent layers (gated delta net, Mamba2): a `StatePlanner` (`kvtier.engine.states`) is composed
-in; it trims lookups to chunk ends whose state is held and plans the state copies.
-
-Per-request options (`kvtier.engine.request_options`) may skip the load or the store, restrict the
-load's tiers and set the retention priority; `kvtier.engine.accounting` keeps metrics and each
-request's token split; `take_events` drains tier events through the integration's translator;
-`kvtier.engine.tracing` records each finished request when `trace_path` is set;
-`kvtier.engine.load_choice` measures loads and prefill, and under `load_policy: auto` cuts a
-promotion short where recomputing comes back sooner.
+in; it trims lookups to chunk ends whose state is held and plans the state copies. Per-request
+options (`kvtier.engine.request_options`) may skip the load or the store, restrict the load's
+tiers and set the retention priority; `kvtier.engine.accounting` keeps metrics and each request's
+token split; `take_events` drains tier events through the integration's translator;
+`kvtier.engine.tracing` records finished requests (`trace_path`); `kvtier.engine.load_choice`
+measures loads and prefill, and under `load_policy: auto` cuts a promotion short where
+recomputing comes back sooner.
 """
 
 from __future__ import annotations
 
 from collections.abc import Collection, Mapping, Sequence
 from functools import partial
-from typing import Any, Protocol
+from typing import Any
 
 from kvtier.config import AUTO, KVTierConfig
 from kvtier.engine.accounting import Accounting
 from kvtier.engine.copies import ChunkCopy, LoadCopy
+from kvtier.engine.events import EventTranslator
 from kvtier.engine.geometry import EngineGeometry, load_blocks
 from kvtier.engine.load_choice import LoadChoice
 from kvtier.engine.operations import Operations
@@ -56,17 +54,9 @@ from kvtier.engine.streamed_loads import LoadStreams, Part
 from kvtier.engine.tails import Tails
 from kvtier.engine.tiering_start import start_manager
 from kvtier.engine.tracing import RequestTracer
-from kvtier.format.chunks import HOST, ChunkKey, TierEvent
+from kvtier.engine.unfull import UnfullChunks
+from kvtier.format.chunks import HOST
 from kvtier.format.keys import ChunkHasher
-
-
-class EventTranslator(Protocol):
-    """An integration's KV events for routers, built from tier events (vLLM's:
-    `kvtier.integrations.vllm.kv_events.KVEventTranslator`)."""
-
-    def remember(self, request: Request, keys: Sequence[ChunkKey], first: int = 0) -> None: ...
-    def translate_all(self, events: list[tuple[str, TierEvent]]) -> list[Any]: ...
-    def close(self) -> None: ...
 
 
 class Planner:
@@ -104,7 +94,9 @@ class Planner:
             geometry.states, geometry.chunk_tokens, self.manager, self.accounting, world_size)
         self.stream_promotions = config.stream_promotions and self.states is None
         self.streams = LoadStreams(self.manager, self._job_ids)
-        self.stores = StorePlanner(self.manager, self.accounting, geometry, world_size, self._job_ids)
+        self.unfull = UnfullChunks(geometry, self.hasher, self.manager)
+        self.stores = StorePlanner(self.manager, self.accounting, geometry, world_size, self._job_ids,
+                                   self.unfull)
         self.tails = Tails(geometry.chunk_tokens)
         self.loads = True  # False on an instance that only stores what it computes (`kv_producer`)
         try:
@@ -147,7 +139,7 @@ class Planner:
             return 0, False
         start = num_computed_tokens // ct
         keys = state.keys[start : (request.num_tokens - 1) // ct]
-        if not keys:
+        if not keys and not self.unfull.enabled:
             return 0, False
         # One promotion per request (or its device hit shrank): it takes what that brought.
         found = self.manager.lookup_prefix(
@@ -162,12 +154,17 @@ class Planner:
         elif found.pending and found.promoting and self.promotion_wait_s:
             self.manager.await_promotions(keys, self.promotion_wait_s)
             found = self.manager.lookup_prefix(keys, state.options.load_tiers, promote=False)
-        self.tracer.looked_up(request.request_id, found.pending)
-        self.ops.lookup_answered(request.request_id, found.pending, state.promoted_from.values())
-        if found.pending:
+        if not found.pending:
+            if state.streamed.start != start + found.ready or (offset and not found.ready):
+                state.streamed = range(0)  # nothing ready right before it to stream onto
+            end = start + found.ready if not state.streamed else len(state.keys) + 1
+            self.unfull.lookup(state, end, num_computed_tokens, request.num_tokens - 1,
+                               state.options.load_tiers)
+        pending = found.pending or state.unfull_pending
+        self.tracer.looked_up(request.request_id, pending)
+        self.ops.lookup_answered(request.request_id, pending, state.promoted_from.values())
+        if pending:
             return None, False
-        if state.streamed.start != start + found.ready or (offset and not found.ready):
-            state.streamed = range(0)  # nothing ready right before it to stream onto
         state.load_from = start
         state.load_offset = offset
         state.looked_up = len(keys)
@@ -175,7 +172,8 @@ class Planner:
         state.load_sync = self.sync_loads and not state.streamed
         if chunks and self.states is not None:
             return self.states.trim(state, chunks * ct - offset)
-        return (chunks * ct - offset if chunks else 0), chunks > 0 and not state.load_sync
+        tokens = chunks * ct + (state.unfull.blocks * self.geometry.block_size if state.unfull else 0)
+        return (tokens - offset if tokens else 0), tokens > 0 and not state.load_sync
 
     def allocated(
         self, request: Request, block_ids: Sequence[Sequence[int]], num_external_tokens: int
@@ -195,27 +193,33 @@ class Planner:
             self.states.allocated(state, block_ids, num_external_tokens, self._job_ids)
 
     def _allocated(self, state: RequestState, ids: Sequence[Sequence[int]], num_external_tokens: int) -> None:
-        first = state.load_from
-        count = state.loaded_chunks(num_external_tokens, self.geometry.chunk_tokens)
-        skipped = state.load_offset if count else 0
+        first, ct = state.load_from, self.geometry.chunk_tokens
+        count = state.loaded_chunks(num_external_tokens, ct)
+        unfull = state.unfull if state.unfull and num_external_tokens + state.load_offset \
+            == count * ct + state.unfull.blocks * self.geometry.block_size else None
+        skipped = state.load_offset if count or unfull else 0
         streamed = len(state.streamed) if count >= len(state.streamed) else 0
-        head = state.keys[first : first + count - streamed]  # ready in the host tier
-        slots = self.manager.pin_rows(head) if head else None
+        head = state.keys[first : first + count - streamed] + ([unfull.key] if unfull else [])
+        slots = self.manager.pin_rows(head) if head else None  # ready in the host tier
         sources = [state.promoted_from.get(c, HOST) for c in range(first, first + count)]
+        sources += [unfull.source] if unfull else []
         self.manager.release(state.take_promoted(keep=range(first + count - streamed, first + count)))
         ok = slots is not None or not head
+        unfilled = ct - unfull.blocks * self.geometry.block_size if unfull else 0
         if not state.hits.recorded:
-            self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [], skipped)
+            self.accounting.record_alloc(state.hits, state.looked_up, sources if ok else [], skipped,
+                                         unfilled)
         if num_external_tokens == 0:
             return
         bpc, skip = self.geometry.blocks_per_chunk, skipped // self.geometry.block_size
         chunks = [load_blocks(ids, c, bpc, skip if c == first else 0)
                   for c in range(first, first + count)]
+        chunks += [self.unfull.load_ids(ids, unfull, 0 if count else skip)] if unfull else []
         req_id = state.request.request_id
         if not ok:
             # The rows left the host tier since the lookup: these chunks are recomputed.
-            self.manager.metrics.inc("failures", count, HOST, "load")
-            keys = state.keys[first : first + count]
+            self.manager.metrics.inc("failures", len(chunks), HOST, "load")
+            keys = state.keys[first : first + count] + ([unfull.key] if unfull else [])
             self._send(ChunkCopy(next(self._job_ids), req_id, tuple(keys), tuple(chunks), (),
                                  sync=state.load_sync))
             return
@@ -226,13 +230,13 @@ class Planner:
         if head and slots is not None:
             copy = ChunkCopy(next(self._job_ids), req_id, tuple(head), tuple(chunks[: len(head)]),
                              tuple(slots), last=not streamed, sync=state.load_sync)
-            self._send(copy, sources[: len(head)], head, skipped)
+            self._send(copy, sources[: len(head)], head, skipped, unfilled)
 
     def _send(self, copy: ChunkCopy, sources: list[str] | None = None,
-              keys: list[bytes] | None = None, skipped: int = 0) -> None:
+              keys: list[bytes] | None = None, skipped: int = 0, unfilled: int = 0) -> None:
         """Queue a load (or a part of one) for the next step; `keys` pinned for it are released
         when it ends, and its `sources` are counted then (none: a failed load; `skipped`: tokens
-        of its first chunk the device held)."""
+        of its first chunk the device held; `unfilled`: tokens its last, unfull chunk lacks)."""
         state = self._requests.get(copy.req_id)
         mark_load_failed(state if not copy.slots else None)
         if keys:
@@ -241,7 +245,7 @@ class Planner:
                 self.manager.raise_priority(keys, state.priority)
         if copy.slots and sources is not None:
             self._loads[copy.job_id] = LoadCopy(req_id=copy.req_id, sources=sources, last=copy.last,
-                                                sync=copy.sync, skipped=skipped)
+                                                sync=copy.sync, skipped=skipped, unfilled=unfilled)
         self._loads_to_send.append(copy)
 
     def _send_parts(self, parts: list[Part]) -> None:
@@ -313,9 +317,7 @@ class Planner:
             self._finish_loads(meta)
             self.stores.done(meta)
         for req_id in finished_loading:
-            keys = self._loading.pop(req_id, None)
-            if keys is not None:
-                self.manager.unpin_rows(keys)
+            self.manager.unpin_rows(self._loading.pop(req_id, []))
         self.manager.poll()
 
     def _finish_loads(self, meta: CopyReport) -> None:
@@ -327,9 +329,7 @@ class Planner:
                 continue
             del self._loads[job_id]
             if not load.last or load.sync:
-                keys = self._loading.pop(load.req_id, None)
-                if keys is not None:
-                    self.manager.unpin_rows(keys)
+                self.manager.unpin_rows(self._loading.pop(load.req_id, []))
             if not load.last:
                 self.streams.part_done(load.req_id, load.ok)
             if load.ok:
@@ -339,18 +339,18 @@ class Planner:
                 state = self._requests.get(load.req_id)
                 mark_load_failed(state)
                 self.accounting.load_failed(state.hits if state else None, load.sources,
-                                            load.skipped)
+                                            load.skipped, load.unfilled)
 
     def finished(self, request: Request) -> dict[str, Any] | None:
         """Forget the request; return its prompt-token split for `kv_transfer_params` (None when
         kvtier could not key it). Called once when it finishes or is aborted. Chunks that found no
-        host room yet become a tail (`kvtier.engine.tails`: the engine keeps the blocks until they
-        are stored)."""
+        host room yet, and its unfull chunk, become a tail (`kvtier.engine.tails`)."""
         if self.states is not None:
             self.states.finished(request.request_id)
         state = self._requests.pop(request.request_id, None)
         if state is None:
             return None
+        state.unfull_due = self.unfull.due(state, request.num_computed_tokens)
         self.tails.hold(state, request.num_computed_tokens)
         self.manager.used(state.keys)
         self.ops.finished(request)

@@ -15,6 +15,17 @@ from kvtier.format.keys import ChunkHasher
 from kvtier.policies.tenants import NO_SALT, TenantShares
 
 
+@dataclass(frozen=True)
+class Unfull:
+    """An unfull chunk (`kvtier.engine.unfull`): chunk index `chunk`, its first `blocks` engine
+    blocks, its key, and where it came from ("host", or the tier that promoted it)."""
+
+    chunk: int
+    blocks: int
+    key: bytes
+    source: str = HOST
+
+
 @dataclass
 class RequestState:
     """A live request: the keys of its full chunks known so far (the prompt's, then those its
@@ -47,6 +58,14 @@ class RequestState:
     released: bool = False
     load_failed: bool = False
     """A load for this request failed (vLLM recomputes it): it is offered no load again."""
+    unfull: Unfull | None = None
+    """The unfull chunk the last lookup found in the host tier past the full ones: loaded too."""
+    unfull_promoted: Unfull | None = None
+    """The unfull chunk promoted for this request (once), held for it until `take_promoted`."""
+    unfull_pending: bool = False
+    """The last lookup's unfull chunk is being promoted or its tiers' answers are unknown."""
+    unfull_due: bool = False
+    """The request finished with an unfull chunk still to store (a tail)."""
     tenant: int = NO_SALT
     """The tenant id of its `cache_salt` (`policies.tenants`), which holds the host rows it fills."""
 
@@ -91,10 +110,11 @@ class RequestState:
         """The chunks promoted for this request, whose holds are to be released, once (then none):
         its own load has pinned the rows it needs, or it no longer needs them. The chunks it
         streams (`keep`) stay held: the stream releases each as its part pins it, or when it ends."""
-        if not self.promoted_from or self.released:
+        unfull = [] if self.unfull_promoted is None or self.released else [self.unfull_promoted.key]
+        if not (self.promoted_from or unfull) or self.released:
             return []
         self.released = True
-        return [self.keys[i] for i in self.promoted_from if i not in keep]
+        return unfull + [self.keys[i] for i in self.promoted_from if i not in keep]
 
     @classmethod
     def of(cls, request: Request, hasher: ChunkHasher, max_priority: int = 100,

@@ -18,32 +18,39 @@ from kvtier.engine.copies import ChunkCopy, StoreCopy
 from kvtier.engine.geometry import EngineGeometry, store_blocks
 from kvtier.engine.request_state import RequestState
 from kvtier.engine.step import CopyReport
+from kvtier.engine.unfull import UnfullChunks
 from kvtier.format.chunks import HOST, ChunkKey
 from kvtier.manager import TieringManager
 
 BlockIdsFn = Callable[[str], Sequence[Sequence[int]]]
+Row = tuple[ChunkKey, tuple[int, ...], int]
+"""A chunk to store: its key, its engine block ids and its reserved host slot."""
 
 
 class StorePlanner:
     """The store jobs of one engine, from reservation to publication."""
 
     def __init__(self, manager: TieringManager, accounting: Accounting, geometry: EngineGeometry,
-                 world_size: int, job_ids: Iterator[int]) -> None:
+                 world_size: int, job_ids: Iterator[int], unfull: UnfullChunks) -> None:
         self.manager = manager
         self.accounting = accounting
         self.geometry = geometry
         self.world_size = world_size
         self.job_ids = job_ids
+        self.unfull = unfull
         self.block_ids_of: BlockIdsFn | None = None
         """A running request's block ids per KV cache group, once the engine bound its cache."""
         self._jobs: dict[int, StoreCopy] = {}
 
     def plan(self, state: RequestState, computed: int) -> ChunkCopy | None:
         """The copy of the chunks of `state` that its first `computed` tokens complete and that
-        are not stored yet, with their rows reserved; None when there is none (or no room)."""
+        are not stored yet, with their rows reserved, and of its unfull chunk once it is due and
+        every full one stored; None when there is none (or no room)."""
         done = min(computed // self.geometry.chunk_tokens, len(state.keys))
-        if done <= state.stored or state.options.skip_store or self.block_ids_of is None:
+        if state.options.skip_store or self.block_ids_of is None:
             return None
+        if done <= state.stored:
+            return self._unfull(state, computed)
         if done > state.asked:
             asked = state.keys[state.asked : done]
             admitted = set(self.manager.admit(asked, HOST, state.priority))
@@ -58,13 +65,24 @@ class StorePlanner:
         state.stored = held[fitted][0] if fitted < len(held) else done
         if fitted < len(keys):
             self.accounting.store_rejected(len(keys) - fitted)
-        new = [(state.keys[c], b) for c, b in held[:fitted] if state.keys[c] in slots]
+        new = [(state.keys[c], b, slots[state.keys[c]]) for c, b in held[:fitted] if state.keys[c] in slots]
+        return self._copy(state, new)
+
+    def _unfull(self, state: RequestState, computed: int) -> ChunkCopy | None:
+        if not state.unfull_due or self.block_ids_of is None:
+            return None
+        ids = self.geometry.attention_ids(self.block_ids_of(state.request.request_id))
+        row = self.unfull.reserve(state, computed, ids)
+        return self._copy(state, [row] if row else [])
+
+    def _copy(self, state: RequestState, new: list[Row]) -> ChunkCopy | None:
+        """The store job of rows reserved for (key, block ids, slot) each; None for none."""
         if not new:
             return None
-        new_keys = tuple(key for key, _ in new)
-        job_id = self.add(new_keys, state.priority, lead=state.keys[0])
-        return ChunkCopy(job_id, state.request.request_id, new_keys, tuple(b for _, b in new),
-                         tuple(slots[k] for k in new_keys))
+        keys = tuple(key for key, _, _ in new)
+        job_id = self.add(keys, state.priority, lead=state.keys[0] if state.keys else None)
+        return ChunkCopy(job_id, state.request.request_id, keys, tuple(b for _, b, _ in new),
+                         tuple(slot for _, _, slot in new))
 
     def add(self, keys: Sequence[ChunkKey], priority: int, lead: ChunkKey | None = None) -> int:
         """A store job for rows of `keys` already reserved; its id. `lead`: the first chunk of the

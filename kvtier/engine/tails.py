@@ -8,8 +8,9 @@ them. Instead, the scheduler keeps such a request's chunks as a tail: vLLM keeps
 planned, or after `TAIL_WAIT_S`, the request is released: the worker reports it "finished sending"
 when the stores planned for it have ended, and vLLM frees its blocks.
 
-Only chunks that were refused for lack of room wait; chunks admission refused, and requests that
-skip stores, never do. Runs on the scheduler thread; never blocks.
+Only chunks that were refused for lack of room wait, and a finished request's unfull chunk
+(`kvtier.engine.unfull`, stored once its full chunks are); chunks admission refused, and requests
+that skip stores, never do. Runs on the scheduler thread; never blocks.
 """
 
 from __future__ import annotations
@@ -71,7 +72,7 @@ class Tails:
 
     def _unstored(self, state: RequestState, computed: int) -> bool:
         done = min(computed // self._chunk_tokens, len(state.keys))
-        return any(c not in state.refused for c in range(state.stored, done))
+        return state.unfull_due or any(c not in state.refused for c in range(state.stored, done))
 
     def __len__(self) -> int:
         return len(self._tails)

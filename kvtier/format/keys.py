@@ -14,7 +14,14 @@ hashed: the stored bytes are in the canonical layout (`kvtier.format.layout`), i
 Consequences the rest of kvtier relies on:
 
 - Prefix property: the keys of a prefix of a token sequence are a prefix of its keys.
-- Only full chunks get a key; a trailing partial chunk is never stored.
+- A full chunk's key is in the chain; an unfull chunk (the whole engine blocks that follow a
+  request's last full chunk, fewer than a chunk) gets a key of its own beside it:
+
+      unfull = H("kvtier.unfull.v1" | key of the chunk before (root for none) | its token ids)
+
+  An unfull key is never a parent: the chain goes on from full chunks only. Its token count is
+  in its input (token ids are length-prefixed), so an unfull chunk of b blocks is found only by a
+  request whose tokens there are the same b blocks' tokens.
 - A key is 32 bytes, for both sha256 and blake3.
 
 `ChunkHasher` is immutable and may be shared between threads.
@@ -40,6 +47,7 @@ ALGORITHMS: tuple[Algorithm, ...] = ("sha256", "blake3")
 
 _ROOT_TAG = b"kvtier.root.v1"
 _CHUNK_TAG = b"kvtier.chunk.v1"
+_UNFULL_TAG = b"kvtier.unfull.v1"
 _FINGERPRINT_TAG = b"kvtier.model.v1"
 _U32 = struct.Struct("<I")
 _SPAN = struct.Struct("<qI")
@@ -222,6 +230,20 @@ class ChunkHasher:
             )
         parent = prev_keys[-1] if done else self.root(cache_salt=cache_salt, lora=lora)
         return self._chain(parent, token_ids[start:], start, mm_hashes or ())
+
+    def unfull_key(self, parent: bytes, token_ids: Sequence[int] | np.ndarray[Any, Any]) -> bytes:
+        """The key of the unfull chunk `token_ids` (fewer than `chunk_tokens`, at least one) that
+        follows the full chunk whose key is `parent` (the request's `root` for none)."""
+        if not 0 < len(token_ids) < self.chunk_tokens:
+            raise ValueError(f"an unfull chunk holds 1 to {self.chunk_tokens - 1} tokens, "
+                             f"got {len(token_ids)}")
+        if len(parent) != KEY_BYTES:
+            raise ValueError(f"parent key must be {KEY_BYTES} bytes, got {len(parent)}")
+        data = _token_bytes(token_ids)
+        h = self._new(_blob(_UNFULL_TAG) + _U32.pack(len(data)))
+        h.update(parent)
+        h.update(data)
+        return h.digest()
 
     def _chain(
         self,

@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from kvtier.errors import ConfigError
-from kvtier.format.keys import ALGORITHMS, ChunkHasher, ModelFingerprint, MultiModalSpan
+from kvtier.format.keys import ALGORITHMS, KEY_BYTES, ChunkHasher, ModelFingerprint, MultiModalSpan
 
 FP = ModelFingerprint(
     model="HuggingFaceTB/SmolLM2-135M-Instruct",
@@ -180,3 +180,21 @@ def test_invalid_inputs_raise_clear_errors() -> None:
         hasher.extend(hasher.keys(TOKENS), TOKENS[:C])
     with pytest.raises(ValueError, match="multimodal"):
         MultiModalSpan(0, 0, "x")
+
+
+def test_an_unfull_key_names_its_parent_and_each_token_of_it() -> None:
+    hasher = ChunkHasher("sha256", FP, 8)
+    tokens = list(range(20))
+    keys = hasher.keys(tokens)
+    four = hasher.unfull_key(keys[1], tokens[16:20])
+    assert four not in keys and len(four) == KEY_BYTES
+    assert hasher.unfull_key(keys[1], tokens[16:20]) == four  # deterministic
+    assert hasher.unfull_key(keys[1], tokens[16:19]) != four  # one token fewer
+    assert hasher.unfull_key(keys[0], tokens[16:20]) != four  # another parent
+    assert hasher.unfull_key(keys[1], [*tokens[16:19], 99]) != four
+    # Never a chain key: the full chunk of the same tokens has another key.
+    assert hasher.unfull_key(keys[0], tokens[8:15]) != keys[1]
+    with pytest.raises(ValueError, match="1 to 7 tokens"):
+        hasher.unfull_key(keys[1], tokens[:8])
+    with pytest.raises(ValueError, match="1 to 7 tokens"):
+        hasher.unfull_key(keys[1], [])
