@@ -63,6 +63,9 @@ class KVTierConfig:
 
     cpu_bytes_to_use: int
     blocks_per_chunk: int = 1
+    chunk_tokens: int | None = None
+    """The chunk size in tokens, a multiple of the engine's block size (checked at engine start):
+    `blocks_per_chunk` is then chunk_tokens / the engine's block size. None: `blocks_per_chunk`."""
     eviction_policy: str = "lru"
     eviction_policy_module_path: str | None = None
     admission_policy: tuple[str, ...] = ("all",)
@@ -160,9 +163,13 @@ class KVTierConfig:
         if load_policy not in LOAD_POLICIES:
             raise ConfigError("load_policy", load_policy, f"one of {', '.join(LOAD_POLICIES)}")
         secrets = _env_secrets(secrets_env, os.environ if environ is None else environ)
+        if "chunk_tokens" in raw and "blocks_per_chunk" in raw:
+            raise ConfigError("chunk_tokens", raw["chunk_tokens"],
+                              "give chunk_tokens or blocks_per_chunk, not both")
         return cls(
             cpu_bytes_to_use=_int(raw, "cpu_bytes_to_use", None, minimum=1),
             blocks_per_chunk=_int(raw, "blocks_per_chunk", 1, minimum=1),
+            chunk_tokens=_int(raw, "chunk_tokens", None, minimum=1) if "chunk_tokens" in raw else None,
             eviction_policy=policy,
             eviction_policy_module_path=policy_mp,
             admission_policy=admission,

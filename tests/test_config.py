@@ -52,6 +52,8 @@ def test_missing_cpu_bytes_is_named() -> None:
         ({"blocks_per_chunk": 0}, "blocks_per_chunk", ">= 1"),
         ({"blocks_per_chunk": 1.5}, "blocks_per_chunk", "integer"),
         ({"blocks_per_chunks": 2}, "blocks_per_chunks", "did you mean 'blocks_per_chunk'"),
+        ({"chunk_tokens": 0}, "chunk_tokens", ">= 1"),
+        ({"chunk_tokens": 256, "blocks_per_chunk": 2}, "chunk_tokens", "not both"),
         ({"stream_promotions": "yes"}, "stream_promotions", "true or false"),
         ({"eviction_policy": "lfu2"}, "eviction_policy", "known: arc, lru"),
         ({"eviction_policy": "lru", "eviction_policy_module_path": "no.such.mod"},

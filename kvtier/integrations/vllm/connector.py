@@ -153,7 +153,9 @@ class KVTierConnector(KVConnectorBase_V1, SupportsHMA):
         scheduler = role == KVConnectorRole.SCHEDULER
         config = read_config(self._kv_transfer_config.kv_connector_extra_config or {},
                              vllm_config.cache_config.block_size, announce=scheduler)
-        geometry = engine_geometry(vllm_config, kv_cache_config, config.blocks_per_chunk)
+        geometry = engine_geometry(vllm_config, kv_cache_config, config.blocks_per_chunk,
+                                   config.chunk_tokens)
+        config = dataclasses.replace(config, blocks_per_chunk=geometry.blocks_per_chunk)
         self.planner: Planner | None = None
         self.copier: CopyDriver | None = None
         if scheduler:

@@ -56,11 +56,13 @@ def refuse_context_parallel(parallel: ParallelConfig) -> None:
 
 
 def engine_geometry(
-    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, blocks_per_chunk: int
+    vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, blocks_per_chunk: int,
+    chunk_tokens: int | None = None,
 ) -> EngineGeometry:
     """Read the geometry from vLLM's config; ConfigError for a cache kvtier cannot hold yet.
 
-    Supported: KV cache groups of full and sliding-window attention or MLA (`groups.layer_groups`),
+    `chunk_tokens`, when given, sets the chunk size instead of `blocks_per_chunk`. Supported: KV
+    cache groups of full and sliding-window attention or MLA (`groups.layer_groups`),
     with gated-delta-net and Mamba2 state groups beside them (`states.state_groups`), K and V of
     the same head size (MLA: one latent), a KV cache dtype `kv_dtype.stored_kv_dtype` holds
     (unquantized or fp8), no context parallelism (`refuse_context_parallel`).
@@ -76,6 +78,11 @@ def engine_geometry(
     layer_names = found.layer_names
     kinds = found.layer_kinds if found.hybrid else ()
     num_kv_heads = 1 if found.latent else model.get_total_num_kv_heads()
+    if chunk_tokens is not None:
+        if chunk_tokens % spec.block_size:
+            raise ConfigError("chunk_tokens", chunk_tokens,
+                              f"a multiple of the engine's block size ({spec.block_size} tokens)")
+        blocks_per_chunk = chunk_tokens // spec.block_size
     chunk_tokens = spec.block_size * blocks_per_chunk
     layout = CanonicalLayout(
         num_layers=len(layer_names),
