@@ -44,6 +44,10 @@ class ChunkCopy:
         return [b for chunk in self.block_ids for b in chunk if b != SKIP_BLOCK]
 
 
+StoreRow = tuple[bytes, tuple[int, ...], int]
+"""A chunk to store: its key, its engine block ids (as `ChunkCopy.block_ids[i]`), its host slot."""
+
+
 @dataclass(frozen=True)
 class StateCopy:
     """One state segment copy (`kvtier.format.state_rows`) for one request: `block_ids[l]` is the block of

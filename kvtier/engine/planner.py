@@ -94,7 +94,7 @@ class Planner:
             geometry.states, geometry.chunk_tokens, self.manager, self.accounting, world_size)
         self.stream_promotions = config.stream_promotions and self.states is None
         self.streams = LoadStreams(self.manager, self._job_ids)
-        self.unfull = UnfullChunks(geometry, self.hasher, self.manager)
+        self.unfull = UnfullChunks(geometry, self.hasher, self.manager, events)
         self.stores = StorePlanner(self.manager, self.accounting, geometry, world_size, self._job_ids,
                                    self.unfull)
         self.tails = Tails(geometry.chunk_tokens)

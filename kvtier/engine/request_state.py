@@ -64,8 +64,8 @@ class RequestState:
     """The unfull chunk promoted for this request (once), held for it until `take_promoted`."""
     unfull_pending: bool = False
     """The last lookup's unfull chunk is being promoted or its tiers' answers are unknown."""
-    unfull_due: bool = False
-    """The request finished with an unfull chunk still to store (a tail)."""
+    unfull_due: Unfull | None = None
+    """The unfull chunk the request finished with, still to store (a tail)."""
     tenant: int = NO_SALT
     """The tenant id of its `cache_salt` (`policies.tenants`), which holds the host rows it fills."""
 

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator, Sequence
 
 from kvtier.engine.accounting import Accounting
-from kvtier.engine.copies import ChunkCopy, StoreCopy
+from kvtier.engine.copies import ChunkCopy, StoreCopy, StoreRow
 from kvtier.engine.geometry import EngineGeometry, store_blocks
 from kvtier.engine.request_state import RequestState
 from kvtier.engine.step import CopyReport
@@ -23,8 +23,6 @@ from kvtier.format.chunks import HOST, ChunkKey
 from kvtier.manager import TieringManager
 
 BlockIdsFn = Callable[[str], Sequence[Sequence[int]]]
-Row = tuple[ChunkKey, tuple[int, ...], int]
-"""A chunk to store: its key, its engine block ids and its reserved host slot."""
 
 
 class StorePlanner:
@@ -69,13 +67,13 @@ class StorePlanner:
         return self._copy(state, new)
 
     def _unfull(self, state: RequestState, computed: int) -> ChunkCopy | None:
-        if not state.unfull_due or self.block_ids_of is None:
+        if state.unfull_due is None or self.block_ids_of is None:
             return None
         ids = self.geometry.attention_ids(self.block_ids_of(state.request.request_id))
-        row = self.unfull.reserve(state, computed, ids)
+        row = self.unfull.reserve(state, ids)
         return self._copy(state, [row] if row else [])
 
-    def _copy(self, state: RequestState, new: list[Row]) -> ChunkCopy | None:
+    def _copy(self, state: RequestState, new: list[StoreRow]) -> ChunkCopy | None:
         """The store job of rows reserved for (key, block ids, slot) each; None for none."""
         if not new:
             return None

@@ -72,7 +72,7 @@ class Tails:
 
     def _unstored(self, state: RequestState, computed: int) -> bool:
         done = min(computed // self._chunk_tokens, len(state.keys))
-        return state.unfull_due or any(c not in state.refused for c in range(state.stored, done))
+        return state.unfull_due is not None or any(c not in state.refused for c in range(state.stored, done))
 
     def __len__(self) -> int:
         return len(self._tails)

@@ -22,9 +22,11 @@ from __future__ import annotations
 
 from collections.abc import Collection, Sequence
 
+from kvtier.engine.copies import StoreRow
+from kvtier.engine.events import EventTranslator
 from kvtier.engine.geometry import NULL_BLOCK, EngineGeometry, load_blocks
 from kvtier.engine.request_state import RequestState, Unfull
-from kvtier.format.chunks import HOST, ChunkKey
+from kvtier.format.chunks import HOST
 from kvtier.format.keys import ChunkHasher
 from kvtier.format.layout import SKIP_BLOCK
 from kvtier.manager import TieringManager
@@ -34,13 +36,15 @@ from kvtier.tiers.base import LookupResult
 class UnfullChunks:
     """The unfull chunks of one engine's requests: their keys, lookups, loads and stores."""
 
-    def __init__(self, geometry: EngineGeometry, hasher: ChunkHasher, manager: TieringManager) -> None:
+    def __init__(self, geometry: EngineGeometry, hasher: ChunkHasher, manager: TieringManager,
+                 events: EventTranslator | None = None) -> None:
         self.enabled = geometry.blocks_per_chunk > 1 and geometry.states is None
         self.block_size = geometry.block_size
         self.blocks_per_chunk = geometry.blocks_per_chunk
         self.chunk_tokens = geometry.chunk_tokens
         self.hasher = hasher
         self.manager = manager
+        self.events = events
 
     def candidates(self, state: RequestState, chunk: int, first: int, end: int) -> list[Unfull]:
         """Chunk `chunk`'s unfull keys whose tokens reach past token `first` and stay within the
@@ -67,8 +71,9 @@ class UnfullChunks:
             state.unfull_pending = ready is None
             state.unfull = promoted if ready else None
             return
-        for candidate in self.candidates(state, chunk, first, end):
-            where = self.manager.locate([candidate.key], tiers)[0]
+        candidates = self.candidates(state, chunk, first, end)
+        found = self.manager.locate([c.key for c in candidates], tiers) if candidates else []
+        for candidate, where in zip(candidates, found, strict=True):
             if where == HOST:
                 state.unfull = candidate
             elif where is LookupResult.RETRY:
@@ -87,32 +92,36 @@ class UnfullChunks:
         out = load_blocks(ids, unfull.chunk, bpc, skip)
         return tuple(SKIP_BLOCK if i % bpc >= unfull.blocks else b for i, b in enumerate(out))
 
-    def due(self, state: RequestState, computed: int) -> bool:
-        """Whether the finished `state`, whose blocks hold `computed` tokens, has an unfull chunk
-        to store once its full chunks are stored."""
-        if not self.enabled or state.options.skip_store:
-            return False
-        return computed // self.chunk_tokens == len(state.keys) \
-            and computed % self.chunk_tokens >= self.block_size
-
-    def reserve(self, state: RequestState, computed: int, ids: Sequence[Sequence[int]]
-                ) -> tuple[ChunkKey, tuple[int, ...], int] | None:
-        """The store of `state`'s due unfull chunk: (key, block ids, host slot), its row reserved;
-        None when there is none to store (then it is no longer due) or no room now."""
-        chunk, bs = len(state.keys), self.block_size
-        blocks = (computed - chunk * self.chunk_tokens) // bs
+    def due(self, state: RequestState, computed: int) -> Unfull | None:
+        """The unfull chunk the finished `state`, whose blocks hold `computed` tokens, leaves to
+        store once its full chunks are stored (None: none); the integration's events learn its
+        blocks."""
+        chunk, rest = divmod(computed, self.chunk_tokens)
+        blocks = rest // self.block_size
+        if not self.enabled or state.options.skip_store or chunk != len(state.keys) or not blocks:
+            return None
         base = chunk * self.chunk_tokens
         key = self.hasher.unfull_key(self._parent(state, chunk),
-                                     state.request.all_token_ids[base : base + blocks * bs])
-        block_ids = self._store_ids(ids, chunk, blocks)
-        if block_ids is None or not self.manager.admit([key], HOST, state.priority):
-            state.unfull_due = False
+                                     state.request.all_token_ids[base : base + blocks * self.block_size])
+        if self.events is not None:
+            self.events.remember_unfull(state.request, key, chunk, blocks)
+        return Unfull(chunk, blocks, key)
+
+    def reserve(self, state: RequestState, ids: Sequence[Sequence[int]]) -> StoreRow | None:
+        """The store of `state`'s due unfull chunk, its row reserved; None when there is none to
+        store (then it is no longer due) or no room now."""
+        due = state.unfull_due
+        if due is None:
             return None
-        slots, fitted = self.manager.reserve_rows([key], state.tenant)
+        block_ids = self._store_ids(ids, due.chunk, due.blocks)
+        if block_ids is None or not self.manager.admit([due.key], HOST, state.priority):
+            state.unfull_due = None
+            return None
+        slots, fitted = self.manager.reserve_rows([due.key], state.tenant)
         if not fitted:
             return None
-        state.unfull_due = False
-        return (key, block_ids, slots[key]) if key in slots else None
+        state.unfull_due = None
+        return (due.key, block_ids, slots[due.key]) if due.key in slots else None
 
     def _store_ids(self, ids: Sequence[Sequence[int]], chunk: int, blocks: int) -> tuple[int, ...] | None:
         """Per group, the chunk's first `blocks` blocks and the last of them again up to a whole

@@ -150,3 +150,34 @@ def test_an_unfull_chunk_a_secondary_tier_holds_is_promoted_with_the_prefix() ->
         assert s.manager.host.stats().pinned == 0  # the promotion's holds were released
     finally:
         s.shutdown()
+
+
+class Remembered:
+    """An integration's event translator that records what it was asked to learn."""
+
+    def __init__(self) -> None:
+        self.unfull: list[tuple[bytes, int, int]] = []
+
+    def remember(self, request: object, keys: object, first: int = 0) -> None:
+        pass
+
+    def remember_unfull(self, request: object, key: bytes, chunk: int, blocks: int) -> None:
+        self.unfull.append((key, chunk, blocks))
+
+    def translate_all(self, events: list[object]) -> list[object]:
+        return []
+
+    def close(self) -> None:
+        pass
+
+
+def test_the_events_learn_the_blocks_of_an_unfull_chunk_when_it_is_left() -> None:
+    config = KVTierConfig.from_dict({"cpu_bytes_to_use": 8 * ROW_BYTES, "blocks_per_chunk": BPC})
+    events = Remembered()
+    s = Planner(config, geometry(blocks_per_chunk=BPC), 1, events=events)  # type: ignore[arg-type]
+    try:
+        s.bind_block_ids(lambda req_id: (A_BLOCKS,))
+        run_a(s)
+        assert events.unfull == [(unfull_key(s, PROMPT[:28]), 1, 3)]
+    finally:
+        s.shutdown()

@@ -58,6 +58,17 @@ def test_stored_names_every_engine_block_with_vllm_int_hashes() -> None:
     assert {(e.medium, e.locality) for e in runs} == {("STORAGE", "REMOTE")}
 
 
+def test_an_unfull_chunk_names_only_its_blocks() -> None:
+    t = KVEventTranslator({"fs": "fs"}, block_size=2, blocks_per_chunk=4)
+    t.remember(request(7, 2), [k(1)])  # one full chunk of 4 blocks, then 3 whole blocks
+    t.remember_unfull(request(7, 2), k(9), chunk=1, blocks=3)
+    (event,) = roundtrip(t.translate("fs", TierEvent(STORED, (k(9),))))
+    assert (event.block_hashes, event.parent_block_hash, event.token_ids) == (
+        [4, 5, 6], 3, list(range(108, 114)))
+    t.remember_unfull(request(7, 2), k(8), chunk=1, blocks=4)  # vLLM hashed no fourth block
+    assert t.translate("fs", TierEvent(STORED, (k(8),))) == []
+
+
 def test_runs_break_where_chunks_do_not_chain_and_unknown_keys_give_nothing() -> None:
     t = KVEventTranslator({}, block_size=2, blocks_per_chunk=1)
     t.remember(request(3, 2), [k(1), k(2), k(3)])

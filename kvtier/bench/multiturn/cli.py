@@ -138,6 +138,9 @@ def add_parser(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None
     p.add_argument("--ramp-step-s", type=float, default=None, help="seconds per ramp step")
     p.add_argument("--blocks-per-chunk", type=_ints_one, default=None,
                    help="engine blocks per chunk of every kvtier configuration (default 1)")
+    p.add_argument("--chunk-tokens", type=_ints_one, default=None,
+                   help="chunk size in tokens of every kvtier configuration, a multiple of the "
+                        "engine block (instead of --blocks-per-chunk)")
     p.add_argument("--load-policy", choices=LOAD_POLICIES, default=None,
                    help="load_policy of every kvtier configuration (default: the config's, always)")
     p.add_argument("--trace", type=Path, default=None,
@@ -226,6 +229,10 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
                if (v := getattr(args, k))}
     if args.blocks_per_chunk is not None:
         options["blocks_per_chunk"] = str(args.blocks_per_chunk)
+    if args.chunk_tokens is not None:
+        if args.blocks_per_chunk is not None:
+            raise SystemExit("kvtier bench multiturn: give --chunk-tokens or --blocks-per-chunk, not both")
+        options["chunk_tokens"] = str(args.chunk_tokens)
     if args.load_policy is not None:
         options["load_policy"] = args.load_policy
     if args.trace is not None:
@@ -250,6 +257,7 @@ def _plan(args: argparse.Namespace, work_dir: Path, out: Path) -> tuple[Plan, di
         "workload": spec.as_json(), "mix": mix.__dict__ if mix else None,
         "ramp": ramp.__dict__ if ramp else None, "sweep": list(sweep), "configs": names,
         "repeats": args.repeats, "blocks_per_chunk": args.blocks_per_chunk or 1,
+        "chunk_tokens": args.chunk_tokens,
         "load_policy": args.load_policy or ALWAYS,
         "mode": mode, "endpoints": list(endpoints),
         "route": args.route if len(endpoints) > 1 else None,

@@ -28,7 +28,8 @@ The baseline connectors are modules of `benchmarks/baselines/`, imported by the 
 `baselines_root()` (on its `sys.path`, or a server's `PYTHONPATH`).
 
 With `--blocks-per-chunk N` (option `blocks_per_chunk`) every kvtier configuration offloads in
-chunks of N engine blocks (the host tier keeps its bytes); the others are unchanged.
+chunks of N engine blocks (the host tier keeps its bytes); the others are unchanged. `--chunk-tokens
+T` (option `chunk_tokens`) sets the same in tokens.
 
 With `--load-policy P` (option `load_policy`) every kvtier configuration loads or recomputes by
 `load_policy` P (`kvtier.engine.load_choice`); the others are unchanged.
@@ -265,6 +266,9 @@ def resolve(name: str, ctx: BenchContext) -> EngineConfig:
     blocks_per_chunk = ctx.options.get("blocks_per_chunk")
     if config.kvtier is not None and blocks_per_chunk:  # `--blocks-per-chunk`: kvtier's chunk size
         config = replace(config, kvtier={**config.kvtier, "blocks_per_chunk": int(blocks_per_chunk)})
+    chunk_tokens = ctx.options.get("chunk_tokens")
+    if config.kvtier is not None and chunk_tokens:  # `--chunk-tokens`: kvtier's chunk size in tokens
+        config = replace(config, kvtier={**config.kvtier, "chunk_tokens": int(chunk_tokens)})
     load_policy = ctx.options.get("load_policy")
     if config.kvtier is not None and load_policy:  # `--load-policy`: load or recompute
         config = replace(config, kvtier={**config.kvtier, "load_policy": load_policy})

@@ -111,8 +111,16 @@ class KVEventTranslator:
 
     def remember(self, request: Request, keys: Sequence[ChunkKey], first: int = 0) -> None:
         """Learn the blocks of `keys[first:]`, `request`'s chunk keys, as far as vLLM hashed them."""
-        for key, blocks in request_chunks(request, keys, first, self.block_size,
-                                          self.blocks_per_chunk, self.hash_block_size):
+        self._learn(request_chunks(request, keys, first, self.block_size, self.blocks_per_chunk,
+                                   self.hash_block_size))
+
+    def remember_unfull(self, request: Request, key: ChunkKey, chunk: int, blocks: int) -> None:
+        """Learn the blocks of `request`'s unfull chunk `key`: the first `blocks` of chunk `chunk`."""
+        self._learn(request_chunks(request, [key], 0, self.block_size, self.blocks_per_chunk,
+                                   self.hash_block_size, at=(chunk, blocks)))
+
+    def _learn(self, chunks: list[tuple[ChunkKey, ChunkBlocks]]) -> None:
+        for key, blocks in chunks:
             if key in self._held:
                 continue
             self._recent[key] = blocks
@@ -239,10 +247,11 @@ class KVEventTranslator:
 
 def request_chunks(
     request: Request, keys: Sequence[ChunkKey], first: int, block_size: int, blocks_per_chunk: int,
-    hash_block_size: int,
+    hash_block_size: int, at: tuple[int, int] | None = None,
 ) -> list[tuple[ChunkKey, ChunkBlocks]]:
     """`ChunkBlocks` of `keys[first:]`, the chunk keys of `request` (key i covers its blocks
-    `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`), as far as vLLM has hashed its blocks.
+    `[i * blocks_per_chunk, (i + 1) * blocks_per_chunk)`), as far as vLLM has hashed its blocks;
+    with `at` = (chunk, blocks), `keys` is one unfull chunk: the first `blocks` of that chunk.
 
     vLLM hashes a request's blocks at `hash_block_size` tokens (the engine block size, or a divisor
     of it for hybrid models); a block's hash is then the hash of its last sub-block, as vLLM's own
@@ -257,13 +266,14 @@ def request_chunks(
     adapter = getattr(request, "lora_request", None)
     lora = (str(adapter.name), int(adapter.adapter_id)) if adapter is not None else None
     bpc = blocks_per_chunk
+    spans = [(i, i * bpc, bpc) for i in range(first, len(keys))] if at is None else [(0, at[0] * bpc, at[1])]
     out: list[tuple[ChunkKey, ChunkBlocks]] = []
-    for i in range(first, min(len(keys), len(hashes) // bpc)):
-        span = (i * bpc * block_size, (i + 1) * bpc * block_size)
-        if len(tokens) < span[1]:
+    for i, start, count in spans:
+        span = (start * block_size, (start + count) * block_size)
+        if len(hashes) < start + count or len(tokens) < span[1]:
             break
-        parent = hashes[i * bpc - 1] if i else None
-        blocks = tuple(hashes[i * bpc + b] for b in range(bpc))
-        chunk = ChunkBlocks(blocks, parent, array("I", tokens[span[0] : span[1]]), lora)
+        parent = hashes[start - 1] if start else None
+        chunk = ChunkBlocks(tuple(hashes[start : start + count]), parent,
+                            array("I", tokens[span[0] : span[1]]), lora)
         out.append((keys[i], chunk))
     return out
