@@ -71,10 +71,13 @@ class _Wakeup:
 
 
 def _flush(sock: socket.socket, tier: SecondaryTier) -> None:
-    for done in JobsDone(tuple(tier.get_finished_jobs())).parts():
-        send_message(sock, done)
+    """Send the finished jobs and the events, the events first: every event a job raised (a bad
+    chunk's REMOVED, a store's STORED) reaches the engine no later than the job's result."""
+    finished = tuple(tier.get_finished_jobs())
     for events in EventsReport(tuple(tier.take_events())).parts():
         send_message(sock, events)
+    for done in JobsDone(finished).parts():
+        send_message(sock, done)
 
 
 def _report(sock: socket.socket, tier: SecondaryTier) -> None:

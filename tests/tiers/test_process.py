@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import threading
 import time
 from collections.abc import Callable
@@ -13,7 +14,10 @@ import pytest
 from kvtier.errors import ConfigError
 from kvtier.host.region import HostRegion
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
+from kvtier.tiers.memory import MemoryTier
+from kvtier.tiers.messages import EventsReport, JobsDone, read_message
 from kvtier.tiers.process import TierProcess
+from kvtier.tiers.runner import _flush
 from tests.conftest import fill_slot, random_key, settle_lookup, wait_jobs, wait_until
 from tests.tiers.process_helpers import make_proc, report_now
 
@@ -247,3 +251,19 @@ def test_a_killed_process_that_lingers_holds_its_jobs_until_it_exits(
         assert result.job_id == 1 and not result.success
     finally:
         proc.shutdown()
+
+
+def test_a_flush_sends_the_events_before_the_results_of_the_jobs_that_raised_them(
+    ctx: TierContext,
+) -> None:
+    """A REMOVED raised by a load (a bad chunk) must reach the engine no later than the load's
+    result: a reader that sees a result has every event raised before it."""
+    tier = MemoryTier(ctx)
+    key = random_key()
+    tier.submit_store(Job(1, JobKind.STORE, (key,), (0,)))
+    engine, runner = socket.socketpair()
+    with engine, runner:
+        _flush(runner, tier)
+        first, second = read_message(engine), read_message(engine)
+    assert isinstance(first, EventsReport) and [e.keys for e in first.events] == [(key,)]
+    assert isinstance(second, JobsDone) and [r.job_id for r in second.results] == [1]
