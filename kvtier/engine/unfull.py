@@ -62,8 +62,9 @@ class UnfullChunks:
                tiers: Collection[str] | None) -> None:
         """Set `state.unfull` to its unfull chunk at chunk `chunk` (past token `first`, within
         `end`) that the host tier holds readable, or None. The most blocks a secondary tier holds
-        are promoted first, once per request (held for it until `take_promoted`); meanwhile, and
-        while a tier's answer is unknown, `state.unfull_pending` says "ask again"."""
+        are promoted first, once per request (held for it until `take_promoted`), unless the
+        request chose to recompute what a tier held (`load_policy: auto`); meanwhile, and while a
+        tier's answer is unknown, `state.unfull_pending` says "ask again"."""
         state.unfull, state.unfull_pending = None, False
         promoted = state.unfull_promoted
         if promoted is not None:
@@ -78,7 +79,8 @@ class UnfullChunks:
                 state.unfull = candidate
             elif where is LookupResult.RETRY:
                 state.unfull_pending = True
-            elif isinstance(where, str) and not state.released and self.manager.promote(
+            elif isinstance(where, str) and not state.released and not state.hits.by_choice \
+                    and self.manager.promote(
                     [candidate.key], [where], state.priority, state.tenant):
                 state.unfull_promoted = Unfull(chunk, candidate.blocks, candidate.key, where)
                 state.unfull_pending = True
