@@ -2,15 +2,17 @@
 
     python -m benchmarks.bench_load_choice --rounds 4 --out /var/tmp/kvtier-bench/load_choice.json
 
-Two regimes of `kvtier bench multiturn --preset cpu --mode inprocess`: `host` at 8 conversations
-(the host tier holds them all) and `host+fs` at 16 (the host tier holds about half of them, the fs
-tier the rest). Each round runs every regime under both policies (`--load-policy`), each run on a
-fresh in-process engine, the policies' order alternating from round to round, after one
-unrecorded warm-up run (the process's first engine pays one-time start-up costs). Per run: TTFT
-median and p90 over its requests, the prompt tokens reloaded (host and secondary tiers), recomputed
-by choice and recomputed. Summary per regime: each policy's median [min-max] over the rounds, and
-the median over rounds of the per-round ratios auto / always (reloaded tokens, TTFT median, TTFT
-p90). Writes one JSON document to `--out` and prints the summary.
+Two regimes of `kvtier bench multiturn --preset cpu --mode inprocess` at 8 conversations (the
+device cache holds about 4): `host` (the preset's host tier, about 8 conversations: it holds them
+all) and `host+fs` with a host tier of `FS_REGIME_HOST_CHUNKS` chunks (about 2 conversations), so
+that most reloads come from the fs tier. Each round runs every regime under both policies
+(`--load-policy`), each run on a fresh in-process engine, the policies' order alternating from
+round to round, after one unrecorded warm-up run of the smoke preset (the process's first engine
+pays one-time start-up costs). Per run: TTFT median and p90 over its requests, the prompt tokens
+reloaded (host and secondary tiers), recomputed by choice and recomputed. Summary per regime: each
+policy's median [min-max] over the rounds, and the median over rounds of the per-round ratios
+auto / always (reloaded tokens, TTFT median, TTFT p90). Writes one JSON document to `--out` and
+prints the summary.
 """
 
 from __future__ import annotations
@@ -37,8 +39,9 @@ from kvtier.format.chunks import DEVICE, RECOMPUTED
 from kvtier.integrations.vllm.serving.launch import in_process_env
 from kvtier.ops.metrics import RECOMPUTED_BY_CHOICE
 
-REGIMES = (("host", 8), ("host+fs", 16))
-"""(configuration, conversations): the host regime and the fs regime of the cpu preset."""
+FS_REGIME_HOST_CHUNKS = 34
+REGIMES: tuple[tuple[str, int, int | None], ...] = (("host", 8, None), ("host+fs", 8, FS_REGIME_HOST_CHUNKS))
+"""(configuration, conversations, host chunks or None for the preset's): the host and fs regimes."""
 NOT_RELOADED = (DEVICE, RECOMPUTED_BY_CHOICE, RECOMPUTED)
 SUMMARIZED = ("ttft_median_ms", "ttft_p90_ms", "reloaded_tokens", "recomputed_by_choice_tokens")
 
@@ -56,17 +59,18 @@ class Recorder(Hooks):
         self.records.append(record)
 
 
-def one_run(config: str, conversations: int, policy: str, preset: str, work_dir: Path,
-            log_dir: Path) -> dict[str, Any]:
+def one_run(config: str, conversations: int, host_chunks: int | None, policy: str, preset: str,
+            work_dir: Path, log_dir: Path) -> dict[str, Any]:
     """One run of `config` at `conversations` under `policy` on a fresh in-process engine."""
     parser = argparse.ArgumentParser()
     multiturn_cli.add_parser(parser.add_subparsers())
     args = parser.parse_args(["bench", "multiturn", "--preset", preset, "--conversations", str(conversations),
                               "--configs", config, "--repeats", "1", "--mode", "inprocess",
-                              "--load-policy", policy])
+                              "--load-policy", policy,
+                              *(["--host-chunks", str(host_chunks)] if host_chunks else [])])
     args.passthrough = []
     plan, _ = multiturn_cli._plan(args, work_dir, log_dir)
-    recorder, points = Recorder(), []
+    recorder, points = Recorder(), list[dict[str, Any]]()
     run_sweep(plan, recorder, points.append)
     ok = [r for r in recorder.records if not r.error]
     ttfts = [r.ttft_s for r in ok]
@@ -75,7 +79,8 @@ def one_run(config: str, conversations: int, policy: str, preset: str, work_dir:
         for source, tokens in (r.tokens or {}).items():
             split[source] = split.get(source, 0) + tokens
     return {
-        "config": config, "conversations": conversations, "policy": policy,
+        "config": config, "conversations": conversations, "host_chunks": plan.context.host_chunks,
+        "policy": policy,
         "requests": len(ok), "failed_requests": len(recorder.records) - len(ok),
         "ttft_median_ms": 1e3 * percentile(ttfts, 50), "ttft_p90_ms": 1e3 * percentile(ttfts, 90),
         "tokens": split, "reloaded_tokens": sum(v for k, v in split.items() if k not in NOT_RELOADED),
@@ -87,7 +92,7 @@ def one_run(config: str, conversations: int, policy: str, preset: str, work_dir:
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
     """Per regime: each policy's median [min-max] over rounds, and the per-round ratios' medians."""
     out: dict[str, Any] = {}
-    for config, _ in REGIMES:
+    for config, _, _ in REGIMES:
         mine = [r for r in runs if r["config"] == config]
         by_policy = {p: [r for r in mine if r["policy"] == p] for p in (ALWAYS, AUTO)}
         entry: dict[str, Any] = {p: {key: spread([r[key] for r in rs]).as_json() for key in SUMMARIZED}
@@ -119,12 +124,13 @@ def main() -> int:
         (tmp / "vllm").mkdir()
         stack.enter_context(in_process_env(tmp / "vllm"))
         terminal = stack.enter_context(engine_output(tmp / "vllm.log"))
-        one_run(*REGIMES[0], ALWAYS, opts.preset, tmp / "work", tmp / "out")  # warm-up, not recorded
+        one_run("host", 4, None, ALWAYS, "smoke", tmp / "work", tmp / "out")  # warm-up, not recorded
         for round_ in range(opts.rounds):
             order = (ALWAYS, AUTO) if round_ % 2 == 0 else (AUTO, ALWAYS)
-            for config, conversations in REGIMES:
+            for config, conversations, host_chunks in REGIMES:
                 for policy in order:
-                    run = one_run(config, conversations, policy, opts.preset, tmp / "work", tmp / "out")
+                    run = one_run(config, conversations, host_chunks, policy, opts.preset, tmp / "work",
+                                  tmp / "out")
                     runs.append({"round": round_, **run})
                     print(json.dumps(runs[-1]), file=terminal, flush=True)
     meta.update(loadavg_end=list(os.getloadavg()))

@@ -14,7 +14,8 @@ alone fills the host tier with A's working set; then `CYCLES` measured cycles. S
 - `shared`: A + flood, `tenants` {"tenant-a": 0.5, "tenant-b": 0.4, "default": 0.05};
 - `uncapped`: A + flood, every share 1 (caps that never bind: the host tier's plain LRU order,
   with the per-tenant metrics still labelled);
-- `no-shares`: A + flood, no `tenants` at all (no per-tenant metrics: from the replies only).
+- `no-shares`: A + flood, no `tenants` at all (no per-tenant metrics: from the replies only);
+- `short-share`: A + flood, A's share 0.25 (32 chunks) under its working set.
 
 A's host hit rate over the measured cycles: host tokens / prompt tokens, from Prometheus (the
 increase of `kvtier_tenant_prompt_tokens_total{tenant="t1"}` by source between a scrape after the
@@ -61,6 +62,7 @@ SCENARIOS: dict[str, tuple[bool, dict[str, float] | None]] = {
     "shared": (True, SHARES),
     "uncapped": (True, {SALT_A: 1.0, SALT_B: 1.0, "default": 1.0}),
     "no-shares": (True, None),
+    "short-share": (True, {SALT_A: 0.25, SALT_B: 0.65, "default": 0.05}),
 }
 """name: (with B's flood, `tenants`)."""
 WAIT_S = 120.0
@@ -152,14 +154,18 @@ def scenario(name: str, model: Path, block_bytes: int, tmp: Path, seed: int) -> 
 
 
 def summarize(runs: list[dict[str, Any]]) -> dict[str, Any]:
+    """Per scenario run: A's host hit rate, median [min-max] over rounds, and its ratio to `alone`'s."""
     out: dict[str, Any] = {}
     for name in SCENARIOS:
         mine = [r for r in runs if r["scenario"] == name]
+        if not mine:
+            continue
         key = "a_host_hit_rate_prometheus" if SCENARIOS[name][1] is not None else "a_host_hit_rate_replies"
         out[name] = {"a_host_hit_rate": spread([r[key] for r in mine]).as_json(), "from": key}
-    alone = out["alone"]["a_host_hit_rate"]["median"]
-    for name in ("shared", "uncapped", "no-shares"):
-        out[name]["of_alone"] = out[name]["a_host_hit_rate"]["median"] / alone if alone else None
+    alone = out["alone"]["a_host_hit_rate"]["median"] if "alone" in out else None
+    for name, entry in out.items():
+        if name != "alone":
+            entry["of_alone"] = entry["a_host_hit_rate"]["median"] / alone if alone else None
     return out
 
 
@@ -167,8 +173,14 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--scenarios", default=",".join(SCENARIOS),
+                        help=f"comma-separated, from {', '.join(SCENARIOS)} (default all)")
     parser.add_argument("--out", type=Path, required=True)
     opts = parser.parse_args()
+    names = opts.scenarios.split(",")
+    unknown = set(names) - set(SCENARIOS)
+    if unknown:
+        parser.error(f"--scenarios: unknown {', '.join(sorted(unknown))} (known: {', '.join(SCENARIOS)})")
     model = prepare_smollm2()
     block_bytes = kv_bytes_per_token(model, "float32") * BLOCK
     command = shlex.join(["python", "-m", "benchmarks.bench_tenants", *sys.argv[1:]])
@@ -180,7 +192,6 @@ def main() -> int:
                         "shared": "2 cores shared with other engineers' tests and benchmarks"},
             "started": time.strftime("%Y-%m-%d %H:%M:%S")}
     runs: list[dict[str, Any]] = []
-    names = list(SCENARIOS)
     with tempfile.TemporaryDirectory(prefix="kvtier-tenants-") as tmp:
         for round_ in range(opts.rounds):
             for i in range(len(names)):
