@@ -20,6 +20,11 @@ round trip (the tier's batch at this size: values while they stay under `batch_b
   known size, and check each length line.
 - resp-one-buffer: resp with each batch of SETs framed beforehand into one contiguous buffer (the
   rows copied in before the timer starts), sent with one `sendall`.
+- resp-stream (`raw_stream`, the contender of issue 38): one socket per thread; for each value a
+  `SET` header, then the row's own memory with `sendall(memoryview)`, then CRLF, every reply read
+  after the thread's whole share was sent; loads the same way (every GET sent, then each value
+  read with `recv_into` straight into its row). With `--cluster`, `resp-stream-cluster`: the same
+  with a socket per thread and node, each key sent to the node serving its slot.
 - tier: `kvtier tier-bench --tier redis --url URL --chunk-bytes N --chunks K --threads T --json`
   (a real tier process over a real host region: rows go out from and come back into the region,
   with the header checksummed on store and verified on load).
@@ -234,6 +239,96 @@ def raw_resp_cluster(urls: list[str], value_bytes: int, chunks: int, threads: in
                 sock.close()
 
 
+def _read_line(sock: socket.socket, buf: bytearray) -> bytes:
+    """The next RESP line from `sock`, without CRLF; `buf` keeps what was read past it."""
+    while (i := buf.find(b"\r\n")) < 0:
+        got = sock.recv(65536)
+        if not got:
+            raise ConnectionError("server closed the connection")
+        buf += got
+    line = bytes(buf[:i])
+    del buf[: i + 2]
+    return line
+
+
+def _recv_value(sock: socket.socket, buf: bytearray, row: memoryview) -> None:
+    """Read one GET reply whose value fills `row`: its length line, the value straight into `row`
+    (recv_into, after whatever `buf` already holds), its CRLF."""
+    if _read_line(sock, buf) != b"$%d" % len(row):
+        raise RuntimeError("a GET reply is not a value of the expected size")
+    have = min(len(buf), len(row))
+    row[:have] = buf[:have]
+    del buf[:have]
+    while have < len(row):
+        got = sock.recv_into(row[have:], 0, socket.MSG_WAITALL)
+        if not got:
+            raise ConnectionError("server closed the connection")
+        have += got
+    if _read_line(sock, buf) != b"":
+        raise RuntimeError("a GET reply did not end where its length said")
+
+
+def raw_stream(url: str | list[str], value_bytes: int, chunks: int, threads: int,
+               depth: int = 0) -> dict[str, float]:
+    """Seconds for the streaming raw client (issue 38) to SET then GET `chunks` values: one socket
+    per thread (a cluster: per thread and node, each key sent to the node serving its slot); for
+    each value a `SET` header, then the row's own memory with `sendall(memoryview)`, then CRLF;
+    every reply read after the thread's whole share was sent. Loads the same way: every GET sent,
+    then each reply's value read with `recv_into` straight into its row. Rows are distinct slices
+    of one pre-touched, page-aligned region. `depth` is unused (the whole share is one batch)."""
+    urls = url if isinstance(url, list) else [url]
+    node_of = [urls[0]] * chunks
+    if isinstance(url, list):
+        with redis.Redis.from_url(urls[0]) as admin:
+            owners: list[str] = [""] * 16384
+            for start, end, master, *_ in admin.execute_command("CLUSTER", "SLOTS"):
+                owners[int(start) : int(end) + 1] = [f"redis://127.0.0.1:{int(master[1])}"] * (
+                    int(end) + 1 - int(start))
+        node_of = [owners[key_slot(b"stream:%d" % i)] for i in range(chunks)]
+    shares = [list(range(t, chunks, threads)) for t in range(threads)]
+    buf = rawio.rows(chunks, value_bytes)
+    rows = [buf[i * value_bytes : (i + 1) * value_bytes] for i in range(chunks)]
+    socks = [{node: _resp_connect(node) for node in set(node_of)} for _ in range(threads)]
+
+    def store(t: int) -> None:
+        conns = socks[t]
+        sent: dict[str, int] = dict.fromkeys(conns, 0)
+        for i in shares[t]:
+            key = b"stream:%d" % i
+            sock = conns[node_of[i]]
+            sock.sendall(b"*3\r\n$3\r\nSET\r\n$%d\r\n%b\r\n$%d\r\n" % (len(key), key, value_bytes))
+            sock.sendall(rows[i])
+            sock.sendall(CRLF)
+            sent[node_of[i]] += 1
+        for node, n in sent.items():
+            replies = memoryview(bytearray(5 * n))
+            rawio.recv_parts(conns[node], [replies])
+            if bytes(replies) != b"+OK\r\n" * n:
+                raise RuntimeError(f"unexpected SET replies {bytes(replies[:40])!r}")
+
+    def load(t: int) -> None:
+        conns = socks[t]
+        asked: dict[str, list[int]] = {node: [] for node in conns}
+        for i in shares[t]:
+            asked[node_of[i]].append(i)
+        for node, part in asked.items():
+            conns[node].sendall(b"".join(b"*2\r\n$3\r\nGET\r\n$%d\r\n%b\r\n" % (
+                len(k), k) for k in (b"stream:%d" % i for i in part)))
+        for node, part in asked.items():
+            pending = bytearray()
+            for i in part:
+                _recv_value(conns[node], pending, rows[i])
+            if pending:
+                raise RuntimeError("unexpected bytes after the GET replies")
+
+    try:
+        return {"store_s": rawio.timed_threads(threads, store), "load_s": rawio.timed_threads(threads, load)}
+    finally:
+        for conns in socks:
+            for sock in conns.values():
+                sock.close()
+
+
 def tier_bench(url: str | list[str], chunk_bytes: int, chunks: int, threads: int) -> dict[str, Any]:
     where = ["--option", f"urls={json.dumps(url)}"] if isinstance(url, list) else ["--url", url]
     cmd = [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "redis", *where,
@@ -266,10 +361,12 @@ def main(argv: list[str] | None = None) -> int:
     raws: dict[str, tuple[Callable[..., dict[str, float]], int]] = {
         "redis-py": (raw_redis_py, depth), "redis-py-deep": (raw_redis_py, deep),
         "resp": (raw_resp, depth), "resp-deep": (raw_resp, deep),
-        "resp-one-buffer": (functools.partial(raw_resp, one_buffer=True), depth)}
+        "resp-one-buffer": (functools.partial(raw_resp, one_buffer=True), depth),
+        "resp-stream": (raw_stream, deep)}
     if args.cluster:
         raws = {"resp-cluster": (raw_resp_cluster, depth),
-                "resp-cluster-per-node": (functools.partial(raw_resp_cluster, per_node=True), depth)}
+                "resp-cluster-per-node": (functools.partial(raw_resp_cluster, per_node=True), depth),
+                "resp-stream-cluster": (raw_stream, deep)}
     if args.contenders:
         raws = {who: raws[who] for who in args.contenders.split(",") if who in raws}
     contenders = [*raws, "tier"]
