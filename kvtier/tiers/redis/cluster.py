@@ -20,6 +20,10 @@ to a replica). Routing decides only where to ask: every value read is still veri
 store. For a cluster without replicas, its nodes need `cluster-require-full-coverage no`, or the
 live nodes refuse every key once one node is marked failed.
 
+A round (`start`, then `finish`) may be sent while the same thread's previous round is unread, as
+on one server: redirected commands and map refreshes therefore go over a second connection per
+node (`ClusterConnection.hops`), whose replies never queue behind a round's.
+
 Threads: any. A connection (`ClusterConnection`) belongs to one thread and holds one connection per
 node it used; the map is replaced whole (readers need no lock) and updated under `_lock`.
 """
@@ -28,7 +32,8 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit, urlunsplit
 
@@ -37,7 +42,7 @@ from redis.exceptions import AskError, MovedError, RedisError, ResponseError
 
 from kvtier.errors import ConfigError
 from kvtier.tiers.common.book import FailureLog, TierBook
-from kvtier.tiers.redis.link import NO_REPLY, RedisLink, Round
+from kvtier.tiers.redis.link import NO_REPLY, RedisLink, Round, Wire
 from kvtier.tiers.redis.wire import ReplyReader, redact_url
 
 SLOTS = 16384
@@ -49,14 +54,29 @@ Addr = tuple[str, int]
 
 
 class ClusterConnection:
-    """One thread's connections to the cluster: one per node it has used."""
+    """One thread's connections to the cluster: one per node it has used for rounds (`by_node`), and
+    one for redirects and map refreshes (`hops`)."""
 
     def __init__(self) -> None:
-        self.by_node: dict[Addr, Any] = {}
+        self.by_node: dict[Addr, Wire] = {}
+        self.hops: dict[Addr, Wire] = {}
 
     def disconnect(self) -> None:
-        for conn in self.by_node.values():
+        for conn in [*self.by_node.values(), *self.hops.values()]:
             conn.disconnect()
+
+
+@dataclass
+class Pending:
+    """A round sent to the nodes and not read yet: the commands' replies so far, which commands
+    went to which node, and each node's round."""
+
+    conn: ClusterConnection
+    op: str
+    commands: Sequence[Any]
+    replies: list[Any]
+    groups: dict[Addr, list[int]]
+    sent: list[tuple[Round, list[int | None]]]
 
 
 def redirect(reply: object) -> tuple[str, int, Addr] | None:
@@ -192,7 +212,7 @@ class ClusterLink:
         links = [(a, link) for a, link in mapped.items() if not link.is_down()]
         try:
             for addr, link in links:
-                reply = link.pipeline(self._conn(conn, addr), "slots", [b""], [("CLUSTER", "SLOTS")])[0]
+                reply = link.pipeline(self._conn(conn.hops, addr), "slots", [b""], [("CLUSTER", "SLOTS")])[0]
                 if reply is not NO_REPLY and not isinstance(reply, ResponseError) and self._install(
                         reply, addr[0]):
                     return
@@ -219,10 +239,10 @@ class ClusterLink:
     def connection(self) -> ClusterConnection:
         return ClusterConnection()
 
-    def _conn(self, conn: ClusterConnection, addr: Addr) -> Any:
-        c = conn.by_node.get(addr)
+    def _conn(self, conns: dict[Addr, Wire], addr: Addr) -> Wire:
+        c = conns.get(addr)
         if c is None:
-            c = conn.by_node[addr] = self._link(addr).connection()
+            c = conns[addr] = self._link(addr).connection()
         return c
 
     def pipeline(
@@ -232,45 +252,74 @@ class ClusterLink:
         """Route each command to the node serving its key's slot, one round trip per node (sent to
         every node before any reply is read), and follow redirects (see the module docstring); one
         reply per command, as `RedisLink`'s."""
+        return self.finish(self.start(conn, op, keys, commands), read_reply)
+
+    def start(self, conn: ClusterConnection, op: str, keys: Sequence[bytes],
+              commands: Sequence[Any]) -> Pending:
+        """The sending half of `pipeline`: each node's part sent on the thread's connection to it."""
         self._refresh(conn)
         replies: list[Any] = [NO_REPLY] * len(commands)
         slots = self._slots
-        where: dict[int, Addr | None] = {i: slots[key_slot(k)] for i, k in enumerate(keys)}
-        asking: set[int] = set()
+        where = {i: slots[key_slot(k)] for i, k in enumerate(keys)}
+        groups = self._group(where, replies)
+        sent = [self._start(conn.by_node, addr, op, idx, commands, set()) for addr, idx in groups.items()]
+        return Pending(conn, op, commands, replies, groups, sent)
+
+    def finish(self, pending: Pending,
+               read_reply: Callable[[ReplyReader, int], Any] | None = None) -> list[Any]:
+        """The reading half of `pipeline`: each node's replies, then the redirects followed over the
+        `hops` connections, one hop at a time."""
+        replies = pending.replies
+        groups, sent = pending.groups, pending.sent
         for _ in range(MAX_REDIRECTS + 1):
-            groups: dict[Addr, list[int]] = {}
-            for i, addr in where.items():
-                if addr is None:
-                    replies[i] = ResponseError("CLUSTERDOWN no node serves this key's slot")
-                else:
-                    groups.setdefault(addr, []).append(i)
-            sent = [self._start(conn, addr, op, idx, commands, asking) for addr, idx in groups.items()]
             for (addr, idx), (round_, order) in zip(groups.items(), sent, strict=True):
                 got = self._finish(addr, round_, order, read_reply)
                 for i, reply in zip(idx, got, strict=True):
                     replies[i] = reply
-            where, asking = {}, set()
-            for i in [i for idx in groups.values() for i in idx]:
-                if (hop := redirect(replies[i])) is not None:
-                    kind, slot, addr = hop
-                    if kind == "MOVED":
-                        self._moved(slot, addr)
-                    else:
-                        asking.add(i)
-                    where[i] = addr
+            where, asking = self._redirects(groups.values(), replies)
             if not where:
                 break
+            groups = self._group(where, replies)
+            sent = [self._start(pending.conn.hops, addr, pending.op, idx, pending.commands, asking)
+                    for addr, idx in groups.items()]
         return replies
 
-    def _start(self, conn: ClusterConnection, addr: Addr, op: str, idx: list[int], commands: Sequence[Any],
+    @staticmethod
+    def _group(where: dict[int, Addr | None], replies: list[Any]) -> dict[Addr, list[int]]:
+        """The commands `where` sends, by node; a command whose slot no node serves gets its error."""
+        groups: dict[Addr, list[int]] = {}
+        for i, addr in where.items():
+            if addr is None:
+                replies[i] = ResponseError("CLUSTERDOWN no node serves this key's slot")
+            else:
+                groups.setdefault(addr, []).append(i)
+        return groups
+
+    def _redirects(self, sent: Iterable[list[int]],
+                   replies: list[Any]) -> tuple[dict[int, Addr | None], set[int]]:
+        """Where each redirected command of `sent` goes next (MOVED updates the map at once), and
+        which of them need ASKING first."""
+        where: dict[int, Addr | None] = {}
+        asking: set[int] = set()
+        for i in [i for idx in sent for i in idx]:
+            if (hop := redirect(replies[i])) is not None:
+                kind, slot, addr = hop
+                if kind == "MOVED":
+                    self._moved(slot, addr)
+                else:
+                    asking.add(i)
+                where[i] = addr
+        return where, asking
+
+    def _start(self, conns: dict[Addr, Wire], addr: Addr, op: str, idx: list[int], commands: Sequence[Any],
                asking: set[int]) -> tuple[Round, list[int | None]]:
-        """Send commands `idx` to one node, those in `asking` after an ASKING; the round, and the
-        command each position carries (None: an ASKING)."""
+        """Send commands `idx` to one node over `conns`, those in `asking` after an ASKING; the
+        round, and the command each position carries (None: an ASKING)."""
         order: list[int | None] = []
         for i in idx:
             order += [None, i] if i in asking else [i]
         cmds = [("ASKING",) if i is None else commands[i] for i in order]
-        return self._link(addr).start(self._conn(conn, addr), op, cmds), order
+        return self._link(addr).start(self._conn(conns, addr), op, [], cmds), order
 
     def _finish(self, addr: Addr, round_: Round, order: list[int | None],
                 read_reply: Callable[[ReplyReader, int], Any] | None) -> list[Any]:

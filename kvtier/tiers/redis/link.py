@@ -7,6 +7,12 @@ timeout marks the server down for `reconnect_interval_s`: meanwhile every pipeli
 at once, then the next one reconnects. A connection that broke while idle (the server restarted)
 gets one fresh try first. The password in `url` never appears in logs, errors or reprs (`scrub`).
 
+A connection (`Wire`) is opened by redis-py (TCP, unix socket or TLS, AUTH, SELECT), then its
+socket is the link's: blocking with the kernel's timeouts, every reply read by one `ReplyReader`.
+A thread may send a second round before reading the first's replies (`start`, then `finish` in
+the order sent): the server never waits for the client's turnaround. A round whose connection broke
+under an earlier round fails with it.
+
 Threads: any; each caller brings its own connection (`connection()`); the down state has its lock.
 """
 
@@ -23,14 +29,14 @@ import redis
 from redis.backoff import NoBackoff
 from redis.connection import parse_url as _redis_parse_url
 from redis.exceptions import ConnectionError as RedisConnectionError
-from redis.exceptions import RedisError, ResponseError
+from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 from redis.retry import Retry
 
 from kvtier.errors import ConfigError
 from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.common.book import FailureLog, TierBook
-from kvtier.tiers.redis.wire import ReplyReader, redact_url, send_buffers
+from kvtier.tiers.redis.wire import ReplyReader, own_socket, redact_url, send_buffers
 
 _parse_url = cast(Callable[[str], dict[str, Any]], _redis_parse_url)
 """redis-py's own URL parser (untyped there): scheme, host or path, credentials, query arguments."""
@@ -47,6 +53,13 @@ class Link(Protocol):
 
     def connection(self) -> Any:
         """A new connection for one thread (`disconnect()` closes it)."""
+
+    def start(self, conn: Any, op: str, keys: Sequence[bytes], commands: Sequence[Any]) -> Any:
+        """The sending half of `pipeline`: what `finish` takes (rounds are finished in the order
+        they were started on a connection)."""
+
+    def finish(self, sent: Any, read_reply: Callable[[ReplyReader, int], Any] | None = None) -> list[Any]:
+        """The reading half of `pipeline`."""
 
     def pipeline(self, conn: Any, op: str, keys: Sequence[bytes], commands: Sequence[Any],
                  read_reply: Callable[[ReplyReader, int], Any] | None = None) -> list[Any]:
@@ -69,15 +82,44 @@ class _NoReply:
 NO_REPLY = _NoReply()
 
 
+class Wire:
+    """One thread's connection to one server: redis-py's connection opens it, then its socket is
+    ours (`own_socket`) and its replies are read by `reader`. `epoch` counts the disconnects (a
+    round sent before one lost its replies); `in_flight` the rounds sent and not yet read."""
+
+    def __init__(self, conn: Any, timeout_s: float) -> None:
+        self.conn = conn
+        self._timeout_s = timeout_s
+        self.reader: ReplyReader | None = None
+        self.epoch = 0
+        self.in_flight = 0
+
+    def open(self) -> Any:
+        """The socket, connected first when it is not."""
+        if self.reader is None:
+            self.conn.connect_check_health(check_health=False)
+            own_socket(self.conn._sock, self._timeout_s)
+            self.reader = ReplyReader(self.conn._sock)
+        return self.conn._sock
+
+    def disconnect(self) -> None:
+        self.conn.disconnect()
+        self.reader = None
+        self.epoch += 1
+        self.in_flight = 0
+
+
 @dataclass
 class Round:
     """One pipeline round trip to one server: what was sent, on which connection, and how it went."""
 
-    conn: Any
+    conn: Wire
     op: str
     commands: Sequence[Any]
     was_connected: bool
     """Whether the connection was open before (a broken one gets one fresh try)."""
+    epoch: int = 0
+    """The connection's epoch when this round was sent."""
     retried: bool = False
     failed: bool = False
 
@@ -95,6 +137,7 @@ class RedisLink:
         given = [urlsplit(url).password, dict(parse_qsl(urlsplit(url).query)).get("password"), password]
         self._secrets = {form for pw in given if pw for form in (pw, unquote(pw))}
         self.reconnect_interval_s = float(reconnect_interval_s)
+        self._socket_timeout_s = float(socket_timeout_s)
         self._book = book
         self._on_down = on_down
         self._lock = threading.Lock()
@@ -144,9 +187,9 @@ class RedisLink:
         if reply not in (b"PONG", "PONG"):
             raise ConfigError("url", self.url, f"unexpected PING reply {reply!r}")
 
-    def connection(self) -> Any:
+    def connection(self) -> Wire:
         """A new connection of the pool's kind, for one thread."""
-        return self._pool.make_connection()
+        return Wire(self._pool.make_connection(), self._socket_timeout_s)
 
     def is_down(self) -> bool:
         with self._lock:
@@ -167,12 +210,12 @@ class RedisLink:
         server is down or was just marked down by a connection error). `keys` are the commands' Redis
         keys (a cluster routes by them; one server has no use for them). `read_reply(reader, n)`,
         when given, reads the reply to command `n` itself, straight from the socket."""
-        return self.finish(self.start(conn, op, commands), read_reply)
+        return self.finish(self.start(conn, op, keys, commands), read_reply)
 
-    def start(self, conn: Any, op: str, commands: Sequence[Any]) -> Round:
+    def start(self, conn: Wire, op: str, keys: Sequence[bytes], commands: Sequence[Any]) -> Round:
         """The sending half of `pipeline`: `finish` reads the replies (a cluster sends to every node
-        before it reads from any)."""
-        sent = Round(conn, op, commands, was_connected=conn._sock is not None)
+        before it reads from any; a thread may send its next round first)."""
+        sent = Round(conn, op, commands, was_connected=conn.reader is not None)
         if self.is_down():
             sent.failed = True
         else:
@@ -180,34 +223,35 @@ class RedisLink:
         return sent
 
     def _send(self, sent: Round) -> None:
-        conn = sent.conn
+        wire = sent.conn
         try:
             buffers: list[Any] = []
             for cmd in sent.commands:
-                buffers.extend(cmd if isinstance(cmd, list) else conn.pack_command(*cmd))
-            if conn._sock is None:
-                conn.connect_check_health(check_health=False)
-            send_buffers(conn._sock, buffers)
+                buffers.extend(cmd if isinstance(cmd, list) else wire.conn.pack_command(*cmd))
+            sock = wire.open()
+            sent.epoch = wire.epoch
+            wire.in_flight += 1
+            send_buffers(sock, buffers)
         except Exception as e:
             self._failed(sent, e, [])
 
     def finish(self, sent: Round, read_reply: Callable[[ReplyReader, int], Any] | None = None) -> list[Any]:
         """The reading half of `pipeline`, for what `start` sent."""
         n = len(sent.commands)
+        wire = sent.conn
         replies: list[Any] = []
         while not sent.failed:
             replies = []
+            if wire.epoch != sent.epoch or wire.reader is None:
+                sent.failed = True  # the connection broke under an earlier round: already counted
+                break
+            reader = wire.reader
             try:
-                if read_reply is not None:
-                    reader = ReplyReader(sent.conn._sock)
-                    for i in range(n):
-                        replies.append(read_reply(reader, i))
-                    reader.finish()
-                for _ in range(n - len(replies)):
-                    try:
-                        replies.append(sent.conn.read_response(disable_decoding=True))
-                    except ResponseError as e:
-                        replies.append(e)
+                for i in range(n):
+                    replies.append(reader.reply() if read_reply is None else read_reply(reader, i))
+                wire.in_flight -= 1
+                if not wire.in_flight and not reader.idle():
+                    raise RedisConnectionError("unexpected bytes after the pipeline's replies")
             except Exception as e:
                 self._failed(sent, e, replies)
                 continue

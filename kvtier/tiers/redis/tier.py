@@ -10,7 +10,8 @@ a failed key.
 
 Threads: the dispatch thread calls the contract methods, which only queue work. `io_threads` I/O
 threads move chunks in pipelined batches (up to `pipeline_depth` keys and about `batch_bytes`
-bytes per round trip); even-numbered threads take loads first and odd ones stores first, and either
+bytes per round trip; a thread sends its next batch before it reads the replies to the one before,
+as long as work is queued); even-numbered threads take loads first and odd ones stores first, and either
 takes the other kind when its own is empty. One lookup thread answers lookups with pipelined EXISTS
 so they never wait behind bulk transfers. Each thread owns one connection (to each node of a cluster).
 
@@ -50,11 +51,31 @@ from kvtier.tiers.common.iopool import DualQueue
 from kvtier.tiers.common.options import Kind, Option, check_options, count, seconds, word
 from kvtier.tiers.redis.cluster import ClusterLink
 from kvtier.tiers.redis.link import Link, RedisLink
-from kvtier.tiers.redis.values import ChunkStore, Item
+from kvtier.tiers.redis.values import ChunkStore, Item, Sent
 from kvtier.tiers.redis.wire import redact_url
 
 SCHEMES = ("redis", "rediss", "unix")
 CLUSTER_SCHEMES = ("redis", "rediss")
+
+
+ROUNDS_IN_FLIGHT = 2
+"""Rounds an I/O thread sends before it reads the oldest one's replies."""
+
+
+class _WorkQueue(DualQueue[Item]):
+    """The tier's `DualQueue`, which a thread with a round in flight also asks without waiting."""
+
+    def take_now(self, prefers_loads: bool, more: Callable[[int], bool]) -> list[Item]:
+        """`take`, but empty at once when there is no work (or the queue is stopped)."""
+        first, second = (self._loads, self._stores) if prefers_loads else (self._stores, self._loads)
+        with self._cv:
+            source = first or second
+            if self._stopping or not source:
+                return []
+            batch = [source.popleft()]
+            while source and more(len(batch)):
+                batch.append(source.popleft())
+            return batch
 
 
 def _shown_url(url: object) -> object:
@@ -179,7 +200,7 @@ class RedisTier(BookedTier):
         self.value_bytes = self._chunks.value_bytes
         self._answered = threading.Condition(self._lock)
         self._asked = threading.Condition(self._lock)
-        self._work: DualQueue[Item] = DualQueue()
+        self._work = _WorkQueue()
         self._lookups: deque[bytes] = deque()
         self._stopping = False
         self._closed = False
@@ -303,22 +324,49 @@ class RedisTier(BookedTier):
         self._remember([k for k, r in zip(keys, replies, strict=True) if r != 1], LookupResult.MISS)
 
     def _io_loop(self, prefers_loads: bool) -> None:
+        """Send a batch; while up to `ROUNDS_IN_FLIGHT` are unread, send the next one queued before
+        reading the oldest's replies (the server keeps reading while this thread turns around)."""
         conn: Any = self._link.connection()
+        in_flight: deque[Sent | list[Item]] = deque()
 
         def more(n: int) -> bool:
             return n < self.pipeline_depth and n * self.value_bytes < self.batch_bytes
 
         try:
-            while batch := self._work.take(prefers_loads, more):
-                kind = batch[0][0].job.kind
-                try:
-                    run = self._chunks.run_loads if kind is JobKind.LOAD else self._chunks.run_stores
-                    outcomes = run(conn, batch)
-                except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
-                    conn.disconnect()
-                    self._link.faillog.failed(f"{kind.value}:{type(e).__name__}", e)
-                    outcomes = [False] * len(batch)
-                for (tracker, i), ok in zip(batch, outcomes, strict=True):
+            while True:
+                if len(in_flight) < ROUNDS_IN_FLIGHT:
+                    batch = (self._work.take_now(prefers_loads, more) if in_flight
+                             else self._work.take(prefers_loads, more))
+                    if batch:
+                        in_flight.append(self._start(conn, batch))
+                        continue
+                    if not in_flight:
+                        return  # stopping
+                done = in_flight.popleft()
+                outcomes = self._finish(conn, done)
+                for (tracker, i), ok in zip(done if isinstance(done, list) else done.batch, outcomes,
+                                            strict=True):
                     self._book.finish_key(tracker, i, ok)
         finally:
             conn.disconnect()
+
+    def _start(self, conn: Any, batch: list[Item]) -> Sent | list[Item]:
+        """The round sent for `batch`, or the batch itself when sending it failed unexpectedly."""
+        try:
+            return self._chunks.start(conn, batch)
+        except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
+            self._bug(conn, batch, e)
+            return batch
+
+    def _finish(self, conn: Any, done: Sent | list[Item]) -> list[bool]:
+        if isinstance(done, list):
+            return [False] * len(done)
+        try:
+            return self._chunks.finish(done)
+        except Exception as e:  # a bug must fail the keys, never lose the jobs or the thread
+            self._bug(conn, done.batch, e)
+            return [False] * len(done.batch)
+
+    def _bug(self, conn: Any, batch: list[Item], e: Exception) -> None:
+        conn.disconnect()
+        self._link.faillog.failed(f"{batch[0][0].job.kind.value}:{type(e).__name__}", e)

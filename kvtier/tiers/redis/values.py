@@ -29,7 +29,7 @@ from redis.exceptions import ResponseError
 
 from kvtier.format.chunks import ChunkError, TierEventKind
 from kvtier.ops.metrics import TierCounter
-from kvtier.tiers.base import LookupResult, TierContext
+from kvtier.tiers.base import JobKind, LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.common.book import TierBook
 from kvtier.tiers.common.iopool import JobTracker
@@ -46,6 +46,17 @@ replaced it with a good copy meanwhile)."""
 Item = tuple[JobTracker, int]
 """One key of a job: the job's tracker and the key's index in it."""
 Remember = Callable[[Sequence[bytes], LookupResult], None]
+
+
+@dataclass(frozen=True)
+class Sent:
+    """A round of one batch sent and not read yet: its keys and slots' rows, and the link's round."""
+
+    batch: list[Item]
+    load: bool
+    keys: list[bytes]
+    rows: list[memoryview]
+    pending: Any
 
 
 @dataclass(frozen=True)
@@ -99,42 +110,50 @@ class ChunkStore:
         """The Redis key of a chunk key."""
         return self._key_head + key.hex().encode()
 
-    def run_stores(self, conn: Any, batch: list[Item]) -> list[bool]:
-        """Store a batch of keys in one round trip; whether each key was stored."""
-        commands: list[Any] = []
-        rkeys: list[bytes] = []
-        for tracker, i in batch:
-            row = self.ctx.slot_view(tracker.job.slots[i])
-            key = tracker.job.keys[i]
-            header = chunkfmt.header_bytes(key, self._fp, row, self._fleet)
-            rkeys.append(self.rkey(key))
-            commands.append(set_command(rkeys[-1], header, row, self._px))
-        replies = self._link.pipeline(conn, "store", rkeys, commands)
-        outcomes = [reply == b"OK" for reply in replies]
-        for reply in replies:
-            if isinstance(reply, ResponseError):  # e.g. OOM: maxmemory with the noeviction policy
-                self._link.faillog.failed(f"store:{str(reply).split(' ', 1)[0]}", reply)
-        stored = [tracker.job.keys[i] for (tracker, i), ok in zip(batch, outcomes, strict=True) if ok]
-        self._remember(stored, LookupResult.HIT)
-        self._hold(stored)
-        self._book.count(TierCounter.STORED, len(stored))
-        self._book.count(TierCounter.STORE_FAILURES, len(batch) - len(stored))
-        self._book.events(TierEventKind.STORED, stored)
-        return outcomes
-
-    def run_loads(self, conn: Any, batch: list[Item]) -> list[bool]:
-        """Load a batch of keys in one round trip; whether each key's slot now holds its row."""
-        verb = "GET" if self._px is None else "GETEX"
-        extra = () if self._px is None else ("PX", self._px)
+    def start(self, conn: Any, batch: list[Item]) -> Sent:
+        """Send a batch of keys, all stores or all loads, in one round (`finish` reads its replies;
+        the thread may send another round first)."""
         keys = [tracker.job.keys[i] for tracker, i in batch]
         rows = [self.ctx.slot_view(tracker.job.slots[i]) for tracker, i in batch]
+        rkeys = [self.rkey(k) for k in keys]
+        load = batch[0][0].job.kind is JobKind.LOAD
+        if load:
+            verb = "GET" if self._px is None else "GETEX"
+            extra = () if self._px is None else ("PX", self._px)
+            commands: list[Any] = [(verb, rkey, *extra) for rkey in rkeys]
+        else:
+            commands = [
+                set_command(rkey, chunkfmt.header_bytes(key, self._fp, row, self._fleet), row, self._px)
+                for key, rkey, row in zip(keys, rkeys, rows, strict=True)]
+        pending = self._link.start(conn, "load" if load else "store", rkeys, commands)
+        return Sent(batch, load, keys, rows, pending)
+
+    def finish(self, sent: Sent) -> list[bool]:
+        """Whether each key of a round `start` sent was stored, or loaded into its slot."""
+        if not sent.load:
+            return self._stored(sent, self._link.finish(sent.pending))
+        keys, rows = sent.keys, sent.rows
 
         def read(reader: ReplyReader, n: int) -> Any:
             return self._read_value(reader, keys[n], rows[n])
 
-        rkeys = [self.rkey(k) for k in keys]
-        commands = [(verb, rkey, *extra) for rkey in rkeys]
-        replies = self._link.pipeline(conn, "load", rkeys, commands, read)
+        return self._loaded(sent, self._link.finish(sent.pending, read))
+
+    def _stored(self, sent: Sent, replies: list[Any]) -> list[bool]:
+        outcomes = [reply == b"OK" for reply in replies]
+        for reply in replies:
+            if isinstance(reply, ResponseError):  # e.g. OOM: maxmemory with the noeviction policy
+                self._link.faillog.failed(f"store:{str(reply).split(' ', 1)[0]}", reply)
+        stored = [key for key, ok in zip(sent.keys, outcomes, strict=True) if ok]
+        self._remember(stored, LookupResult.HIT)
+        self._hold(stored)
+        self._book.count(TierCounter.STORED, len(stored))
+        self._book.count(TierCounter.STORE_FAILURES, len(sent.keys) - len(stored))
+        self._book.events(TierEventKind.STORED, stored)
+        return outcomes
+
+    def _loaded(self, sent: Sent, replies: list[Any]) -> list[bool]:
+        keys = sent.keys
         outcomes = [reply is True for reply in replies]
         bad: list[tuple[bytes, str]] = []
         gone: list[bytes] = []
@@ -150,10 +169,10 @@ class ChunkStore:
                 gone.append(key)  # absent: never stored, expired or evicted by the server
         loaded = [k for k, ok in zip(keys, outcomes, strict=True) if ok]
         self._book.count(TierCounter.LOADED, len(loaded))
-        self._book.count(TierCounter.LOAD_FAILURES, len(batch) - len(loaded))
+        self._book.count(TierCounter.LOAD_FAILURES, len(keys) - len(loaded))
         self._book.count(TierCounter.LOAD_MISSES, len(gone))
         if bad:
-            self.delete_bad(conn, bad)
+            self.delete_bad(bad)
         lost = gone + [k for k, _ in bad]
         self._remember(loaded, LookupResult.HIT)
         self._remember(lost, LookupResult.MISS)
@@ -190,12 +209,17 @@ class ChunkStore:
             err = chunkfmt.check_header(head, key, self._fp, len(row), self._fleet)[0] or ChunkError.LENGTH
         return _Bad(err, sha1.hexdigest())
 
-    def delete_bad(self, conn: Any, bad: list[tuple[bytes, str]]) -> None:
-        """Delete each bad value (key, SHA-1 hex of the value read) unless it changed since."""
+    def delete_bad(self, bad: list[tuple[bytes, str]]) -> None:
+        """Delete each bad value (key, SHA-1 hex of the value read) unless it changed since, over a
+        connection of its own (the thread's may carry a round not read yet)."""
         rkeys = [self.rkey(k) for k, _ in bad]
         script = [("EVAL", _DELETE_IF_SAME, 1, self.rkey(k), sha1) for k, sha1 in bad]
-        replies = self._link.pipeline(conn, "delete", rkeys, script)
-        fallback = [rkey for rkey, r in zip(rkeys, replies, strict=True)
-                    if isinstance(r, ResponseError)]  # scripting disabled on this server
-        if fallback:
-            self._link.pipeline(conn, "delete", fallback, [("DEL", rkey) for rkey in fallback])
+        conn = self._link.connection()
+        try:
+            replies = self._link.pipeline(conn, "delete", rkeys, script)
+            fallback = [rkey for rkey, r in zip(rkeys, replies, strict=True)
+                        if isinstance(r, ResponseError)]  # scripting disabled on this server
+            if fallback:
+                self._link.pipeline(conn, "delete", fallback, [("DEL", rkey) for rkey in fallback])
+        finally:
+            conn.disconnect()
