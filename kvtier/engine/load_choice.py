@@ -13,11 +13,16 @@ Measured, with `always` too (each estimate decayed: a sample weighs `DECAY` time
 - each secondary tier's loads: its promotion jobs, seconds from submission to completion by bytes
   (the manager's `load_timer`), fit as a fixed cost per job plus bytes / throughput (`LinearCost`);
 - the host tier's loads: the workers' host → device copy seconds per job (`CopyReport.seconds`);
-- the engine's prefill rate: the prompt tokens a step computes over its time, from its plan
-  (`Planner.step`) to the first of the workers' report of it (`copies_done`) or the next step.
+- the engine's prefill rate: a step's time, from its plan (`Planner.step`) to the first of the
+  workers' report of it (`copies_done`) or the next step, fit as a fixed cost per step plus its
+  prompt tokens / rate (`LinearCost` again). Recomputing a prefix costs only the tokens' part: the
+  request's step runs either way for the tokens after it, so its fixed cost is no price of the
+  prefix. (Taken as tokens over seconds, the fixed cost was spread over a step's tokens: the
+  fewer they were, the dearer a recomputed token looked, and a tier slower than recomputing was
+  still loaded.) Steps all of one size leave the two apart unknown: their average rate is taken.
 They are the gauges `load_fixed_seconds`, `load_bytes_per_second` (by tier, "host" included) and
-`prefill_tokens_per_second`. What is not measured yet (no prefill rate, a tier never loaded from)
-counts as free: the run is loaded, and measured.
+`prefill_tokens_per_second` (the marginal rate). What is not measured yet (no prefill rate, a tier
+never loaded from) counts as free: the run is loaded, and measured.
 
 A tier judged slower than recomputing sees no loads, so its recovery would go unseen: it is probed,
 its whole run loaded anyway, on the `probe_every`-th candidate run since its last load or on the
@@ -79,6 +84,10 @@ class LinearCost:
         fixed = (y - per_unit * x) / w
         return (fixed, per_unit) if fixed >= 0 else (0.0, xy / xx)
 
+    def mean_rate(self) -> float | None:
+        """The samples' sizes over their seconds (weighted alike); None without seconds."""
+        return self._x / self._y if self._y > 0 else None
+
     def seconds(self, size: float) -> float:
         """The expected seconds of a job of `size` (0 before the first sample)."""
         fit = self.fit()
@@ -97,7 +106,7 @@ class LoadChoice:
         self.chunk_tokens = chunk_tokens
         self.clock = clock
         self.costs = {name: LinearCost() for name in (HOST, *manager.tiers)}
-        self._tokens = self._seconds = 0.0
+        self.prefill = LinearCost()
         self._step: tuple[float, int] | None = None
         now = clock()
         self._skipped = dict.fromkeys(manager.tiers, 0)
@@ -134,13 +143,20 @@ class LoadChoice:
         (start, tokens), self._step = self._step, None
         seconds = self.clock() - start
         if seconds > 0:
-            self._tokens = self._tokens * DECAY + tokens
-            self._seconds = self._seconds * DECAY + seconds
-            self.metrics.set("prefill_tokens_per_second", self._tokens / self._seconds)
+            self.prefill.add(tokens, seconds)
+            rate = self.prefill_rate()
+            if rate is not None:
+                self.metrics.set("prefill_tokens_per_second", rate)
 
     def prefill_rate(self) -> float | None:
-        """Prompt tokens per second of recent steps; None before the first measured step."""
-        return self._tokens / self._seconds if self._seconds else None
+        """Prompt tokens per second a step's time grows by with its tokens (recent steps; their
+        average rate where the fit has no positive slope or no fixed cost to set apart); None
+        before the first measured step."""
+        fit = self.prefill.fit()
+        if fit is None:
+            return None
+        fixed, per_token = fit
+        return 1 / per_token if fixed > 0 and per_token > 0 else self.prefill.mean_rate()
 
     def _sample(self, tier: str, size: int, seconds: float) -> None:
         cost = self.costs[tier]

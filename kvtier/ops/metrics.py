@@ -220,7 +220,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Measured throughput of loads from the tier past their fixed cost (decayed; 0: unbounded)",
                _T),
     MetricSpec("prefill_tokens_per_second", "gauge",
-               "Measured prompt tokens the engine computes per second (decayed over recent steps)"),
+               "Measured prompt tokens per second a step takes beyond its fixed cost (decayed over "
+               "recent steps)"),
     MetricSpec("recomputed_by_choice_tokens", "counter",
                "Prompt tokens the tier held that were recomputed because that was judged sooner", _T),
     MetricSpec("load_probes", "counter",

@@ -113,6 +113,34 @@ def test_a_slow_tier_is_recomputed_and_counted(auto: tuple[Planner, Clock], flag
     assert metric(s, "kvtier_load_probes_total") == 0
 
 
+def prefill_step(s: Planner, clock: Clock, name: str, tokens: int, seconds: float) -> None:
+    """A request of `tokens` prompt tokens never seen before, computed in one step that takes
+    `seconds`."""
+    first = 1000 + 100 * len(s.accounting.finished)
+    req = FakeRequest(name, list(range(first, first + tokens)))
+    assert s.lookup(req, 0) == (0, False)  # type: ignore[arg-type]
+    plan = s.step({req.request_id: tokens})
+    clock.now += seconds
+    req.num_computed_tokens = tokens
+    s.copies_done(CopyReport({job.job_id: (1, True) for job in plan.stores}))
+    s.finished(req)  # type: ignore[arg-type]
+
+
+def test_a_steps_fixed_cost_is_no_price_of_a_prefix(auto: tuple[Planner, Clock], flag: Path) -> None:
+    """Steps that cost 0.93 s however few their tokens, and 1/30 s per token beyond: the 12 tokens a
+    load saves take 0.4 s of a step, not the 1.6 s tokens over seconds gave. A slowed load (1 s) of
+    them is then slower than recomputing them, and they are recomputed."""
+    s, clock = auto
+    for i in range(3):
+        prefill_step(s, clock, f"small-{i}", 2, 1.0)
+        prefill_step(s, clock, f"large-{i}", 14, 1.5)
+    flag.touch()
+    assert ask(s, "measured") == (None, False)
+    assert ask(s, "recomputed") == (0, False)
+    assert s.accounting.finished["recomputed"]["recomputed_by_choice"] == 12
+    assert s.choice.prefill_rate() == pytest.approx(30.3, rel=0.01)
+
+
 def test_a_fast_tier_is_loaded(auto: tuple[Planner, Clock]) -> None:
     s, _ = auto
     assert ask(s, "measured") == (None, False)
