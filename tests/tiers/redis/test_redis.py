@@ -8,6 +8,7 @@ import logging
 import os
 import shutil
 import signal
+import socket
 import subprocess
 import time
 from collections.abc import Callable, Iterator
@@ -15,6 +16,7 @@ from typing import Any
 
 import pytest
 import redis
+from redis.exceptions import BusyLoadingError, MovedError, ResponseError
 
 from kvtier.bench.tier_bench import run_tier_bench
 from kvtier.errors import ConfigError
@@ -25,7 +27,7 @@ from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
 from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.process import TierProcess, TierSpec
 from kvtier.tiers.redis.tier import RedisTier
-from kvtier.tiers.redis.wire import redact_url
+from kvtier.tiers.redis.wire import ReplyReader, redact_url
 from tests.conftest import (
     LAYOUT_FP,
     ROW_BYTES,
@@ -141,6 +143,23 @@ def test_rounds_sent_before_the_previous_is_read_keep_every_reply_in_order(make_
     assert result.successful_keys == tuple(k for i, k in enumerate(keys) if i != 5)
     assert all(bytes(ctx.slot_view(16 + i)) == row for i, row in enumerate(rows) if i != 5)
     assert tier.counts()[ChunkError.CHECKSUM] == 1 and r.exists(bad) == 0
+
+
+def test_the_reply_reader_gives_what_redis_py_gives_and_raises_its_connection_errors() -> None:
+    ours, server = socket.socketpair()
+    with ours, server:
+        server.sendall(b"+OK\r\n:3\r\n$-1\r\n_\r\n$5\r\nhello\r\n*2\r\n$1\r\na\r\n*1\r\n:7\r\n"
+                       b"%1\r\n$1\r\nk\r\n#t\r\n-MOVED 3999 127.0.0.1:6381\r\n-ERR nope\r\n"
+                       b"-LOADING busy\r\n")
+        reader = ReplyReader(ours)
+        expected = [b"OK", 3, None, None, b"hello", [b"a", [7]], {b"k": True}]
+        assert [reader.reply() for _ in range(7)] == expected
+        moved = reader.reply()
+        assert isinstance(moved, MovedError) and (moved.slot_id, moved.port) == (3999, 6381)
+        assert isinstance(reader.reply(), ResponseError)
+        with pytest.raises(BusyLoadingError):
+            reader.reply()
+        assert reader.idle()
 
 
 def test_a_value_of_another_type_fails_its_key_only(make_tier, ctx, redis_tier_options) -> None:
