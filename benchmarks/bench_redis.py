@@ -29,6 +29,9 @@ round trip (the tier's batch at this size: values while they stay under `batch_b
   (a real tier process over a real host region: rows go out from and come back into the region,
   with the header checksummed on store and verified on load).
 
+`--before-tree DIR` adds `tier-before`: the same tier-bench run from the kvtier source in DIR (a
+`git archive` of the commit before a change), interleaved with the others.
+
 `--cluster` starts a three-master cluster (`tests/services/redis_cluster.py`) instead, and sets
 the tier (`--option urls=[...]`) beside two bare RESP cluster clients (`raw_resp_cluster`): a socket
 per thread and node, each round trip split by key slot over the nodes, sent to all of them before
@@ -329,12 +332,16 @@ def raw_stream(url: str | list[str], value_bytes: int, chunks: int, threads: int
                 sock.close()
 
 
-def tier_bench(url: str | list[str], chunk_bytes: int, chunks: int, threads: int) -> dict[str, Any]:
+def tier_bench(url: str | list[str], chunk_bytes: int, chunks: int, threads: int,
+               tree: str | None = None) -> dict[str, Any]:
+    """One `kvtier tier-bench --tier redis` run; with `tree`, of the kvtier source in that folder
+    (another checkout: the code before a change, interleaved with the code after it)."""
     where = ["--option", f"urls={json.dumps(url)}"] if isinstance(url, list) else ["--url", url]
     cmd = [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "redis", *where,
            "--chunk-bytes", str(chunk_bytes), "--chunks", str(chunks), "--threads", str(threads),
            "--json"]
-    out = subprocess.run(cmd, check=True, capture_output=True, text=True)
+    env = None if tree is None else {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, cwd=tree, env=env)
     report: dict[str, Any] = json.loads(out.stdout)
     return report
 
@@ -352,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="start a three-master cluster (valkey-server, else redis-server) instead; "
                         "the raw contenders are resp-cluster and resp-cluster-per-node")
     p.add_argument("--contenders", help="a comma-separated subset of the contenders (default: all)")
+    p.add_argument("--before-tree", help="also run the tier from the kvtier source in this folder "
+                                         "(`tier-before`: a `git archive` of the commit before a change)")
     args = p.parse_args(argv)
 
     value_bytes = chunkfmt.HEADER_BYTES + args.chunk_bytes
@@ -369,8 +378,9 @@ def main(argv: list[str] | None = None) -> int:
                 "resp-stream-cluster": (raw_stream, deep)}
     if args.contenders:
         raws = {who: raws[who] for who in args.contenders.split(",") if who in raws}
-    contenders = [*raws, "tier"]
+    contenders = [*raws, "tier", *(["tier-before"] if args.before_tree else [])]
     rows: dict[str, dict[str, list[float]]] = {c: {"store": [], "load": []} for c in contenders}
+    loadavg_at_start = os.getloadavg()
     cluster = start_cluster() if args.cluster else None
     server = None if args.url or cluster else start_server(args.server)
     target: str | list[str] = cluster.urls if cluster else (args.url or server.url)  # type: ignore[union-attr]
@@ -383,8 +393,9 @@ def main(argv: list[str] | None = None) -> int:
                 for admin in admins:
                     admin.flushall()
                 time.sleep(0.2)
-                if who == "tier":
-                    r = tier_bench(target, args.chunk_bytes, args.chunks, args.threads)
+                if who in ("tier", "tier-before"):
+                    tree = args.before_tree if who == "tier-before" else None
+                    r = tier_bench(target, args.chunk_bytes, args.chunks, args.threads, tree)
                 else:
                     client, d = raws[who]
                     r = client(target, value_bytes, args.chunks, args.threads, d)
@@ -411,15 +422,22 @@ def main(argv: list[str] | None = None) -> int:
         "repeats": args.repeats, "cpus": os.cpu_count(), "loadavg": os.getloadavg(),
         "median_gib_s": med, "all_gib_s": rows,
         "ratio": {ph: med["tier"][ph] / med[best[ph]][ph] for ph in ("store", "load")},
+        "spread_gib_s": {who: {ph: [min(v), max(v)] for ph, v in by.items()} for who, by in rows.items()},
+        "loadavg_at_start": loadavg_at_start,
     }
+    if args.before_tree:
+        doc["ratio_before"] = {ph: med["tier-before"][ph] / med[best[ph]][ph] for ph in ("store", "load")}
     if "redis-py" in raws and "redis-py-deep" in raws:
         doc["ratio_vs_redis_py"] = {ph: med["tier"][ph] / max(med["redis-py"][ph], med["redis-py-deep"][ph])
                                     for ph in ("store", "load")}
     print(f"{'':14s} {'store GiB/s':>12s} {'load GiB/s':>12s}  (medians of {args.repeats})")
     for who in contenders:
-        print(f"{who:14s} {med[who]['store']:12.3f} {med[who]['load']:12.3f}")
+        print(f"{who:20s} {med[who]['store']:12.3f} {med[who]['load']:12.3f}")
     print(f"{'best raw':14s} {best['store']:>12s} {best['load']:>12s}")
     print(f"{'tier/best raw':14s} {doc['ratio']['store']:12.2f} {doc['ratio']['load']:12.2f}")
+    if args.before_tree:
+        before = doc["ratio_before"]
+        print(f"{'before/best raw':14s} {before['store']:12.2f} {before['load']:12.2f}")
     print(json.dumps(doc))
     if args.json_out:
         with open(args.json_out, "w") as f:
