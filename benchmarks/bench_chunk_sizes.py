@@ -56,8 +56,11 @@ ROWS = {"8b": 128 << 10, "1b": 32 << 10}
 TOKENS = (16, 64, 256)
 THREADS = {"fs": 4, "obj": 8, "redis": 4}
 """Each tier's I/O threads: its default."""
-OBJ_OPTIONS = {"read_timeout_s": 120.0}
-"""A loaded loopback SeaweedFS takes over the default 20 s to take 8 PUTs of 32 MiB at once."""
+OBJ_OPTIONS = {"read_timeout_s": 120.0, "connect_timeout_s": 30.0}
+"""A loaded loopback SeaweedFS can stall reading a 32 MiB PUT's body for seconds, and botocore's
+socket keeps the connect timeout (the tier's 2 s) while it sends a body: the PUT fails with
+ConnectionClosedError (8 of 8 at once, 2.4 s in). Both timeouts raised, so that the cell measures
+the server's pace."""
 PRICES = {"put_per_1000_usd": 0.005, "get_per_1000_usd": 0.0004}
 """Amazon S3 Standard request prices (us-east-1): PUT, COPY, POST, LIST $0.005 per 1,000; GET,
 SELECT and all other requests (HEAD too) $0.0004 per 1,000."""

@@ -13,6 +13,11 @@ time is the time to its answers. Every answer is checked (stored: HIT, others: M
 batches are also asked with a bare redis-py pipeline of EXISTS (`raw_*`): the server's share.
 Figures: keys per second and the p50/p99 of a batch (median of the rounds, with min and max), and
 the server's own `usec_per_call` for EXISTS. The servers share this machine's CPUs with the tier.
+
+Chunk values: on the first server, emptied, `--value-count` values of each `--chunk-rows` size plus
+the 4 KiB `chunkfmt` header (what the tier stores a chunk) are SET; `MEMORY USAGE` of each against its
+length is the server's memory per stored byte (its allocator's size classes); `used_memory` per
+value also counts what the client's query buffer holds.
 Usage: python -m benchmarks.bench_redis_scale --root /var/tmp/kvtier-redis-scale --n 10000 1000000 \
     --out R.json
 """
@@ -31,6 +36,7 @@ from typing import Any
 from benchmarks.scale import LAYOUT_FP, SEED, keys_for, report
 from kvtier.bench.chaos.services import Redis
 from kvtier.tiers.base import LookupResult, TierContext
+from kvtier.tiers.common import chunkfmt
 from kvtier.tiers.redis.tier import RedisTier
 
 KEY_PREFIX = "kvtier"
@@ -69,6 +75,25 @@ def fill(server: Redis, keys: list[bytes], value_bytes: int) -> dict[str, Any]:
     return {"fill_s": fill_s, "memory_before": before, "memory_after": after,
             "memory_bytes_per_key": per_key,
             "memory_overhead_bytes_per_key": per_key - len(rkey(keys[0])) - value_bytes}
+
+
+def chunk_values(server: Redis, rows: list[int], count: int) -> list[dict[str, float]]:
+    """Memory a chunk value of each row size takes in the server (emptied before each size)."""
+    client = server.client()
+    out = []
+    for row in rows:
+        client.flushall()
+        base = float(client.info("memory")["used_memory"])
+        value = bytes(row + chunkfmt.HEADER_BYTES)
+        for i in range(count):
+            client.set(f"chunk-{i}", value)
+        per_value = (float(client.info("memory")["used_memory"]) - base) / count
+        usage = statistics.mean(float(client.memory_usage(f"chunk-{i}")) for i in range(count))
+        out.append({"row_bytes": row, "value_bytes": len(value), "used_memory_per_value": per_value,
+                    "memory_usage_per_value": usage, "memory_usage_per_value_byte": usage / len(value)})
+    client.flushall()
+    client.close()
+    return out
 
 
 def make_tier(server: Redis) -> RedisTier:
@@ -135,6 +160,8 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=64)
     p.add_argument("--batches", type=int, default=300)
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--chunk-rows", type=int, nargs="+", default=[512 << 10, 2 << 20, 8 << 20, 32 << 20])
+    p.add_argument("--value-count", type=int, default=8)
     p.add_argument("--out", help="write the raw results here (JSON)")
     args = p.parse_args()
     if args.batches * (args.batch // 2) > min(args.n):
@@ -142,8 +169,13 @@ def main() -> None:
     servers = {n: Redis(Path(args.root) / str(n)) for n in args.n}
     runs: dict[int, dict[str, Any]] = {}
     try:
+        first = servers[args.n[0]]
+        first.start()
+        chunk_mem = chunk_values(first, args.chunk_rows, args.value_count)
+        print(chunk_mem, flush=True)
         for n, server in servers.items():
-            server.start()
+            if server is not first:
+                server.start()
             runs[n] = {"n": n, **fill(server, keys_for(n), args.value_bytes), "rounds": []}
             print(runs[n], flush=True)
         for rnd in range(args.rounds):
@@ -165,6 +197,7 @@ def main() -> None:
             values = [r[fig] for r in run["rounds"]]
             run[fig] = statistics.median(values)
             run[f"{fig}_range"] = [min(values), max(values)]
+    runs[args.n[0]]["chunk_values"] = chunk_mem
     report([runs[n] for n in args.n], FIGURES, args)
 
 
