@@ -17,7 +17,8 @@ C tokens of a `--row` model. Then, for the shared tier:
   the rates against S3's published limits of a partitioned prefix (3,500 PUT/COPY/POST/DELETE and
   5,500 GET/HEAD a second);
 - each tier's measured requests a second for one engine's tier process at this chunk size (the
-  chunk-size grid, loopback servers), against what one engine asks of it.
+  chunk-size grid, loopback servers; redis from its own rerun of the grid), against what one
+  engine asks of it.
 
 The measured inputs are read from the raw JSON named by the options (defaults: the files in
 benchmarks/results/ this page's figures come from). Prints one JSON document.
@@ -103,8 +104,9 @@ def size(args: argparse.Namespace) -> dict[str, Any]:
                   "max_retention_s_one_cluster": REDIS_CLUSTER_NODES * args.node_gib * 2**30
                   / (store_rps * redis_key_bytes)},
     }
+    redis_grid = load(args.redis_chunk_sizes)
     for tier in ("fs", "obj", "redis"):
-        cell = grid["cells"].get(f"{tier}/{args.row}/{c}")
+        cell = (redis_grid if tier == "redis" else grid)["cells"].get(f"{tier}/{args.row}/{c}")
         if cell is None:
             continue
         measured = {d: cell[f"{d}_chunks_per_s"]["median"] for d in ("store", "load")}
@@ -130,6 +132,8 @@ def main() -> None:
     p.add_argument("--node-gib", type=float, default=64.0, help="memory of one redis/valkey node")
     p.add_argument("--redis-io-threads", type=int, default=4)
     p.add_argument("--chunk-sizes", default="chunk_sizes_fs_obj_redis_2026-12-06.json")
+    p.add_argument("--redis-chunk-sizes", default="chunk_sizes_redis_2026-12-06.json",
+                   help="the grid's redis cells (rerun on the redis tier as committed)")
     p.add_argument("--fs-scale", default="fs_scale_10k_1m_2026-12-06.json")
     p.add_argument("--obj-scale", default="obj_scale_1k_100k_2026-12-06.json")
     p.add_argument("--redis-scale", default="redis_scale_10k_1m_2026-12-06.json")
