@@ -133,7 +133,12 @@ def make_client(
 
 def connect(o: Mapping[str, Any], layout_prefix: str) -> Any:
     """The client for the I/O threads, given the tier's checked options `o`, once a probe with a
-    short-timeout client passed (`probe`: ConfigError naming the option at fault)."""
+    short-timeout client passed (`probe`: ConfigError naming the option at fault).
+
+    The I/O client's connect timeout is `read_timeout_s` too (the longer of the two): the HTTP
+    library bounds sending a request's body by the connect timeout, and a server may stall reading
+    a chunk-sized body for longer than it takes to accept a connection. `connect_timeout_s`
+    bounds the probe."""
     path_style = o["endpoint"] is not None if o["path_style"] is None else o["path_style"]
     new_client = functools.partial(
         make_client, endpoint=o["endpoint"], region=o["region"], access_key_id=o["access_key_id"],
@@ -146,8 +151,9 @@ def connect(o: Mapping[str, Any], layout_prefix: str) -> Any:
               create_bucket=o["create_bucket"])
     finally:
         probe_client.close()
+    body_timeout_s = max(o["connect_timeout_s"], o["read_timeout_s"])
     return new_client(read_timeout_s=o["read_timeout_s"], pool_connections=o["io_threads"] + 1,
-                      attempts=2)
+                      attempts=2, connect_timeout_s=body_timeout_s)
 
 
 def probe(client: Any, *, endpoint: str | None, bucket: str, layout_prefix: str,

@@ -13,9 +13,11 @@ from typing import Any
 
 import pytest
 
+from benchmarks.throttle_proxy import ThrottleProxy
 from kvtier.bench.chaos.services import free_ports
 from kvtier.errors import ConfigError
 from kvtier.format.chunks import ChunkError, TierEventKind
+from kvtier.host import generations
 from kvtier.host.region import HostRegion
 from kvtier.ops.metrics import TierCounter
 from kvtier.tiers.base import Job, JobKind, LookupResult, TierContext
@@ -472,3 +474,35 @@ def test_payloads_are_signed_where_no_tls_protects_them(endpoint: str | None, si
         assert client.meta.config.s3["payload_signing_enabled"] is signed
     finally:
         client.close()
+
+
+def test_a_server_that_stalls_reading_a_chunk_past_the_connect_timeout_still_stores_it(
+    s3_tier_options: dict[str, Any],
+) -> None:
+    """The HTTP library bounds sending a body by the connect timeout: a 16 MiB row sent through a
+    proxy that holds each request 1.5 s once the tier started (the client's send buffers fill
+    meanwhile) must store with `connect_timeout_s` 0.5 and `read_timeout_s` 10, and load back."""
+    row_bytes, slots = 16 << 20, 2
+    region = HostRegion.create(row_bytes * slots + generations.nbytes(slots))
+    big = TierContext(region=region.buf, row_bytes=row_bytes, num_slots=slots,
+                      layout_fingerprint=LAYOUT_FP, tier_name="test",
+                      generations=generations.view(region.buf, row_bytes * slots, slots))
+    endpoint = s3_tier_options["endpoint"].removeprefix("http://")
+    host, port = endpoint.rsplit(":", 1)
+    proxy = ThrottleProxy(host, int(port), latency_s=0.0).start()
+    tier = ObjTier(big, **{**s3_tier_options, "endpoint": proxy.endpoint}, connect_timeout_s=0.5,
+                   read_timeout_s=10.0, io_threads=1)
+    proxy.latency_s = 1.5  # from now on: the start-up probe passed
+    try:
+        key = random_key()
+        data = fill_slot(big, 0)
+        tier.submit_store(Job(1, JobKind.STORE, (key,), (0,)))
+        [stored] = wait_jobs(tier, 1, timeout_s=60)
+        assert stored.success
+        tier.submit_load(Job(2, JobKind.LOAD, (key,), (1,)))
+        [loaded] = wait_jobs(tier, 1, timeout_s=60)
+        assert loaded.success and bytes(big.slot_view(1)) == data
+    finally:
+        tier.shutdown()
+        proxy.close()
+        region.close()
