@@ -28,7 +28,10 @@ A tier judged slower than recomputing sees no loads, so its recovery would go un
 its whole run loaded anyway, on the `probe_every`-th candidate run since its last load or on the
 first one `probe_interval_s` after it (`load_probes`; defaults `PROBE_EVERY`, `PROBE_INTERVAL_S`).
 A probe that comes back sooner than recomputing restarts the tier's estimate from that job: a
-recovered tier is used again at once.
+recovered tier is used again at once. So does, the other way round, a load the estimate said would
+pay that came back later than recomputing: a tier that turned slow is judged so from its first slow
+job, not only once the decayed fast jobs before it were outweighed (each of those slow jobs a
+request waiting the full delay).
 
 Scheduler thread only; nothing here blocks.
 """
@@ -120,10 +123,14 @@ class LoadChoice:
     def tier_loaded(self, tier: str, size: int, seconds: float) -> None:
         """A promotion job of `size` bytes from `tier` ended `seconds` after it was submitted."""
         rate = self.prefill_rate()
+        recompute = size / self.row_bytes * self.chunk_tokens / rate if rate else None
         if tier in self._probing:
             self._probing.discard(tier)
-            if rate and load_pays(seconds, size / self.row_bytes * self.chunk_tokens / rate):
+            if recompute is not None and load_pays(seconds, recompute):
                 self.costs[tier] = LinearCost()
+        elif recompute is not None and not load_pays(seconds, recompute) \
+                and load_pays(self.costs[tier].seconds(size), recompute):
+            self.costs[tier] = LinearCost()
         self._sample(tier, size, seconds)
 
     def host_loaded(self, chunks: int, seconds: float) -> None:

@@ -141,6 +141,20 @@ def test_a_steps_fixed_cost_is_no_price_of_a_prefix(auto: tuple[Planner, Clock],
     assert s.choice.prefill_rate() == pytest.approx(30.3, rel=0.01)
 
 
+def test_a_tier_that_turns_slow_is_judged_so_from_its_first_slow_job(
+    auto: tuple[Planner, Clock], flag: Path
+) -> None:
+    """Loads timed fast four times, then one that takes 1 s where recomputing takes 0.5 s: the next
+    request recomputes (the decayed fit alone would still expect 0.3 s and load again)."""
+    s, _ = auto
+    for i in range(4):
+        assert ask(s, f"fast-{i}") == (None, False)
+    flag.touch()
+    assert ask(s, "first-slow") == (None, False)
+    assert ask(s, "recomputed") == (0, False)
+    assert s.accounting.finished["recomputed"]["recomputed_by_choice"] == 12
+
+
 def test_a_fast_tier_is_loaded(auto: tuple[Planner, Clock]) -> None:
     s, _ = auto
     assert ask(s, "measured") == (None, False)
