@@ -54,6 +54,9 @@ def test_point_summary_throughput_percentiles_and_split() -> None:
     assert list(point["tokens"]) == ["device", "host", "fs", "recomputed"]
     bad = point_summary("host", 2, records, {**split, "recomputed": 399})
     assert not bad["tokens_sum_ok"]
+    # Tokens a tier held that `load_policy: auto` recomputed are neither reused nor reloaded.
+    chosen = point_summary("host+fs", 2, records, {**split, "fs": 50, "recomputed_by_choice": 150})
+    assert chosen["reused_tokens"] == 450 and chosen["reloaded_tokens"] == 350
 
 
 def test_request_splits_sum_to_the_prompt_tokens() -> None:

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from kvtier.format.chunks import DEVICE, HOST, RECOMPUTED
+from kvtier.ops.metrics import RECOMPUTED_BY_CHOICE
 
 PERCENTILES = (50, 95, 99)
 
@@ -88,7 +89,7 @@ def point_summary(config: str, conversations: int, records: Sequence[RequestReco
     prompt = sum(r.prompt_tokens for r in ok)
     output = sum(r.output_tokens for r in ok)
     split = sum_splits([tokens])
-    reused = prompt - split[RECOMPUTED]
+    reused = prompt - split[RECOMPUTED] - split.get(RECOMPUTED_BY_CHOICE, 0)
     point: dict[str, Any] = {
         "config": config,
         "conversations": conversations,
