@@ -10,10 +10,11 @@ a failed key.
 
 Threads: the dispatch thread calls the contract methods, which only queue work. `io_threads` I/O
 threads move chunks in pipelined batches (up to `pipeline_depth` keys and about `batch_bytes`
-bytes per round trip; a thread sends its next batch before it reads the replies to the one before,
-as long as work is queued); even-numbered threads take loads first and odd ones stores first, and either
-takes the other kind when its own is empty. One lookup thread answers lookups with pipelined EXISTS
-so they never wait behind bulk transfers. Each thread owns one connection (to each node of a cluster).
+bytes per round trip; a thread sends its next batch before it reads the replies to a batch of
+stores, as long as work is queued); even-numbered threads take loads first and odd ones stores
+first, and either takes the other kind when its own is empty. One lookup thread answers lookups
+with pipelined EXISTS so they never wait behind bulk transfers. Each thread owns one connection
+(to each node of a cluster).
 
 The parts: `link` (connection pool, pipelined round trips, the server's up/down state), `cluster`
 (the slot map, routing and redirects over one `link` per node), `values` (the stored form, batches
@@ -59,7 +60,13 @@ CLUSTER_SCHEMES = ("redis", "rediss")
 
 
 ROUNDS_IN_FLIGHT = 2
-"""Rounds an I/O thread sends before it reads the oldest one's replies."""
+"""Rounds an I/O thread sends before it reads the oldest one's replies, while none is a load's: two
+rounds of GETs in flight loaded 12% slower than one (128 x 2 MiB, 2 threads, 10 interleaved
+repeats), the server holding the second round's replies."""
+
+
+def _has_loads(in_flight: deque[Sent | list[Item]]) -> bool:
+    return any(isinstance(r, Sent) and r.load for r in in_flight)
 
 
 class _WorkQueue(DualQueue[Item]):
@@ -324,8 +331,9 @@ class RedisTier(BookedTier):
         self._remember([k for k, r in zip(keys, replies, strict=True) if r != 1], LookupResult.MISS)
 
     def _io_loop(self, prefers_loads: bool) -> None:
-        """Send a batch; while up to `ROUNDS_IN_FLIGHT` are unread, send the next one queued before
-        reading the oldest's replies (the server keeps reading while this thread turns around)."""
+        """Send a batch; while fewer than `ROUNDS_IN_FLIGHT` are unread and none is a load's, send
+        the next one queued before reading the oldest's replies (the server keeps reading stores
+        while this thread turns around)."""
         conn: Any = self._link.connection()
         in_flight: deque[Sent | list[Item]] = deque()
 
@@ -334,7 +342,7 @@ class RedisTier(BookedTier):
 
         try:
             while True:
-                if len(in_flight) < ROUNDS_IN_FLIGHT:
+                if not in_flight or (len(in_flight) < ROUNDS_IN_FLIGHT and not _has_loads(in_flight)):
                     batch = (self._work.take_now(prefers_loads, more) if in_flight
                              else self._work.take(prefers_loads, more))
                     if batch:
