@@ -28,10 +28,14 @@ A tier judged slower than recomputing sees no loads, so its recovery would go un
 its whole run loaded anyway, on the `probe_every`-th candidate run since its last load or on the
 first one `probe_interval_s` after it (`load_probes`; defaults `PROBE_EVERY`, `PROBE_INTERVAL_S`).
 A probe that comes back sooner than recomputing restarts the tier's estimate from that job: a
-recovered tier is used again at once. So does, the other way round, a load the estimate said would
-pay that came back later than recomputing: a tier that turned slow is judged so from its first slow
-job, not only once the decayed fast jobs before it were outweighed (each of those slow jobs a
-request waiting the full delay).
+recovered tier is used again at once. The other way round, a load the fit said would pay that came
+back later than recomputing sets a floor: until the tier's next job ends, no load from it is
+expected sooner than that one took. A tier that turned slow is so judged from its first slow job,
+not only once the decayed fast jobs before it were outweighed (each of those slow jobs a request
+waiting the full delay); the fit itself keeps its sizes. (Restarting the fit from that one job
+instead, tried first, took a short job's fixed latency as a cost per byte: on an obj tier 0.3 s
+away, one 2-chunk job made a 32-chunk load look 16 times dearer, and it was recomputed at 0.82 s
+where loading took 0.47 s.)
 
 Scheduler thread only; nothing here blocks.
 """
@@ -115,6 +119,7 @@ class LoadChoice:
         self._skipped = dict.fromkeys(manager.tiers, 0)
         self._last_load = dict.fromkeys(manager.tiers, now)
         self._probing: set[str] = set()
+        self._floor: dict[str, float] = {}
         self.probe_every, self.probe_interval_s = PROBE_EVERY, PROBE_INTERVAL_S
         manager.load_timer = self.tier_loaded
 
@@ -128,10 +133,16 @@ class LoadChoice:
             self._probing.discard(tier)
             if recompute is not None and load_pays(seconds, recompute):
                 self.costs[tier] = LinearCost()
-        elif recompute is not None and not load_pays(seconds, recompute) \
+        self._floor.pop(tier, None)
+        if recompute is not None and not load_pays(seconds, recompute) \
                 and load_pays(self.costs[tier].seconds(size), recompute):
-            self.costs[tier] = LinearCost()
+            self._floor[tier] = seconds
         self._sample(tier, size, seconds)
+
+    def expected(self, tier: str, size: int) -> float:
+        """The expected seconds of a job of `size` bytes from `tier`: the fit, or the floor a slow
+        job set until the tier's next job ends."""
+        return max(self.costs[tier].seconds(size), self._floor.get(tier, 0.0))
 
     def host_loaded(self, chunks: int, seconds: float) -> None:
         """The workers copied `chunks` host rows to the device in `seconds` (one load job)."""
@@ -187,7 +198,7 @@ class LoadChoice:
         counts: Counter[str] = Counter()
         for k, tier in enumerate(sources, 1):
             counts[tier] += 1
-            load = max(self.costs[t].seconds(c * self.row_bytes) for t, c in counts.items())
+            load = max(self.expected(t, c * self.row_bytes) for t, c in counts.items())
             load += self.costs[HOST].seconds(k * self.row_bytes)
             recompute = k * self.chunk_tokens / rate
             if load_pays(load, recompute) and recompute - load > saving:

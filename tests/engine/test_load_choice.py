@@ -228,3 +228,19 @@ def test_the_choice_follows_the_run_length() -> None:
     assert choice.choose(long, ["t"] * 10) == 10 and not long
     mixed = Counter[str]()
     assert choice.choose(mixed, ["t"] * 10 + ["u"] * 2) == 10 and mixed == {"u": 8}
+
+
+def test_a_short_slow_job_does_not_make_long_loads_look_dear() -> None:
+    """A tier with 0.3 s per job and 0.01 s per chunk, timed once on a 20-chunk job (so far taken
+    as proportional), then on a 1-chunk job of 0.31 s, slower than recomputing the chunk (1/6 s):
+    short runs are recomputed, but a 10-chunk run (0.4 s against 1.67 s) is still loaded."""
+    manager = SimpleNamespace(metrics=KVTierMetrics(), row_bytes=1000, tiers={"t": 0}, load_timer=None)
+    clock = Clock()
+    choice = LoadChoice("auto", manager, 4, clock)  # type: ignore[arg-type]
+    choice.step_planned(24)
+    clock.now += 1.0
+    choice.step_ended()
+    choice.tier_loaded("t", 20000, 0.5)
+    choice.tier_loaded("t", 1000, 0.31)
+    assert choice.choose(Counter(), ["t"]) == 0
+    assert choice.choose(Counter(), ["t"] * 10) == 10
