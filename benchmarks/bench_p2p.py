@@ -27,6 +27,9 @@ connections and threads:
   tier's dispatch thread, the per-job cost at its highest) and of N chunks per job
   (`tier_load_jobsN`: as the manager submits a promotion, one job per tier for the request's run).
 
+`--before-tree DIR` also runs tier-bench from the kvtier source in DIR (a `git archive` of the
+commit before a change) in the same rotation: its results are named `before_*`.
+
 Throughput counts row bytes. Prints per-repeat values, a table of medians with min-max spreads, the
 ratios tier / raw (loads) and tier / hash (stores), and a JSON document.
 """
@@ -135,15 +138,17 @@ def hash_store(rows: memoryview, chunks: int, row_bytes: int) -> float:
 
 
 def tier_bench(chunk_bytes: int, chunks: int, threads: int, keys_per_job: int,
-               failures: list[str]) -> dict[str, float]:
-    """One `kvtier tier-bench --tier p2p` run; a run that fails (e.g. a lookup timed out on a
-    loaded machine) is recorded in `failures` (its last error line) and run again, up to 3 times."""
+               failures: list[str], tree: str | None = None) -> dict[str, float]:
+    """One `kvtier tier-bench --tier p2p` run (with `tree`, of the kvtier source in that folder); a
+    run that fails (e.g. a lookup timed out on a loaded machine) is recorded in `failures` (its
+    last error line) and run again, up to 3 times."""
+    env = None if tree is None else {**os.environ, "PYTHONPATH": os.path.abspath(tree)}
     for _ in range(3):
         out = subprocess.run(
             [sys.executable, "-m", "kvtier.cli", "tier-bench", "--tier", "p2p", "--chunk-bytes",
              str(chunk_bytes), "--chunks", str(chunks), "--threads", str(threads),
              "--keys-per-job", str(keys_per_job), "--json"],
-            capture_output=True, text=True,
+            capture_output=True, text=True, cwd=tree, env=env,
         )
         if out.returncode == 0:
             report: dict[str, float] = json.loads(out.stdout)
@@ -171,6 +176,8 @@ def main() -> None:
                    help="comma-separated chunks per tier LOAD job, one tier run per value (default 1,16)")
     p.add_argument("--raw-variants", action="store_true", help="also run the weaker raw copies")
     p.add_argument("--no-tier", action="store_true", help="raw contenders only")
+    p.add_argument("--before-tree", help="also run the tier from the kvtier source in this folder "
+                                         "(`before_*`: a `git archive` of the commit before a change)")
     p.add_argument("--json-out", help="also write the JSON document here")
     args = p.parse_args()
     try:
@@ -181,7 +188,9 @@ def main() -> None:
         p.error(f"--keys-per-job {args.keys_per_job!r}: every value must be >= 1")
     gib = args.chunk_bytes * args.chunks / 2**30
     raws = list(RAW_VARIANTS) if args.raw_variants else ["raw_load"]
-    contenders = [*raws, "hash_store", *([] if args.no_tier else [f"tier{n}" for n in per_job])]
+    tiers = [] if args.no_tier else [f"tier{n}" for n in per_job]
+    tiers += [f"before{n}" for n in per_job] if args.before_tree and not args.no_tier else []
+    contenders = [*raws, "hash_store", *tiers]
     runs: dict[str, list[float]] = {}
     failures: list[str] = []
     copies = {offset: RawCopy(args.chunks, args.chunk_bytes, args.threads, offset)
@@ -198,13 +207,15 @@ def main() -> None:
                     rows = copies[0].rows
                     runs.setdefault(who, []).append(gib / hash_store(rows, args.chunks, args.chunk_bytes))
                 else:
-                    n = int(who.removeprefix("tier"))
-                    report = tier_bench(args.chunk_bytes, args.chunks, args.threads, n, failures)
-                    loads = {f"tier_{name}" + ("" if n == 1 else f"_jobs{n}"): report[f"{name}_gib_s"]
+                    kind = "before" if who.startswith("before") else "tier"
+                    n = int(who.removeprefix(kind))
+                    report = tier_bench(args.chunk_bytes, args.chunks, args.threads, n, failures,
+                                        args.before_tree if kind == "before" else None)
+                    loads = {f"{kind}_{name}" + ("" if n == 1 else f"_jobs{n}"): report[f"{name}_gib_s"]
                              for name in ("load", "load_lookups")}
                     if n == per_job[0]:
-                        loads["tier_store"] = report["store_gib_s"]
-                        loads["tier_lookup_ms"] = report["lookup_s"] * 1e3
+                        loads[f"{kind}_store"] = report["store_gib_s"]
+                        loads[f"{kind}_lookup_ms"] = report["lookup_s"] * 1e3
                     for name, value in loads.items():
                         runs.setdefault(name, []).append(value)
             loadavg.append(os.getloadavg()[0])
@@ -222,7 +233,7 @@ def main() -> None:
     }
     ratios = {} if args.no_tier else {
         **{name.removeprefix("tier_") + "_vs_raw": med[name] / med["raw_load"]
-           for name in med if name.startswith("tier_load")},
+           for name in med if name.startswith(("tier_load", "before_load"))},
         "store_vs_hash": med["tier_store"] / med["hash_store"]}
     doc["ratios"] = ratios
     print(f"{'GiB/s (tier_lookup_ms: ms)':<28} {'median':>7} {'min':>7} {'max':>7}")

@@ -121,6 +121,9 @@ class P2PTier(BookedTier):
         self._batch_keys = max(1, min(protocol.MAX_FETCH_KEYS, BATCH_BYTES // ctx.row_bytes))
         self._threads = o["io_threads"]
         self._pending: deque[tuple[JobTracker, int]] = deque()
+        self._draining = 0
+        """Drain tasks queued or running: a job starts more only up to one per pending key and
+        `io_threads` in all (one task per job woke a thread per job, mostly to find nothing)."""
         self._pending_lock = threading.Lock()
         self._closing = False
         self._instance_id = os.urandom(16)
@@ -205,7 +208,11 @@ class P2PTier(BookedTier):
         self._lookup.lookup(job.keys)
         with self._pending_lock:
             self._pending.extend((tracker, i) for i in range(len(job.keys)))
-        if not self._load_pool.submit(True, [self._drain_loads] * min(len(job.keys), self._threads)):
+            more = min(len(self._pending), self._threads) - self._draining
+            self._draining += max(more, 0)
+        if more > 0 and not self._load_pool.submit(True, [self._drain_loads] * more):
+            with self._pending_lock:
+                self._draining -= more - 1
             self._drain_loads()
 
     def usage(self) -> TierUsage:
@@ -263,21 +270,34 @@ class P2PTier(BookedTier):
         for before the oldest is read, so a holder has the next request when it finishes one.
         After shutdown, keys fail at once."""
         inflight: deque[_Sent] = deque()
-        while True:
-            batch = self._take_batch() if len(inflight) < PIPELINE else []
-            if batch:
-                groups: dict[str | None, list[tuple[JobTracker, int]]] = {}
-                for tracker, i in batch:
-                    holder = None if self._closing else self._lookup.locate(tracker.job.keys[i])
-                    groups.setdefault(holder, []).append((tracker, i))
-                inflight.extend(self._send(holder, entries) for holder, entries in groups.items())
-                continue
-            if not inflight:
-                return
-            self._complete(inflight.popleft())
+        counted = True
+        try:
+            while True:
+                batch = self._take_batch(idle=not inflight) if len(inflight) < PIPELINE else []
+                if batch is None:
+                    counted = False
+                    return
+                if batch:
+                    groups: dict[str | None, list[tuple[JobTracker, int]]] = {}
+                    for tracker, i in batch:
+                        holder = None if self._closing else self._lookup.locate(tracker.job.keys[i])
+                        groups.setdefault(holder, []).append((tracker, i))
+                    inflight.extend(self._send(holder, entries) for holder, entries in groups.items())
+                    continue
+                self._complete(inflight.popleft())
+        finally:
+            if counted:  # left by an exception: no longer draining either
+                with self._pending_lock:
+                    self._draining -= 1
 
-    def _take_batch(self) -> list[tuple[JobTracker, int]]:
+    def _take_batch(self, idle: bool) -> list[tuple[JobTracker, int]] | None:
+        """This thread's share of the pending keys; None, counting the thread out of the drainers,
+        when none is pending and the thread has nothing in flight (`idle`): a job queued after that
+        starts a drainer again."""
         with self._pending_lock:
+            if idle and not self._pending:
+                self._draining -= 1
+                return None
             share = -(-len(self._pending) // self._threads)
             return [self._pending.popleft() for _ in range(min(share, self._batch_keys))]
 
