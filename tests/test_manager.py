@@ -284,9 +284,17 @@ def test_bad_second_tier_shuts_down_the_first(tmp_path: Path) -> None:
     # (`tests/early_start.py`) runs in a session of its own, with tier processes of its own
     session = os.getsid(0)
     runners = [p for p in psutil.Process().children(recursive=True)
-               if "kvtier.tiers.runner" in " ".join(p.cmdline()) and p.status() != "zombie"
-               and _session(p.pid) == session]
+               if _live_runner(p) and _session(p.pid) == session]
     assert runners == [], "the first tier's process must be shut down"
+
+
+def _live_runner(p: psutil.Process) -> bool:
+    """Whether `p` is a tier process still running (a zombie, or a process gone since it was
+    listed, is none; psutil refuses a zombie's command line)."""
+    try:
+        return p.status() != psutil.STATUS_ZOMBIE and "kvtier.tiers.runner" in " ".join(p.cmdline())
+    except psutil.Error:
+        return False
 
 
 def tiers_ok(m: TieringManager, ok) -> bool:
