@@ -90,27 +90,33 @@ class EngineGeometry:
         return [block_ids[g] for g in self.group_ids]
 
 
-def store_blocks(ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int) -> tuple[int, ...] | None:
+def store_blocks(ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int,
+                 held: int | None = None) -> tuple[int, ...] | None:
     """Chunk `chunk`'s blocks, group by group, from a request's per-group block ids; None when a
-    group no longer holds one of them (it left a sliding window): the chunk cannot be stored."""
+    group no longer holds one of them (it left a sliding window): the chunk cannot be stored. With
+    `held` (an unfull chunk), its first `held` blocks, the last of them again up to a whole chunk."""
+    held = blocks_per_chunk if held is None else held
     out: list[int] = []
     for group in ids:
-        blocks = group[chunk * blocks_per_chunk : (chunk + 1) * blocks_per_chunk]
-        if len(blocks) != blocks_per_chunk or NULL_BLOCK in blocks:
+        blocks = list(group[chunk * blocks_per_chunk : chunk * blocks_per_chunk + held])
+        if len(blocks) != held or NULL_BLOCK in blocks:
             return None
-        out.extend(blocks)
+        out += blocks + blocks[-1:] * (blocks_per_chunk - held)
     return tuple(out)
 
 
 def load_blocks(
-    ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int, skip: int = 0
+    ids: Sequence[Sequence[int]], chunk: int, blocks_per_chunk: int, skip: int = 0,
+    held: int | None = None,
 ) -> tuple[int, ...]:
     """Chunk `chunk`'s blocks to load into, group by group; `SKIP_BLOCK` where a group holds none
-    (outside the window before the hit point) and for the chunk's first `skip` blocks (the device
-    hit already holds them)."""
+    (outside the window before the hit point), for the chunk's first `skip` blocks (the device
+    hit already holds them) and, with `held` (an unfull chunk), for its blocks from the `held`-th."""
+    held = blocks_per_chunk if held is None else held
     out: list[int] = []
     for group in ids:
         blocks = list(group[chunk * blocks_per_chunk : (chunk + 1) * blocks_per_chunk])
         blocks += [NULL_BLOCK] * (blocks_per_chunk - len(blocks))
-        out.extend(SKIP_BLOCK if b == NULL_BLOCK or i < skip else b for i, b in enumerate(blocks))
+        out.extend(SKIP_BLOCK if b == NULL_BLOCK or i < skip or i >= held else b
+                   for i, b in enumerate(blocks))
     return tuple(out)

@@ -157,7 +157,7 @@ class Planner:
         if not found.pending:
             if state.streamed.start != start + found.ready or (offset and not found.ready):
                 state.streamed = range(0)  # nothing ready right before it to stream onto
-            end = start + found.ready if not state.streamed else len(state.keys) + 1
+            end = None if state.streamed else start + found.ready
             self.unfull.lookup(state, end, num_computed_tokens, request.num_tokens - 1,
                                state.options.load_tiers)
         pending = found.pending or state.unfull_pending
@@ -214,7 +214,7 @@ class Planner:
         bpc, skip = self.geometry.blocks_per_chunk, skipped // self.geometry.block_size
         chunks = [load_blocks(ids, c, bpc, skip if c == first else 0)
                   for c in range(first, first + count)]
-        chunks += [self.unfull.load_ids(ids, unfull, 0 if count else skip)] if unfull else []
+        chunks += [load_blocks(ids, unfull.chunk, bpc, 0 if count else skip, unfull.blocks)] if unfull else []
         req_id = state.request.request_id
         if not ok:
             # The rows left the host tier since the lookup: these chunks are recomputed.

@@ -48,7 +48,7 @@ class StorePlanner:
         if state.options.skip_store or self.block_ids_of is None:
             return None
         if done <= state.stored:
-            return self._unfull(state, computed)
+            return self._unfull(state)
         if done > state.asked:
             asked = state.keys[state.asked : done]
             admitted = set(self.manager.admit(asked, HOST, state.priority))
@@ -66,7 +66,7 @@ class StorePlanner:
         new = [(state.keys[c], b, slots[state.keys[c]]) for c, b in held[:fitted] if state.keys[c] in slots]
         return self._copy(state, new)
 
-    def _unfull(self, state: RequestState, computed: int) -> ChunkCopy | None:
+    def _unfull(self, state: RequestState) -> ChunkCopy | None:
         if state.unfull_due is None or self.block_ids_of is None:
             return None
         ids = self.geometry.attention_ids(self.block_ids_of(state.request.request_id))

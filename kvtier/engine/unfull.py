@@ -24,11 +24,10 @@ from collections.abc import Collection, Sequence
 
 from kvtier.engine.copies import StoreRow
 from kvtier.engine.events import EventTranslator
-from kvtier.engine.geometry import NULL_BLOCK, EngineGeometry, load_blocks
+from kvtier.engine.geometry import EngineGeometry, store_blocks
 from kvtier.engine.request_state import RequestState, Unfull
 from kvtier.format.chunks import HOST
 from kvtier.format.keys import ChunkHasher
-from kvtier.format.layout import SKIP_BLOCK
 from kvtier.manager import TieringManager
 from kvtier.tiers.base import LookupResult
 
@@ -46,10 +45,10 @@ class UnfullChunks:
         self.manager = manager
         self.events = events
 
-    def candidates(self, state: RequestState, chunk: int, first: int, end: int) -> list[Unfull]:
+    def candidates(self, state: RequestState, chunk: int | None, first: int, end: int) -> list[Unfull]:
         """Chunk `chunk`'s unfull keys whose tokens reach past token `first` and stay within the
-        first `end` tokens of `state`'s sequence, the most blocks first."""
-        if not self.enabled or chunk > len(state.keys):
+        first `end` tokens of `state`'s sequence, the most blocks first (None: no chunk, none)."""
+        if not self.enabled or chunk is None or chunk > len(state.keys):
             return []
         base, bs = chunk * self.chunk_tokens, self.block_size
         most = min(self.blocks_per_chunk - 1, (end - base) // bs)
@@ -58,10 +57,11 @@ class UnfullChunks:
         return [Unfull(chunk, b, self.hasher.unfull_key(parent, tokens[base : base + b * bs]))
                 for b in range(most, 0, -1) if base + b * bs > first]
 
-    def lookup(self, state: RequestState, chunk: int, first: int, end: int,
+    def lookup(self, state: RequestState, chunk: int | None, first: int, end: int,
                tiers: Collection[str] | None) -> None:
         """Set `state.unfull` to its unfull chunk at chunk `chunk` (past token `first`, within
-        `end`) that the host tier holds readable, or None. The most blocks a secondary tier holds
+        `end`; None: a stream follows the run, no unfull chunk) that the host tier holds readable,
+        or None. The most blocks a secondary tier holds
         are promoted first, once per request (held for it until `take_promoted`), unless the
         request chose to recompute what a tier held (`load_policy: auto`); meanwhile, and while a
         tier's answer is unknown, `state.unfull_pending` says "ask again"."""
@@ -82,17 +82,10 @@ class UnfullChunks:
             elif isinstance(where, str) and not state.released and not state.hits.by_choice \
                     and self.manager.promote(
                     [candidate.key], [where], state.priority, state.tenant):
-                state.unfull_promoted = Unfull(chunk, candidate.blocks, candidate.key, where)
+                state.unfull_promoted = Unfull(candidate.chunk, candidate.blocks, candidate.key, where)
                 state.unfull_pending = True
             if where is not LookupResult.MISS:
                 return
-
-    def load_ids(self, ids: Sequence[Sequence[int]], unfull: Unfull, skip: int) -> tuple[int, ...]:
-        """The blocks to load `unfull` into, group by group: its first `blocks`, but the `skip`
-        the device holds; `SKIP_BLOCK` for the rest of the chunk."""
-        bpc = self.blocks_per_chunk
-        out = load_blocks(ids, unfull.chunk, bpc, skip)
-        return tuple(SKIP_BLOCK if i % bpc >= unfull.blocks else b for i, b in enumerate(out))
 
     def due(self, state: RequestState, computed: int) -> Unfull | None:
         """The unfull chunk the finished `state`, whose blocks hold `computed` tokens, leaves to
@@ -115,7 +108,7 @@ class UnfullChunks:
         due = state.unfull_due
         if due is None:
             return None
-        block_ids = self._store_ids(ids, due.chunk, due.blocks)
+        block_ids = store_blocks(ids, due.chunk, self.blocks_per_chunk, held=due.blocks)
         if block_ids is None or not self.manager.admit([due.key], HOST, state.priority):
             state.unfull_due = None
             return None
@@ -124,18 +117,6 @@ class UnfullChunks:
             return None
         state.unfull_due = None
         return (due.key, block_ids, slots[due.key]) if due.key in slots else None
-
-    def _store_ids(self, ids: Sequence[Sequence[int]], chunk: int, blocks: int) -> tuple[int, ...] | None:
-        """Per group, the chunk's first `blocks` blocks and the last of them again up to a whole
-        chunk; None when a group no longer holds one of them."""
-        out: list[int] = []
-        start = chunk * self.blocks_per_chunk
-        for group in ids:
-            held = list(group[start : start + blocks])
-            if len(held) != blocks or NULL_BLOCK in held:
-                return None
-            out += held + [held[-1]] * (self.blocks_per_chunk - blocks)
-        return tuple(out)
 
     def _parent(self, state: RequestState, chunk: int) -> bytes:
         if chunk:
