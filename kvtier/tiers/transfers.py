@@ -8,7 +8,6 @@ load choice measures tier speeds from it). Scheduler thread only.
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -35,9 +34,9 @@ class Transfer:
 class Transfers:
     """The jobs in flight by job id, drawn from the one job-id space `job_ids`."""
 
-    def __init__(self, metrics: KVTierMetrics, job_ids: Iterator[int] | None = None) -> None:
+    def __init__(self, metrics: KVTierMetrics, job_ids: Iterator[int]) -> None:
         self.metrics = metrics
-        self.job_ids = job_ids or itertools.count(1)
+        self.job_ids = job_ids
         self.load_timer: LoadTimer | None = None
         self._jobs: dict[int, Transfer] = {}
 
