@@ -57,14 +57,8 @@ class PrefixLookup:
 class TieringManager:
     """Lookups across tiers, promotions into the host tier and cascades out of it."""
 
-    def __init__(
-        self,
-        host: HostTier,
-        tiers: Sequence[TierProcess],
-        admission: AdmissionChain | None = None,
-        metrics: KVTierMetrics | None = None,
-        lookup_wait_s: float = 0.0,
-    ) -> None:
+    def __init__(self, host: HostTier, tiers: Sequence[TierProcess], admission: AdmissionChain | None = None,
+                 metrics: KVTierMetrics | None = None, lookup_wait_s: float = 0.0) -> None:
         self.host = host
         self.tiers = {t.name: t for t in tiers}
         if len(self.tiers) != len(tiers) or HOST in self.tiers:
@@ -100,11 +94,9 @@ class TieringManager:
 
     # -- lookups and promotions ----------------------------------------------------------------
 
-    def lookup_prefix(
-        self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None, promote: bool = True,
-        stream: bool = False, priority: int = DEFAULT_PRIORITY,
-        choose: Callable[[Sequence[str]], int] | None = None, tenant: int = 0,
-    ) -> PrefixLookup:
+    def lookup_prefix(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None,
+                      promote: bool = True, stream: bool = False, priority: int = DEFAULT_PRIORITY,
+                      choose: Callable[[Sequence[str]], int] | None = None, tenant: int = 0) -> PrefixLookup:
         """How many leading `keys` are ready in the host tier; promote what follows if found.
 
         `tiers` restricts which secondary tiers may serve (None: all of them). With `promote` False
@@ -136,9 +128,8 @@ class TieringManager:
             pending = fitted > 0
         return PrefixLookup(ready, pending, promoting, beyond)
 
-    def promote(
-        self, keys: Sequence[ChunkKey], sources: Sequence[str], priority: int = DEFAULT_PRIORITY,
-        tenant: int = 0) -> int:
+    def promote(self, keys: Sequence[ChunkKey], sources: Sequence[str], priority: int = DEFAULT_PRIORITY,
+                tenant: int = 0) -> int:
         """Start promoting the leading `keys` that fit in the host tier, chunk i from `sources[i]`
         (`priority`, `tenant` as `lookup_prefix`); how many fitted (0: no room), each held till `release`d."""
         return self._promote((), keys, sources, priority, tenant)
@@ -151,6 +142,10 @@ class TieringManager:
             if jobs := self._transfers.ids_touching(name, keys):
                 tier.await_jobs(jobs, max(deadline - time.monotonic(), 0.0))
         self.poll()
+
+    def promoting_tier(self, key: ChunkKey) -> str | None:
+        """The tier a promotion in flight loads `key` from (None: no promotion loads it)."""
+        return self._transfers.load_source(key) if self.host.is_pending(key) else None
 
     def _find(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None) -> tuple[list[str], bool]:
         """The source tier of each leading key some tier holds; whether the run stopped on an unknown."""
@@ -198,9 +193,8 @@ class TieringManager:
                 answers[n] = self.tiers[n].lookup(keys)
         return names, answers
 
-    def _promote(
-        self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str], priority: int,
-        tenant: int) -> int:
+    def _promote(self, ready: Sequence[ChunkKey], keys: Sequence[ChunkKey], sources: Sequence[str],
+                 priority: int, tenant: int) -> int:
         """Allocate host slots for the leading `keys` that fit and load each from its source tier;
         how many fitted. When any did, the `ready` chunks before them and the READY ones of `keys`
         are held like the promoted ones (`release`): no store evicts the prefix the promotion
@@ -219,6 +213,10 @@ class TieringManager:
             if key in slots:
                 by_tier.setdefault(source, []).append(key)
         for name, tier_keys in by_tier.items():
+            if name not in self.tiers:  # no tier to load from: these chunks are recomputed
+                self.host.commit(tier_keys, False)
+                self.metrics.inc("failures", len(tier_keys), HOST, "load")
+                continue
             job = self._transfers.add(name, JobKind.LOAD, tier_keys, [slots[k] for k in tier_keys], priority)
             self._claimed.update(tier_keys)
             self.tiers[name].submit_load(job)
@@ -259,9 +257,8 @@ class TieringManager:
                     self.metrics.inc("rejected_chunks", count, name, reason)
             self.cascade([k for k in keys if k not in waiting], priority)
 
-    def cascade(
-        self, keys: Sequence[ChunkKey], priority: int = DEFAULT_PRIORITY, skip: str | None = None
-    ) -> None:
+    def cascade(self, keys: Sequence[ChunkKey], priority: int = DEFAULT_PRIORITY,
+                skip: str | None = None) -> None:
         """Copy host-resident `keys` to every secondary tier (but `skip`) that admits them; none
         where `cascades` is off."""
         self.priorities.remember(keys, priority)

@@ -37,11 +37,21 @@ instead, tried first, took a short job's fixed latency as a cost per byte: on an
 away, one 2-chunk job made a 32-chunk load look 16 times dearer, and it was recomputed at 0.82 s
 where loading took 0.47 s.)
 
+A request waits for its promotion only so long (`patience`): at most its recompute time, and
+sooner, after `PATIENCE_SEEN` times the tier's usual time until the scheduler sees a load end, or
+`PATIENCE_FLOOR` of the recompute time, whichever is longer. Past it the request gives up (the
+planner's `lookup`, a stream's next batch): the chunks are recomputed by choice, counted in
+`load_give_ups`, and the promotion ends in the background, measured. A give-up is evidence: until
+the tier's next job ends, no load from it is expected sooner than recomputing. A tier's first load
+(nothing measured) is waited for whatever it takes; a probe's request waits for nothing (its load
+is a measurement only).
+
 Scheduler thread only; nothing here blocks.
 """
 
 from __future__ import annotations
 
+import math
 import time
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -58,6 +68,10 @@ PROBE_EVERY = 20
 """A tier judged slow is loaded from anyway on this candidate run since its last load."""
 PROBE_INTERVAL_S = 30.0
 """... or on its first candidate run this long after its last load."""
+PATIENCE_SEEN = 3.0
+"""A request waits for a promotion this many times the tier's usual time until a load is seen."""
+PATIENCE_FLOOR = 0.1
+"""... or this share of the recompute time, whichever is longer (never past the recompute time)."""
 
 
 @dataclass
@@ -120,13 +134,21 @@ class LoadChoice:
         self._last_load = dict.fromkeys(manager.tiers, now)
         self._probing: set[str] = set()
         self._floor: dict[str, float] = {}
+        self._seen: dict[str, float] = {}
+        """Each tier's usual seconds from a load's submission until the scheduler saw it end."""
+        self.probed = False
+        """The last `choose` started a probe: its request waits for nothing."""
         self.probe_every, self.probe_interval_s = PROBE_EVERY, PROBE_INTERVAL_S
         manager.load_timer = self.tier_loaded
 
     # -- measurements --------------------------------------------------------------------------
 
-    def tier_loaded(self, tier: str, size: int, seconds: float) -> None:
-        """A promotion job of `size` bytes from `tier` ended `seconds` after it was submitted."""
+    def tier_loaded(self, tier: str, size: int, seconds: float, seen: float | None = None) -> None:
+        """A promotion job of `size` bytes from `tier` took `seconds` in the tier process; the
+        scheduler saw it end `seen` seconds after it was submitted (None: as `seconds`)."""
+        seen = seconds if seen is None else seen
+        last = self._seen.get(tier)
+        self._seen[tier] = seen if last is None else DECAY * last + (1 - DECAY) * seen
         rate = self.prefill_rate()
         recompute = size / self.row_bytes * self.chunk_tokens / rate if rate else None
         if tier in self._probing:
@@ -138,6 +160,23 @@ class LoadChoice:
                 and load_pays(self.costs[tier].seconds(size), recompute):
             self._floor[tier] = seconds
         self._sample(tier, size, seconds)
+
+    def patience(self, tiers: set[str], tokens: int) -> float | None:
+        """How long a request may wait for the promotion of `tokens` prompt tokens from `tiers`
+        (see the module docstring); None: it waits whatever it takes (`always`, nothing measured
+        yet, or a tier's first load)."""
+        rate = self.prefill_rate()
+        if not self.auto or not rate or not tiers or any(self.costs[t].fit() is None for t in tiers):
+            return None
+        recompute = tokens / rate
+        return min(recompute, max(PATIENCE_SEEN * max(self._seen.get(t, 0.0) for t in tiers),
+                                  PATIENCE_FLOOR * recompute))
+
+    def gave_up(self, tier: str) -> None:
+        """A request stopped waiting for a promotion from `tier`: until the tier's next job ends,
+        no load from it is expected sooner than recomputing."""
+        self._floor[tier] = math.inf
+        self.metrics.inc("load_give_ups", 1, tier)
 
     def expected(self, tier: str, size: int) -> float:
         """The expected seconds of a job of `size` bytes from `tier`: the fit, or the floor a slow
@@ -191,6 +230,7 @@ class LoadChoice:
         `sources[i]`) to promote; `by_choice` (the request's, cleared first) gets the tokens of
         the others by tier. Called once per promoting lookup, before anything is promoted."""
         by_choice.clear()
+        self.probed = False
         rate = self.prefill_rate()
         if not self.auto or not rate or not sources:
             return len(sources)
@@ -221,6 +261,7 @@ class LoadChoice:
         for tier in due:
             self.metrics.inc("load_probes", 1, tier)
         self._probing |= due
+        self.probed = bool(due)
         return bool(due)
 
     def _loaded(self, tiers: set[str]) -> None:

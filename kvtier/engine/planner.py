@@ -29,7 +29,7 @@ tiers and set the retention priority; `kvtier.engine.accounting` keeps metrics a
 token split; `take_events` drains tier events through the integration's translator;
 `kvtier.engine.tracing` records finished requests (`trace_path`); `kvtier.engine.load_choice`
 measures loads and prefill, and under `load_policy: auto` cuts a promotion short where
-recomputing comes back sooner.
+recomputing comes back sooner, and `kvtier.engine.give_ups` bounds a request's wait for one.
 """
 
 from __future__ import annotations
@@ -43,6 +43,7 @@ from kvtier.engine.accounting import Accounting
 from kvtier.engine.copies import ChunkCopy, LoadCopy
 from kvtier.engine.events import EventTranslator
 from kvtier.engine.geometry import EngineGeometry, load_blocks
+from kvtier.engine.give_ups import GiveUps
 from kvtier.engine.load_choice import LoadChoice
 from kvtier.engine.operations import Operations
 from kvtier.engine.request import Request
@@ -62,10 +63,8 @@ from kvtier.format.keys import ChunkHasher
 class Planner:
     """Scheduler-side state of one engine: the tiering manager and per-request progress."""
 
-    def __init__(
-        self, config: KVTierConfig, geometry: EngineGeometry, world_size: int,
-        events: EventTranslator | None = None, sync_loads: bool = False,
-    ) -> None:
+    def __init__(self, config: KVTierConfig, geometry: EngineGeometry, world_size: int,
+                 events: EventTranslator | None = None, sync_loads: bool = False) -> None:
         """Called once by the integration at engine start; starts the tier processes. `events`:
         the user enabled the engine's KV events, so `take_events` translates kvtier's through it.
         `sync_loads`: the workers copy synchronously and take failed loads by block (see the
@@ -93,7 +92,8 @@ class Planner:
         self.states = None if geometry.states is None else StatePlanner(
             geometry.states, geometry.chunk_tokens, self.manager, self.accounting, world_size)
         self.stream_promotions = config.stream_promotions and self.states is None
-        self.streams = LoadStreams(self.manager, self._job_ids)
+        self.give_ups = GiveUps(self.manager, self.choice, geometry.chunk_tokens)
+        self.streams = LoadStreams(self.manager, self._job_ids, self.give_ups.part_patience)
         self.unfull = UnfullChunks(geometry, self.hasher, self.manager, events)
         self.stores = StorePlanner(self.manager, self.accounting, geometry, world_size, self._job_ids,
                                    self.unfull)
@@ -138,7 +138,7 @@ class Planner:
                 or offset % self.geometry.block_size:
             return 0, False
         start = num_computed_tokens // ct
-        keys = state.keys[start : (request.num_tokens - 1) // ct]
+        keys = self.give_ups.cap(state, start, state.keys[start : (request.num_tokens - 1) // ct])
         if not keys and not self.unfull.enabled:
             return 0, False
         # One promotion per request (or its device hit shrank): it takes what that brought.
@@ -154,7 +154,9 @@ class Planner:
         elif found.pending and found.promoting and self.promotion_wait_s:
             self.manager.await_promotions(keys, self.promotion_wait_s)
             found = self.manager.lookup_prefix(keys, state.options.load_tiers, promote=False)
+        found = self.give_ups.check(state, start, keys, found) if found.pending else found
         if not found.pending:
+            state.waiting_since = None
             if state.streamed.start != start + found.ready or (offset and not found.ready):
                 state.streamed = range(0)  # nothing ready right before it to stream onto
             end = None if state.streamed else start + found.ready
@@ -175,9 +177,8 @@ class Planner:
         tokens = chunks * ct + (state.unfull.blocks * self.geometry.block_size if state.unfull else 0)
         return (tokens - offset if tokens else 0), tokens > 0 and not state.load_sync
 
-    def allocated(
-        self, request: Request, block_ids: Sequence[Sequence[int]], num_external_tokens: int
-    ) -> None:
+    def allocated(self, request: Request, block_ids: Sequence[Sequence[int]], num_external_tokens: int
+                  ) -> None:
         """Pin the host rows of the chunks the engine just allocated `block_ids` (per KV cache
         group) for, and queue their load.
 
@@ -255,15 +256,16 @@ class Planner:
                 self._send(part.copy, part.sources, list(part.copy.keys))
                 continue
             state = self._requests.get(part.copy.req_id)
-            self.accounting.load_failed(state.hits if state else None, part.sources)
+            if part.given_up:
+                self.give_ups.stream_gave_up(state, part.sources)
+            else:
+                self.accounting.load_failed(state.hits if state else None, part.sources)
             self._send(part.copy)
 
     # -- each step -----------------------------------------------------------------------------
 
-    def step(
-        self, scheduled: Mapping[str, int], speculative: Mapping[str, Sequence[int]] | None = None,
-        state_offloads: Mapping[str, Sequence[tuple[int, int, int]]] | None = None,
-    ) -> StepPlan:
+    def step(self, scheduled: Mapping[str, int], speculative: Mapping[str, Sequence[int]] | None = None,
+             state_offloads: Mapping[str, Sequence[tuple[int, int, int]]] | None = None) -> StepPlan:
         """The loads queued since the last step and the stores of chunks this step completes.
 
         Called once per scheduler step, after every request was scheduled and before the requests'
@@ -361,8 +363,7 @@ class Planner:
         return params
 
     def hit_sources(self, request: Request) -> dict[str, int]:
-        """Tokens loaded for `request` by kvtier source ("host" or a tier name), for the engine's
-        per-source hit counters; called after `allocated`."""
+        """Tokens loaded for `request` by source ("host" or a tier), for the engine's hit counters."""
         state = self._requests.get(request.request_id)
         return {} if state is None else {k: v for k, v in state.hits.loaded.items() if v > 0}
 
@@ -374,8 +375,7 @@ class Planner:
         return [] if self.events is None else self.events.translate_all(events)
 
     def reset_cache(self) -> bool:
-        """Drop every unpinned chunk of the host tier (vLLM's `reset_prefix_cache(reset_connector=
-        True)`); secondary tiers keep theirs (they are shared and persistent)."""
+        """Drop every unpinned host-tier chunk (vLLM's `reset_prefix_cache(reset_connector=True)`)."""
         self.manager.clear_host()
         return True
 

@@ -66,6 +66,12 @@ class RequestState:
     """The last lookup's unfull chunk is being promoted or its tiers' answers are unknown."""
     unfull_due: Unfull | None = None
     """The unfull chunk the request finished with, still to store (a tail)."""
+    waiting_since: float | None = None
+    """When the request began waiting for the promotion its lookups answer "ask again" for."""
+    patience: float | None = None
+    """How long it may wait for it (None: whatever it takes; `kvtier.engine.give_ups`)."""
+    gave_up_at: int | None = None
+    """It gave up waiting for the chunks from this index: nothing past it is offered again."""
     tenant: int = NO_SALT
     """The tenant id of its `cache_salt` (`policies.tenants`), which holds the host rows it fills."""
 
@@ -85,7 +91,8 @@ class RequestState:
         the choice is made once, however many steps the request waits."""
         if tiers:
             for i, tier in enumerate((*(HOST,) * ready, *tiers), start):
-                self.promoted_from.setdefault(i, tier)
+                if tier != HOST or i not in self.promoted_from:  # a tier's promotion replaces a hold
+                    self.promoted_from[i] = tier
         if tiers or self.hits.by_choice:
             self.promoted_at = start
 

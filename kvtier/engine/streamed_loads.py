@@ -22,7 +22,7 @@ blocks.
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from kvtier.engine.copies import ChunkCopy
@@ -51,6 +51,10 @@ class _Stream:
     """A promotion or copy failed: the rest goes out as a failed last part."""
     no_room_since: float | None = None
     """When the stream last found no room for its next batch (None: it found room)."""
+    promoted_at: float = 0.0
+    """When the promotion of the batch in flight started."""
+    patience: float | None = None
+    """How long that batch may take (None: whatever it takes)."""
 
 
 @dataclass(frozen=True)
@@ -59,13 +63,20 @@ class Part:
 
     copy: ChunkCopy
     sources: list[str]
+    given_up: bool = False
+    """The stream stopped waiting for a slow batch (`load_policy: auto`): a failed last part whose
+    chunks are recomputed by choice."""
 
 
 class LoadStreams:
     """The streamed loads of one engine's requests."""
 
-    def __init__(self, manager: TieringManager, job_ids: Iterator[int]) -> None:
+    def __init__(self, manager: TieringManager, job_ids: Iterator[int],
+                 patience: Callable[[Sequence[str]], float | None] = lambda sources: None) -> None:
+        """`patience(sources)`: how long a batch of chunks from `sources` may take to promote
+        (None: whatever it takes); a stream past it gives up the rest of its prefix."""
         self.manager = manager
+        self.patience = patience
         self._job_ids = job_ids
         self._streams: dict[str, _Stream] = {}
 
@@ -122,10 +133,14 @@ class LoadStreams:
                     return None
                 return self._part(req_id, stream, 0, ())
             stream.no_room_since = None
+            stream.promoted_at = time.monotonic()
+            stream.patience = self.patience(stream.sources[: stream.promoting])
         batch = stream.keys[: stream.promoting]
         ready = self.manager.ready_prefix(batch)
         if ready is None:
-            return None
+            if stream.patience is None or time.monotonic() - stream.promoted_at <= stream.patience:
+                return None
+            return self._part(req_id, stream, 0, (), given_up=True)
         slots = self.manager.pin_rows(batch[:ready]) if ready else None
         self.manager.release(batch)
         stream.promoting = 0
@@ -134,9 +149,11 @@ class LoadStreams:
         stream.failed = ready < len(batch)
         return self._part(req_id, stream, ready, tuple(slots))
 
-    def _part(self, req_id: str, stream: _Stream, count: int, slots: tuple[int, ...]) -> Part:
+    def _part(self, req_id: str, stream: _Stream, count: int, slots: tuple[int, ...],
+              given_up: bool = False) -> Part:
         """The next `count` chunks as a part; without `slots`, a failed part that takes the rest
-        of the prefix with it (and so is the last), releasing their holds."""
+        of the prefix with it (and so is the last), releasing their holds (`given_up`: by
+        choice)."""
         if not slots:
             count = len(stream.keys)
             self.manager.release(stream.keys)
@@ -145,4 +162,4 @@ class LoadStreams:
         blocks, stream.block_ids = stream.block_ids[:count], stream.block_ids[count:]
         last = not stream.keys
         copy = ChunkCopy(next(self._job_ids), req_id, tuple(keys), tuple(blocks), slots, last)
-        return Part(copy, sources)
+        return Part(copy, sources, given_up)

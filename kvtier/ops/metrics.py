@@ -226,6 +226,8 @@ METRICS: tuple[MetricSpec, ...] = (
                "Prompt tokens the tier held that were recomputed because that was judged sooner", _T),
     MetricSpec("load_probes", "counter",
                "Loads from a tier judged slower than recomputing, made to measure it again", _T),
+    MetricSpec("load_give_ups", "counter",
+               "Requests that stopped waiting for a promotion from the tier and recomputed instead", _T),
     MetricSpec("config_info", "gauge", "1, labelled with the configuration that produced these metrics",
                CONFIG_LABELS),
 )
@@ -257,7 +259,8 @@ def declared_series(
     series += [("rejected_chunks", (t, r)) for t in tiers for r in reasons]
     series += [("probation_chunks", (HOST, r)) for r in reasons]
     series += [("probation_reused_chunks", (HOST,))]
-    series += [(name, (t,)) for name in ("cascade_skipped_chunks", "promotion_wait_seconds", "load_probes")
+    series += [(name, (t,)) for name in ("cascade_skipped_chunks", "promotion_wait_seconds",
+                                         "load_probes", "load_give_ups")
                for t in secondary]
     return series
 

@@ -11,6 +11,10 @@ on `Shutdown`, or after answering a malformed frame with an `ErrorReport`.
 
 A stats report goes out every STATS_INTERVAL_S, on request, and as soon as the tier counts a bad
 chunk (the tier wakes the dispatch loop: `TierBook.bad`).
+
+Every job's `seconds` is stamped here, from reading its request to sending its result, whatever
+the tier itself reports: the time the job took in this process, queueing in the tier included and
+the engine's wait for its next poll excluded (the load choice prices a tier's loads with it).
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ import signal
 import socket
 import sys
 import time
+from dataclasses import replace
 from typing import Any
 
 from kvtier.errors import ConfigError
@@ -70,10 +75,13 @@ class _Wakeup:
                 pass
 
 
-def _flush(sock: socket.socket, tier: SecondaryTier) -> None:
+def _flush(sock: socket.socket, tier: SecondaryTier, read_at: dict[int, float]) -> None:
     """Send the finished jobs and the events, the events first: every event a job raised (a bad
-    chunk's REMOVED, a store's STORED) reaches the engine no later than the job's result."""
-    finished = tuple(tier.get_finished_jobs())
+    chunk's REMOVED, a store's STORED) reaches the engine no later than the job's result. Each
+    result's seconds run from `read_at[job_id]` (when its request was read) to now."""
+    now = time.monotonic()
+    finished = tuple(replace(r, seconds=now - read_at.pop(r.job_id, now - r.seconds))
+                     for r in tier.get_finished_jobs())
     for events in EventsReport(tuple(tier.take_events())).parts():
         send_message(sock, events)
     for done in JobsDone(finished).parts():
@@ -84,8 +92,9 @@ def _report(sock: socket.socket, tier: SecondaryTier) -> None:
     send_message(sock, StatsReport(tier.counts(), tier.usage()))
 
 
-def _answer(sock: socket.socket, tier: SecondaryTier) -> bool:
-    """Read one message off `sock` and act on it; False once the runner should stop."""
+def _answer(sock: socket.socket, tier: SecondaryTier, read_at: dict[int, float]) -> bool:
+    """Read one message off `sock` and act on it (a job's read time goes to `read_at`); False
+    once the runner should stop."""
     try:
         msg = read_message(sock)
     except MessageError as e:
@@ -95,9 +104,10 @@ def _answer(sock: socket.socket, tier: SecondaryTier) -> bool:
     if isinstance(msg, LookupRequest):
         send_message(sock, LookupReply(msg.req_id, tuple(tier.lookup(msg.keys))))
     elif isinstance(msg, JobRequest):
+        read_at[msg.job.job_id] = time.monotonic()
         (tier.submit_store if msg.job.kind is JobKind.STORE else tier.submit_load)(msg.job)
     elif isinstance(msg, StatsRequest):
-        _flush(sock, tier)
+        _flush(sock, tier, read_at)
         _report(sock, tier)
     elif isinstance(msg, Shutdown):
         return False
@@ -107,7 +117,7 @@ def _answer(sock: socket.socket, tier: SecondaryTier) -> bool:
     return True
 
 
-def _serve(sock: socket.socket, tier: SecondaryTier, wake: _Wakeup) -> None:
+def _serve(sock: socket.socket, tier: SecondaryTier, wake: _Wakeup, read_at: dict[int, float]) -> None:
     last_report = 0.0
     reported_bad = 0.0
     parent = os.getppid()
@@ -118,9 +128,9 @@ def _serve(sock: socket.socket, tier: SecondaryTier, wake: _Wakeup) -> None:
             ready = {key.fd for key, _ in sel.select(timeout=STATS_INTERVAL_S)}
             if wake.r in ready:
                 wake.drain()
-            if sock.fileno() in ready and not _answer(sock, tier):
+            if sock.fileno() in ready and not _answer(sock, tier, read_at):
                 return
-            _flush(sock, tier)
+            _flush(sock, tier, read_at)
             now = time.monotonic()
             bad = tier.counts().bad_chunks
             if now - last_report >= STATS_INTERVAL_S or bad != reported_bad:
@@ -169,14 +179,15 @@ def main() -> None:
         send_message(sock, ErrorReport(f"{type(e).__name__}: {e}"))
         sys.exit(1)
     send_message(sock, Ready(cls.loads_own_stores, tier.endpoints()))
+    read_at: dict[int, float] = {}
     try:
-        _serve(sock, tier, wake)
+        _serve(sock, tier, wake, read_at)
     except (EOFError, OSError):
         pass
     finally:
         with contextlib.suppress(Exception):
             tier.shutdown()
-            _flush(sock, tier)
+            _flush(sock, tier, read_at)
         region.close()
 
 

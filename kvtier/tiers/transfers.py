@@ -2,8 +2,8 @@
 
 A job is added when the manager submits it to a tier process and taken when its result comes
 back; taking it counts the outcome in the manager's metrics (chunks, bytes, seconds and failures
-by tier and direction) and reports each finished load's duration to a `load_timer` (the per-request
-load choice measures tier speeds from it). Scheduler thread only.
+by tier and direction) and reports each finished load's durations to a `load_timer` (the per-request
+load choice measures tier speeds from them). Scheduler thread only.
 """
 
 from __future__ import annotations
@@ -16,8 +16,9 @@ from kvtier.format.chunks import ChunkKey
 from kvtier.ops.metrics import KVTierMetrics
 from kvtier.tiers.base import Job, JobKind, JobResult
 
-LoadTimer = Callable[[str, int, float], None]
-"""(tier, bytes, seconds from submission to result) per finished load job."""
+LoadTimer = Callable[[str, int, float, float], None]
+"""(tier, bytes, seconds the tier process took, seconds from submission until the scheduler saw
+the result) per finished load job."""
 
 
 @dataclass(frozen=True)
@@ -63,13 +64,18 @@ class Transfers:
             m.inc("transfer_seconds", result.seconds, tier, op)
             m.observe("transfer_latency_seconds", result.seconds, tier, op)
             if transfer.kind is JobKind.LOAD and self.load_timer is not None:
-                self.load_timer(tier, result.bytes_moved, time.monotonic() - transfer.started)
+                self.load_timer(tier, result.bytes_moved, result.seconds,
+                                time.monotonic() - transfer.started)
         return transfer, done, failed
 
     def ids_touching(self, tier: str, keys: Collection[ChunkKey]) -> list[int]:
         """The jobs in flight on `tier` that move any of `keys`."""
         wanted = set(keys)
         return [j for j, t in self._jobs.items() if t.tier == tier and not wanted.isdisjoint(t.keys)]
+
+    def load_source(self, key: ChunkKey) -> str | None:
+        """The tier of a load in flight that moves `key` (None: none)."""
+        return next((t.tier for t in self._jobs.values() if t.kind is JobKind.LOAD and key in t.keys), None)
 
     def by_tier(self, tiers: Iterable[str]) -> dict[str, int]:
         """Jobs in flight per tier, every one of `tiers` named."""

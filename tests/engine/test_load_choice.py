@@ -41,11 +41,11 @@ def flag(tmp_path: Path) -> Path:
     return tmp_path / "slow"
 
 
-def planner(flag: Path, policy: str) -> tuple[Planner, Clock]:
-    """A planner with `load_policy` `policy` over a host tier of 8 rows and a tier "mem" whose
-    loads take `SLOW_S` while `flag` exists; its prefill rate measured at `TOKENS_PER_S`."""
+def planner(flag: Path, policy: str, host_rows: int = 8) -> tuple[Planner, Clock]:
+    """A planner with `load_policy` `policy` over a host tier of `host_rows` rows and a tier "mem"
+    whose loads take `SLOW_S` while `flag` exists; its prefill rate measured at `TOKENS_PER_S`."""
     config = KVTierConfig.from_dict({
-        "cpu_bytes_to_use": 8 * ROW_BYTES, "tier_lookup_wait_s": 30.0, "load_policy": policy,
+        "cpu_bytes_to_use": host_rows * ROW_BYTES, "tier_lookup_wait_s": 30.0, "load_policy": policy,
         "secondary_tiers": [{"type": "FlaggedSlowTier", "module_path": "benchmarks.slow_tier",
                              "name": "mem", "flag_path": str(flag), "delay_s": SLOW_S}]})
     s = Planner(config, geometry(), 1)
@@ -172,13 +172,17 @@ def test_a_slow_tier_is_probed_and_used_again_once_it_recovered(
     ask(s, "measured")
     for i in range(PROBE_EVERY - 1):
         assert ask(s, f"skipped-{i}") == (0, False)
-    assert ask(s, "probe") == (None, False)  # 1 in PROBE_EVERY candidates still loads
-    assert metric(s, "kvtier_load_probes_total") == 1
+    # 1 in PROBE_EVERY candidates still loads, as a measurement: its request waits for nothing
+    assert ask(s, "probe") == (0, False)
+    assert s.accounting.finished["probe"]["recomputed_by_choice"] == 12
+    assert metric(s, "kvtier_load_probes_total") == 1 and metric(s, "kvtier_load_give_ups_total") == 0
+    settle(s)
     assert ask(s, "still-slow") == (0, False)
     flag.unlink()
     clock.now += PROBE_INTERVAL_S  # and one per PROBE_INTERVAL_S, however few candidates came
-    assert ask(s, "second-probe") == (None, False)
+    assert ask(s, "second-probe") == (0, False)
     assert metric(s, "kvtier_load_probes_total") == 2
+    settle(s)
     assert ask(s, "recovered") == (None, False)
     assert ask(s, "again") == (None, False)
     assert metric(s, "kvtier_load_probes_total") == 2

@@ -263,7 +263,39 @@ def test_a_flush_sends_the_events_before_the_results_of_the_jobs_that_raised_the
     tier.submit_store(Job(1, JobKind.STORE, (key,), (0,)))
     engine, runner = socket.socketpair()
     with engine, runner:
-        _flush(runner, tier)
+        _flush(runner, tier, {})
         first, second = read_message(engine), read_message(engine)
     assert isinstance(first, EventsReport) and [e.keys for e in first.events] == [(key,)]
     assert isinstance(second, JobsDone) and [r.job_id for r in second.results] == [1]
+
+
+def test_a_jobs_seconds_run_from_its_read_to_its_result_whatever_the_tier_says(
+    ctx: TierContext,
+) -> None:
+    """The load choice prices a tier's loads by the seconds the runner stamps: a tier that reports
+    less than the job took (here 0, the memory tier's store is instant) must not make it look
+    fast, nor the engine's late poll make it look slow."""
+    tier = MemoryTier(ctx)
+    tier.submit_store(Job(7, JobKind.STORE, (random_key(),), (0,)))
+    engine, runner = socket.socketpair()
+    with engine, runner:
+        _flush(runner, tier, {7: time.monotonic() - 5.0})
+        read_message(engine)
+        done = read_message(engine)
+    assert isinstance(done, JobsDone)
+    [result] = done.results
+    assert 5.0 <= result.seconds < 60.0
+
+
+def test_a_plug_in_tiers_late_results_are_timed_end_to_end(region: HostRegion, ctx: TierContext) -> None:
+    """Through a real tier process whose tier holds each job 0.2 s: the result the engine reads
+    says at least that, whatever the tier's own clock said."""
+    proc = make_proc(region, "DelayedMemoryTier", PLUGIN, options={"delay_s": 0.2})
+    proc.start()
+    try:
+        fill_slot(ctx, 0)
+        proc.submit_store(Job(1, JobKind.STORE, (random_key(),), (0,)))
+        [result] = wait_jobs(proc, 1)
+        assert result.success and result.seconds >= 0.2
+    finally:
+        proc.shutdown()
