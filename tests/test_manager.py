@@ -330,3 +330,14 @@ def test_a_partly_answered_run_is_promoted_whole_once_known(manager: TieringMana
     assert (first.pending, first.promoting, manager.in_flight) == (True, (), 0)
     assert settle(manager, keys, tiers=["fs"]).ready == 3
     assert chunks(manager, "fs", "load") == 3
+
+
+def test_a_promotion_from_no_tier_fails_only_its_chunks(manager: TieringManager) -> None:
+    """A source that names no tier (a caller's stale "host" record) must not raise on the scheduler
+    thread: those chunks' rows are rolled back and counted as failed loads; the others load."""
+    keys = in_tiers_only(manager, 2)
+    assert manager.promote(keys, ["memory", "host"]) == 2
+    drain(manager)
+    assert manager.host.lookup(keys) == 1 and not manager.host.contains(keys[1])
+    assert manager.metrics.value("kvtier_failures_total", tier="host", op="load") == 1
+    manager.release(keys)
