@@ -10,9 +10,7 @@ vectorized numpy over the references (a few sorts), so memory is a few arrays of
   tokens; a record's shared prefix ends at its last reused key; prefixes are ranked by the tokens
   their reuses would save.
 - (2) reuse time: creation → each reuse, and previous reference → reuse (the gap between reuses).
-- (3) chunk size: a chunk of `f` recorded chunks is named by its last recorded key (keys chain, so
-  that key names the whole prefix) and is reused when that key was seen before; only whole chunks
-  are stored and loaded.
+- (3) chunk size: `chunk_sizes.py` (whole chunks and unfull ones, as the engine finds them).
 - (4) bypass: keys referenced once, and what an admission gate that refuses chunks keeps of the
   reuse: `priority` (`min_retention_priority` applied to the creating request's priority), and
   `frequency` at a secondary tier's gate (a chunk is cascaded once seen in `min_seen` requests, so
@@ -30,7 +28,6 @@ import numpy as np
 from kvtier.trace.mrc import previous_reference
 from kvtier.trace.records import Trace
 
-BLOCKS_PER_CHUNK = (1, 2, 4, 8)
 TOP_PREFIXES = 10
 MIN_SEEN = (1, 2, 3, 4)
 
@@ -130,38 +127,6 @@ def reuse_times(stream: Stream) -> dict[str, Any]:
     gaps = (t - t[np.maximum(stream.prev, 0)])[reuse]
     return {"reuse_time_s": _percentiles(since_creation), "reuse_gap_s": _percentiles(gaps),
             "reuse_time_samples": since_creation}
-
-
-def chunk_sizes(stream: Stream, chunk_bytes: int, host_bytes_per_s: float) -> list[dict[str, Any]]:
-    """Question (3): one row per chunk size (in engine blocks) the trace's granularity allows."""
-    trace = stream.trace
-    header = trace.header
-    duration = float(trace.t[-1] - trace.t[0])
-    local = np.arange(len(trace.refs), dtype=np.int64) - trace.starts[stream.record]
-    rows = []
-    for blocks in BLOCKS_PER_CHUNK:
-        if blocks % header.blocks_per_chunk:
-            continue
-        f = blocks // header.blocks_per_chunk
-        named = np.flatnonzero((local + 1) % f == 0)  # the last recorded key of each whole chunk
-        reuses = int(stream.reuse[named].sum())
-        size = f * chunk_bytes
-        stored = (len(named) - reuses) * size
-        loaded = reuses * size
-        reused_tokens = reuses * f * header.chunk_tokens
-        once = int((stream.key_refs[stream.key_of[named]] == 1).sum())
-        moved = stored + loaded
-        rows.append({
-            "blocks_per_chunk": blocks,
-            "chunk_bytes": size,
-            "reused_tokens": reused_tokens,
-            "bytes_moved": moved,
-            "bytes_per_reused_token": moved / reused_tokens if reused_tokens else None,
-            "unneeded_bytes": once * size,
-            "load_ms_per_chunk": 1000.0 * size / host_bytes_per_s,
-            "host_budget_fraction": moved / duration / host_bytes_per_s if duration > 0 else None,
-        })
-    return rows
 
 
 def bypass(stream: Stream) -> dict[str, Any]:

@@ -23,11 +23,12 @@ requests {requests}, prompt tokens {prompt_tokens} (per request p50/p95/p99 {ctx
 (1) reusable prompt tokens {reusable_token_fraction:.1%}; requests with a shared prefix \
 {requests_with_shared_prefix_fraction:.1%}
 (2) reuse time p50/p95/p99 {rt}
-(3) chunk size rows (blocks: bytes moved per reused token): {cs}
+(3) chunk size rows (tokens: reused tokens, of them in unfull chunks, bytes moved per reused \
+token): {cs}
 (4) never-reused chunks {never_reused_chunk_fraction:.1%}
 sizing: working set {ws:.3f} GiB, reachable hit ratio {reachable_hit_ratio:.1%}
 recommend: cpu_bytes_to_use {cpu} (hit ratio {cpu_hit:.1%}), max_bytes {mb} (hit ratio {mb_hit:.1%}), \
-eviction_policy {policy}, blocks_per_chunk {bpc}, admission {adm}"""
+eviction_policy {policy}, chunk_tokens {ct} (blocks_per_chunk {bpc}), admission {adm}"""
 
 
 def add_parser(sub: Any) -> None:
@@ -71,14 +72,15 @@ def summary(report: dict[str, Any]) -> str:
     rt = report["reuse_time_s"]
     rec = report["recommend"]
     cs = ", ".join(
-        f"{r['blocks_per_chunk']}: {r['bytes_per_reused_token'] or 0:.0f} B" for r in report["chunk_size"]
+        f"{r['chunk_tokens']}: {r['reused_tokens']}, {r['unfull_tokens']}, "
+        f"{r['bytes_per_reused_token'] or 0:.0f} B" for r in report["chunk_size"]
     )
     lines = SUMMARY.format(
         **report, rt="/".join("-" if v is None else f"{v:.2f}s" for v in rt.values()), cs=cs,
         ctx="/".join("-" if v is None else f"{v:.0f}" for v in report["context_length_tokens"].values()),
         ws=report["working_set_bytes"] / GIB, cpu=rec["cpu_bytes_to_use"], cpu_hit=rec["cpu_hit_ratio"],
         mb=rec["max_bytes"], mb_hit=rec["max_bytes_hit_ratio"], policy=rec["eviction_policy"],
-        bpc=rec["blocks_per_chunk"], adm=json.dumps(rec["admission"]),
+        ct=rec["chunk_tokens"], bpc=rec["blocks_per_chunk"], adm=json.dumps(rec["admission"]),
     )
     if rec["cpu_cliff"]["cliff"]:
         lines += f"\n  cpu_bytes_to_use is on a cliff of the LRU curve: {_cliff(rec['cpu_cliff'])}"

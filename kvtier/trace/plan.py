@@ -26,14 +26,16 @@ host decides the hit ratio, and the number is not a forecast; size away from the
 
 Recommendations: `cpu_bytes_to_use` captures 90% of the reachable reuse (at most `host_bytes`,
 the host memory an operator can give, when given) and `max_bytes` (the secondary tier) 99%, each
-with the hit ratio it buys; `blocks_per_chunk` is the largest chunk that keeps 95% of the reusable
-tokens within the host transfer budget; `min_retention_priority` keeps at least 99% of the reuse
-while dropping the most chunks. `frequency_min_seen` is the one the verdict names when it says
-"offload with admission" (the host tier's probation at `cpu_bytes_to_use` serves the most with
-it, `probation.py`); otherwise the one that keeps at least 90% of the reuse at a secondary tier's
-gate while dropping the most chunks. Each `admission.frequency` row gives both: the secondary
-gate's `admitted_chunk_fraction` and `reuse_kept_fraction`, and the host tier's `host_hit_ratio`
-and `probation_chunk_fraction` at `cpu_bytes_to_use` (`min_seen` 1 is `all`).
+with the hit ratio it buys; `chunk_tokens` is the largest chunk that keeps 99% of the smallest
+chunk's reused tokens, unfull chunks counted, within the host transfer budget (`chunk_sizes.py`),
+`blocks_per_chunk` the same chunk in engine blocks (configure one of the two);
+`min_retention_priority` keeps at least 99% of the reuse while dropping the most chunks.
+`frequency_min_seen` is the one the verdict names when it says "offload with admission" (the host
+tier's probation at `cpu_bytes_to_use` serves the most with it, `probation.py`); otherwise the one
+that keeps at least 90% of the reuse at a secondary tier's gate while dropping the most chunks.
+Each `admission.frequency` row gives both: the secondary gate's `admitted_chunk_fraction` and
+`reuse_kept_fraction`, and the host tier's `host_hit_ratio` and `probation_chunk_fraction` at
+`cpu_bytes_to_use` (`min_seen` 1 is `all`).
 
 Verdict (`verdict.py`): `verdict`, `verdict_reason` and `verdict_checks` come first in the report:
 offload, offload with admission, or will not help, and why.
@@ -50,6 +52,7 @@ import numpy as np
 
 from kvtier.policies.arc import ARCPolicy
 from kvtier.trace import analysis
+from kvtier.trace.chunk_sizes import chunk_sizes, recommend_chunk_tokens
 from kvtier.trace.mrc import lru_hit_ratios, sample_rate, simulate, stack_distances
 from kvtier.trace.probation import HostRun, host_runs
 from kvtier.trace.records import Trace, TraceError
@@ -87,15 +90,6 @@ def _capture(distances: np.ndarray, refs: int, fraction: float) -> int:
         return 0
     cum = np.cumsum(np.bincount(reuse))
     return int(np.searchsorted(cum, fraction * len(reuse) - 1e-9))
-
-
-def _pick_chunk(rows: list[dict[str, Any]]) -> int:
-    best = rows[0]
-    for row in rows[1:]:
-        within = row["host_budget_fraction"] is None or row["host_budget_fraction"] <= 1.0
-        if within and row["reused_tokens"] >= 0.95 * rows[0]["reused_tokens"]:
-            best = row
-    return int(best["blocks_per_chunk"])
 
 
 def _pick_admission(rows: list[dict[str, Any]], key: str, keep: float) -> int:
@@ -189,7 +183,8 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
 
     times = analysis.reuse_times(stream)
     samples = times.pop("reuse_time_samples")
-    rows = analysis.chunk_sizes(stream, chunk_bytes, budget)
+    rows = chunk_sizes(stream, chunk_bytes, budget)
+    chunk_tokens = recommend_chunk_tokens(rows)
     bypass = analysis.bypass(stream)
     admission = bypass["admission"]
     cpu = _capture(distances, refs, CAPTURE[0])
@@ -244,7 +239,8 @@ def plan(trace: Trace, chunk_bytes: int | None = None,
             "eviction_policy": "arc" if arc_at_cpu > cpu_hit + 0.01 else "lru",
             "max_bytes": secondary * chunk_bytes,
             "max_bytes_hit_ratio": secondary_hit,
-            "blocks_per_chunk": _pick_chunk(rows),
+            "chunk_tokens": chunk_tokens,
+            "blocks_per_chunk": chunk_tokens // trace.header.block_size,
             "admission": {
                 "frequency_min_seen": frequency,
                 "min_retention_priority": _pick_admission(

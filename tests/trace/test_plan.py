@@ -57,7 +57,7 @@ def test_questions_one_and_two(known: dict) -> None:
 
 def test_question_three_chunk_sizes(known: dict) -> None:
     rows = {r["blocks_per_chunk"]: r for r in known["chunk_size"]}
-    assert sorted(rows) == [1, 2, 4, 8]
+    assert sorted(rows) == [1, 2, 4, 8, 16, 32]
     one, two, four = rows[1], rows[2], rows[4]
     # 9 distinct chunks stored, 5 reused; 6 never reused.
     assert (one["bytes_moved"], one["reused_tokens"], one["unneeded_bytes"]) == (14000, 80, 6000)
@@ -68,8 +68,10 @@ def test_question_three_chunk_sizes(known: dict) -> None:
     assert (two["bytes_moved"], two["reused_tokens"], two["unneeded_bytes"]) == (14000, 64, 8000)
     # Fours D, F, G: none reused, so no bytes per reused token.
     assert (four["reused_tokens"], four["bytes_per_reused_token"], four["unneeded_bytes"]) == (0, None, 12000)
-    assert rows[8]["bytes_moved"] == 0
-    assert known["recommend"]["blocks_per_chunk"] == 1
+    # No whole chunk of 8 blocks; each request stores its 4 (or 2) blocks as an unfull chunk, a
+    # whole host row of 8, and none is reused (no prompt goes on from where another ended).
+    assert (rows[8]["reused_tokens"], rows[8]["unfull_tokens"], rows[8]["bytes_moved"]) == (0, 0, 32000)
+    assert known["recommend"]["blocks_per_chunk"] == 1 and known["recommend"]["chunk_tokens"] == 16
 
 
 def test_question_four_bypass(known: dict) -> None:
