@@ -98,7 +98,8 @@ def a_series(prom: Prometheus, want_total: int) -> dict[str, float]:
 
 
 def host_bytes(prom: Prometheus) -> dict[str, float]:
-    return {s["metric"]["tenant"]: float(s["value"][1]) for s in prom.query("kvtier_tenant_host_bytes")}
+    series = prom.query('kvtier_tenant_bytes{tier="host"}')
+    return {s["metric"]["tenant"]: float(s["value"][1]) for s in series}
 
 
 def scenario(name: str, model: Path, block_bytes: int, tmp: Path, seed: int) -> dict[str, Any]:

@@ -28,7 +28,8 @@ from kvtier.ops.guard import SLOGuardConfig
 from kvtier.policies.base import AdmissionPolicy, AdmissionSettings, AdmitAll, EvictionPolicy
 from kvtier.policies.lru import LRUPolicy
 from kvtier.policies.registry import resolve_admission, resolve_eviction
-from kvtier.policies.tenants import MAX_TENANTS, NONE_LABEL, OTHER_LABEL, TenantShares
+from kvtier.policies.tenants import TenantShares, parse_tenants
+from kvtier.policies.tier_shares import TierShares
 from kvtier.tiers.common import fleetkey
 from kvtier.tiers.common.options import HIDDEN, Option
 from kvtier.tiers.registry import check_tier_options, declared_options, resolve_tier
@@ -107,8 +108,10 @@ class KVTierConfig:
     """Each tenant's share of the host tier's bytes, by `cache_salt` (`kvtier.policies.tenants`):
     `{"<salt>": share, ..., "default": share}`, each share a cap from 0 to 1 (they may sum over
     1); `default`: the share of requests without a salt, and apart that of the salts not named
-    (absent: half of what the named shares leave, at least 0, so that the caps sum to 1). None: no
-    shares, every tenant in one cache."""
+    (absent: half of what the named shares leave, at least 0, so that the caps sum to 1). A share
+    may be an object by tier, `{"host": 0.5, "<tier name>": 0.25}`: shares of secondary tiers, kept
+    at their admission gate by `tenant_shares` (`policies.tier_shares`, added to the admission
+    policies). None: no shares, every tenant in one cache."""
     shm_dir: str = "/dev/shm"
     os_reserve_bytes: int | None = None
     """Host memory the memory plan keeps for the OS, its page cache and co-located services: the
@@ -166,6 +169,11 @@ class KVTierConfig:
         if "chunk_tokens" in raw and "blocks_per_chunk" in raw:
             raise ConfigError("chunk_tokens", raw["chunk_tokens"],
                               "give chunk_tokens or blocks_per_chunk, not both")
+        tiers = _tiers(raw.get("secondary_tiers", []), secrets)
+        names = [t.name for t in tiers]
+        tenants = None if raw.get("tenants") is None else parse_tenants(raw["tenants"], names)
+        if tenants is not None and TierShares not in admission_classes:
+            admission_classes = (*admission_classes, TierShares)
         return cls(
             cpu_bytes_to_use=_int(raw, "cpu_bytes_to_use", None, minimum=1),
             blocks_per_chunk=_int(raw, "blocks_per_chunk", 1, minimum=1),
@@ -179,7 +187,7 @@ class KVTierConfig:
             max_client_priority=_priority(raw, "max_client_priority", MAX_PRIORITY),
             hash_algorithm=hash_algorithm,
             fleet_key_file=_fleet_key_file(raw),
-            secondary_tiers=_tiers(raw.get("secondary_tiers", []), secrets),
+            secondary_tiers=tiers,
             secrets_env=secrets_env,
             tier_job_timeout_s=_float(raw, "tier_job_timeout_s", 60.0),
             tier_restart_backoff_s=_float(raw, "tier_restart_backoff_s", 1.0),
@@ -188,7 +196,7 @@ class KVTierConfig:
             stream_promotions=_bool(raw, "stream_promotions", True),
             sync_host_loads=_bool(raw, "sync_host_loads", True),
             load_policy=load_policy,
-            tenants=None if raw.get("tenants") is None else _tenants(raw["tenants"]),
+            tenants=tenants,
             shm_dir=_string(raw, "shm_dir", "/dev/shm"),
             os_reserve_bytes=(None if raw.get("os_reserve_bytes") is None
                               else _int(raw, "os_reserve_bytes", None, minimum=0)),
@@ -267,27 +275,6 @@ def _optional_string(raw: Mapping[str, Any], key: str) -> str | None:
     if value is not None and (not isinstance(value, str) or not value):
         raise ConfigError(key, value, "must be a non-empty string or absent")
     return value
-
-
-def _tenants(value: object) -> TenantShares:
-    """`tenants`: a JSON object of salt → share (0-1), and an optional `default` share."""
-    if not isinstance(value, Mapping) or not value:
-        raise ConfigError("tenants", value, 'a non-empty object {"<cache_salt>": share, "default": share}')
-    shares: dict[str, float] = {}
-    for salt, share in value.items():
-        key = f"tenants.{salt}"
-        if not isinstance(salt, str) or not salt:
-            raise ConfigError(key, salt, "a tenant is named by its non-empty cache_salt")
-        if salt in (NONE_LABEL, OTHER_LABEL):
-            raise ConfigError(key, share, f"{salt!r} labels unnamed tenants: not a salt to name")
-        number = not isinstance(share, bool) and isinstance(share, int | float)
-        if not number or not math.isfinite(share) or not 0 <= share <= 1:
-            raise ConfigError(key, share, "a share is a number from 0 to 1 (of the host tier's bytes)")
-        shares[salt] = float(share)
-    default = shares.pop("default", max(0.0, 1.0 - sum(shares.values())) / 2)
-    if len(shares) > MAX_TENANTS:
-        raise ConfigError("tenants", f"{len(shares)} tenants", f"at most {MAX_TENANTS} named tenants")
-    return TenantShares(shares, default)
 
 
 def _fleet_key_file(raw: Mapping[str, Any]) -> str | None:

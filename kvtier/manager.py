@@ -164,9 +164,8 @@ class TieringManager:
     def locate(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None = None
                ) -> list[str | LookupResult]:
         """Where each of `keys` is, each on its own (not a prefix): "host" when the host tier holds
-        it readable, else the first enabled secondary tier (of `tiers`; None: all) that holds it,
-        else MISS, or RETRY while it is being written to the host tier or a tier's answer is still
-        unknown after `lookup_wait_s`."""
+        it readable, else the first enabled secondary tier (of `tiers`; None: all) holding it, else
+        MISS, or RETRY while the host tier is writing it or a tier is silent after `lookup_wait_s`."""
         names, answers = self._answers(keys, tiers)
         out: list[str | LookupResult] = []
         for i, key in enumerate(keys):
@@ -181,8 +180,7 @@ class TieringManager:
 
     def _answers(self, keys: Sequence[ChunkKey], tiers: Collection[str] | None
                  ) -> tuple[list[str], dict[str, list[LookupResult]]]:
-        """The enabled tiers asked (of `tiers`) and each one's answer per key, waited for up to
-        `lookup_wait_s`."""
+        """The enabled tiers asked (of `tiers`), each one's answer per key (waited up to `lookup_wait_s`)."""
         names = [n for n in self.tiers if (tiers is None or n in tiers) and n not in self._disabled]
         answers = {n: self.tiers[n].lookup(keys) for n in names}
         asking = [n for n in names if LookupResult.RETRY in answers[n]]
@@ -335,7 +333,8 @@ class TieringManager:
         for name, tier in self.tiers.items():
             for result in tier.get_finished_jobs():
                 self._finish(result)
-            self._events.extend((name, e) for e in tier.take_events())
+            self.admission.tier_events(name, events := tier.take_events())
+            self._events.extend((name, e) for e in events)
         self._events.extend((HOST, e) for e in self.host.take_events())
 
     def _finish(self, result: JobResult) -> None:
@@ -345,6 +344,7 @@ class TieringManager:
         transfer, done, failed = taken
         if transfer.kind is JobKind.STORE:
             self.host.unpin(transfer.keys)
+            self.admission.stores_ended(transfer.tier, transfer.keys)
             return
         by_priority: dict[int, list[ChunkKey]] = {}
         for key in done:

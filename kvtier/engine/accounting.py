@@ -16,7 +16,8 @@ counters. Tier names default to the tier type (`"fs"`, `"obj"`, ...) unless conf
 
 With `tenants` (`kvtier.policies.tenants`), each split is also counted by tenant
 (`kvtier_tenant_prompt_tokens{tenant, source}`: a named salt, `other` or `none`, so the labels are
-bounded by the config), and every step sets the host bytes each tenant holds.
+bounded by the config), and every step sets the host bytes each tenant holds
+(`kvtier_tenant_bytes{tier="host"}`; a secondary tier's are set by `policies.tier_shares`).
 """
 
 from __future__ import annotations
@@ -137,7 +138,7 @@ class Accounting:
         self._set_occupancy(HOST, host.ready * host.row_bytes, host.ready, host.capacity_bytes)
         if self.tenants is not None:
             for label, held in zip(self.tenants.labels, host.tenant_bytes, strict=True):
-                self.metrics.set("tenant_host_bytes", held, label)
+                self.metrics.set("tenant_bytes", held, label, HOST)
         for name, tier in self.manager.tiers.items():
             self._occupancy(name, tier.last_usage)
 

@@ -9,6 +9,7 @@ from kvtier.host.tier import HostTier
 from kvtier.manager import TieringManager
 from kvtier.ops.metrics import KVTierMetrics
 from kvtier.policies.admission import AdmissionChain
+from kvtier.policies.tier_shares import TierShares
 from kvtier.tiers.process import TierProcess, TierSpec
 
 
@@ -37,6 +38,9 @@ def start_manager(config: KVTierConfig, row_bytes: int, layout_fingerprint: str)
             proc.wait_ready()
         chain = AdmissionChain([c(config.admission_settings()) for c in config.admission_classes])
         manager = TieringManager(host, started, chain, metrics, lookup_wait_s=config.tier_lookup_wait_s)
+        for admission in chain.policies:  # `tenant_shares` follows the tenants in the tiers
+            if isinstance(admission, TierShares) and config.tenants is not None:
+                admission.bind(config.tenants, host.tenant_of, manager.tiers, row_bytes, metrics)
     except BaseException:
         for proc in reversed(started):
             proc.shutdown()

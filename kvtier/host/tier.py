@@ -304,20 +304,20 @@ class HostTier:
         """The retention priority of a READY key, or None."""
         return self._policy.priority(key)
 
-    def unpin(self, keys: Sequence[bytes]) -> None:
-        """Release one pin per key named (twice for a key named twice).
+    def tenant_of(self, key: bytes) -> int | None:
+        """The tenant id holding a READY key's row, or None (not READY, or no tenant shares)."""
+        slot = self._ready.get(key)
+        return None if slot is None or self._tenants is None else self._tenants.tenant_of[slot]
 
-        Raises HostTierError, changing nothing, when a key would be released more often than it
-        is pinned.
-        """
+    def unpin(self, keys: Sequence[bytes]) -> None:
+        """Release one pin per key named (twice for a key named twice). Raises HostTierError,
+        changing nothing, when a key would be released more often than it is pinned."""
         pins = self._pins
         counts = Counter(keys)
         for key, count in counts.items():
             held = pins[key]
             if count > held:
-                raise HostTierError(
-                    f"unpin releases {key.hex()} {count} time(s); it holds {held} pin(s)"
-                )
+                raise HostTierError(f"unpin releases {key.hex()} {count} time(s); it holds {held} pin(s)")
         for key, count in counts.items():
             left = pins[key] - count
             if left:

@@ -181,9 +181,8 @@ METRICS: tuple[MetricSpec, ...] = (
     MetricSpec("tenant_prompt_tokens", "counter",
                "Prompt tokens by tenant (a `tenants` salt, `other` for the rest, `none`: no salt) and by "
                "where their KV came from; counted with `tenants` set", ("tenant", "source")),
-    MetricSpec("tenant_host_bytes", "gauge",
-               "Bytes of the host tier's rows each tenant holds (being written or ready), with `tenants` set",
-               ("tenant",)),
+    MetricSpec("tenant_bytes", "gauge", "Bytes each tenant holds in the tier (host: rows being written or "
+               "ready; a secondary tier: chunks it reported stored), with `tenants` set", ("tenant", "tier")),
     MetricSpec("promotion_refused_chunks", "counter",
                "Chunks not promoted because the host tier had no room for them (they are recomputed)"),
     MetricSpec("cascade_skipped_chunks", "counter",

@@ -13,7 +13,8 @@
   is at least the tier's `min_retention_priority` (TensorRT-LLM's retention cut-off).
 
 `AdmissionChain` asks each configured policy in order; a chunk is admitted only when all of them
-admit it, and a rejection is attributed to the first policy that refused. Its retention is the
+admit it, and a rejection is attributed to the first policy that refused; it passes the manager's
+news of each secondary tier's stores and events on to every policy. Its retention is the
 lowest any policy gives, attributed to the first policy that gave it. Called on the scheduler
 thread only.
 """
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from kvtier.format.chunks import HOST
+from kvtier.format.chunks import HOST, TierEvent
 from kvtier.policies.base import (
     DEFAULT_PRIORITY,
     AdmissionPolicy,
@@ -93,6 +94,8 @@ class AdmissionChain:
                 admitted.append(key)
             else:
                 rejected[reason] = rejected.get(reason, 0) + 1
+        for policy in self.policies:
+            policy.admitted(tier, admitted)
         return admitted, rejected
 
     def probation(self, keys: Sequence[bytes], lead: bytes) -> dict[bytes, tuple[Retention, str]]:
@@ -111,6 +114,14 @@ class AdmissionChain:
     def record_access(self, key: bytes) -> None:
         for policy in self.policies:
             policy.record_access(key)
+
+    def stores_ended(self, tier: str, keys: Sequence[bytes]) -> None:
+        for policy in self.policies:
+            policy.stores_ended(tier, keys)
+
+    def tier_events(self, tier: str, events: Sequence[TierEvent]) -> None:
+        for policy in self.policies:
+            policy.tier_events(tier, events)
 
     @property
     def admits_all(self) -> bool:

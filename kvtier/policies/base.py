@@ -7,10 +7,12 @@ time proportional to the keys it touches, never to the capacity.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
-from collections.abc import Container, Mapping
+from collections.abc import Container, Mapping, Sequence
 from dataclasses import dataclass, field
 from enum import IntEnum
 from typing import ClassVar, Generic, TypeVar
+
+from kvtier.format.chunks import TierEvent
 
 V = TypeVar("V")
 
@@ -128,6 +130,19 @@ class AdmissionPolicy(ABC):
         first chunk is `lead` just computed. Optional hook: SETTLED unless a policy keeps chunks
         on probation."""
         return Retention.SETTLED
+
+    def admitted(self, tier: str, keys: Sequence[bytes]) -> None:
+        """After `admit` was asked about a batch of chunks for `tier`: the `keys` of it that every
+        policy admitted (maybe none); in a secondary tier those that are host-resident are stored
+        there. Optional hook, for policies that follow what each tier holds (`tier_shares`), as are
+        the two below."""
+
+    def stores_ended(self, tier: str, keys: Sequence[bytes]) -> None:
+        """A store job to secondary `tier` ended, stored or failed (its STORED events, if any,
+        came no later than this, in the same or an earlier `tier_events`)."""
+
+    def tier_events(self, tier: str, events: Sequence[TierEvent]) -> None:
+        """Secondary `tier` reported these STORED and REMOVED events (maybe none), oldest first."""
 
 
 class AdmitAll(AdmissionPolicy):

@@ -15,6 +15,7 @@ BUILTIN_ADMISSION: dict[str, str] = {
     "all": "kvtier.policies.base:AdmitAll",
     "frequency": "kvtier.policies.admission:FrequencyAdmission",
     "priority": "kvtier.policies.admission:PriorityAdmission",
+    "tenant_shares": "kvtier.policies.tier_shares:TierShares",
 }
 
 

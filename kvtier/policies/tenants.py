@@ -7,6 +7,8 @@ requests without a salt (label `none`), 1 for every salt the config does not nam
 fraction 0-1, each a cap: the shares may sum over 1); `none` and `other` each have the `default`
 share. Shares that sum to at most 1 guarantee every tenant its share: when the tier is full and a
 tenant is under its share, another one is over its own, and eviction takes from that one first.
+A secondary tier may have shares too (`TenantShares.tiers`, parsed by `parse_tenants`), enforced at
+its admission gate (`tier_shares.py`).
 
 `TenantClasses` is the host tier's eviction index (`PriorityClasses`) with one more index per
 tenant, and the tenant of every slot (`tenant_of`, one byte per row). A tenant holds the rows it
@@ -27,8 +29,10 @@ from __future__ import annotations
 import math
 from collections import Counter
 from collections.abc import Container, Iterable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+from kvtier.errors import ConfigError, unknown_name_message
+from kvtier.format.chunks import HOST
 from kvtier.policies.base import EvictionPolicy, Retention
 from kvtier.policies.classes import PriorityClasses
 
@@ -46,8 +50,10 @@ class TenantShares:
     """Each tenant's share of the host tier, by tenant id (see the module docstring)."""
 
     named: Mapping[str, float]
-    """The named salts' shares, in config order."""
+    """The named salts' shares of the host tier, in config order."""
     default: float
+    tiers: Mapping[str, tuple[float, ...]] = field(default_factory=dict)
+    """The secondary tiers given shares: each one's share per tenant id (as `shares` for the host)."""
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -74,6 +80,50 @@ class TenantShares:
     def caps(self, slots: int) -> list[int]:
         """The most rows each tenant id holds within its share of `slots` rows."""
         return [math.floor(share * slots) for share in self.shares]
+
+
+def parse_tenants(value: object, tiers: Sequence[str] = ()) -> TenantShares:
+    """`tenants`: a JSON object of salt → share, and an optional `default` share. A share is a
+    number 0-1 (of the host tier), or an object of shares by tier, `{"host": 0.5, "<tier name>":
+    0.25}`. Per tier, as for the host tier: a tenant that gives no share there has the default; an
+    absent default is half what the named shares leave (at least 0); a secondary tier that no
+    entry names has no shares. `tiers`: the secondary tiers' names."""
+    if not isinstance(value, Mapping) or not value:
+        raise ConfigError("tenants", value, 'a non-empty object {"<cache_salt>": share, "default": share}')
+    given: dict[str, dict[str, float]] = {}
+    for salt, share in value.items():
+        key = f"tenants.{salt}"
+        if not isinstance(salt, str) or not salt:
+            raise ConfigError(key, salt, "a tenant is named by its non-empty cache_salt")
+        if salt in (NONE_LABEL, OTHER_LABEL):
+            raise ConfigError(key, share, f"{salt!r} labels unnamed tenants: not a salt to name")
+        if isinstance(share, Mapping) and share:
+            for tier in share:
+                if tier != HOST and tier not in tiers:
+                    raise ConfigError(f"{key}.{tier}", tier, unknown_name_message(str(tier), [HOST, *tiers]))
+            given[salt] = {tier: _share(f"{key}.{tier}", s) for tier, s in share.items()}
+        elif isinstance(share, Mapping):
+            raise ConfigError(key, share, 'an object of shares by tier: {"host": 0.5, "<tier name>": 0.25}')
+        else:
+            given[salt] = {HOST: _share(key, share)}
+    default = given.pop("default", {})
+    if len(given) > MAX_TENANTS:
+        raise ConfigError("tenants", f"{len(given)} tenants", f"at most {MAX_TENANTS} named tenants")
+    per_tier: dict[str, tuple[float, ...]] = {}
+    for tier in (HOST, *tiers):
+        if tier != HOST and tier not in default and not any(tier in s for s in given.values()):
+            continue
+        rest = default.get(tier, max(0.0, 1.0 - sum(s[tier] for s in given.values() if tier in s)) / 2)
+        per_tier[tier] = (rest, rest, *(s.get(tier, rest) for s in given.values()))
+    host = per_tier.pop(HOST)
+    return TenantShares(dict(zip(given, host[2:], strict=True)), host[0], per_tier)
+
+
+def _share(key: str, share: object) -> float:
+    number = not isinstance(share, bool) and isinstance(share, int | float)
+    if not number or not math.isfinite(share) or not 0 <= share <= 1:  # type: ignore[arg-type,operator]
+        raise ConfigError(key, share, "a share is a number from 0 to 1 (of the tier's bytes)")
+    return float(share)  # type: ignore[arg-type]
 
 
 class TenantClasses(PriorityClasses[int]):

@@ -84,10 +84,10 @@ def test_tenant_metrics_are_labelled_by_configured_names_then_other_and_none() -
         assert m.value("kvtier_tenant_prompt_tokens_total", tenant="t1", source="recomputed") == 14 + 2
         assert m.value("kvtier_tenant_prompt_tokens_total", tenant="other", source="recomputed") == 14
         assert m.value("kvtier_tenant_prompt_tokens_total", tenant="none", source="recomputed") == 14
-        assert m.value("kvtier_tenant_host_bytes", tenant="t1") == 3 * ROW_BYTES
+        assert m.value("kvtier_tenant_bytes", tenant="t1", tier="host") == 3 * ROW_BYTES
         # `other` stored 3 rows while rows were free (over its 2), then gave one back to `none`'s store.
-        assert m.value("kvtier_tenant_host_bytes", tenant="other") == 2 * ROW_BYTES
-        assert m.value("kvtier_tenant_host_bytes", tenant="none") == 3 * ROW_BYTES
+        assert m.value("kvtier_tenant_bytes", tenant="other", tier="host") == 2 * ROW_BYTES
+        assert m.value("kvtier_tenant_bytes", tenant="none", tier="host") == 3 * ROW_BYTES
         labels = {key for key in m.snapshot() if key.startswith("kvtier_tenant_")}
         assert not any("unnamed-b" in key or 'tenant="a"' in key for key in labels)  # no salt shown
         assert {key.split('tenant="')[1].split('"')[0] for key in labels} == {"t1", "other", "none"}
