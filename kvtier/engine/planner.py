@@ -29,7 +29,7 @@ tiers and set the retention priority; `kvtier.engine.accounting` keeps metrics a
 token split; `take_events` drains tier events through the integration's translator;
 `kvtier.engine.tracing` records finished requests (`trace_path`); `kvtier.engine.load_choice`
 measures loads and prefill, and under `load_policy: auto` cuts a promotion short where
-recomputing comes back sooner, and `kvtier.engine.give_ups` bounds a request's wait for one.
+recomputing comes back sooner, and its `GiveUps` bounds a request's wait for one.
 """
 
 from __future__ import annotations
@@ -43,8 +43,7 @@ from kvtier.engine.accounting import Accounting
 from kvtier.engine.copies import ChunkCopy, LoadCopy
 from kvtier.engine.events import EventTranslator
 from kvtier.engine.geometry import EngineGeometry, load_blocks
-from kvtier.engine.give_ups import GiveUps
-from kvtier.engine.load_choice import LoadChoice
+from kvtier.engine.load_choice import GiveUps, LoadChoice
 from kvtier.engine.operations import Operations
 from kvtier.engine.request import Request
 from kvtier.engine.request_state import RequestState, mark_load_failed

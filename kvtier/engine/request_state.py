@@ -69,7 +69,7 @@ class RequestState:
     waiting_since: float | None = None
     """When the request began waiting for the promotion its lookups answer "ask again" for."""
     patience: float | None = None
-    """How long it may wait for it (None: whatever it takes; `kvtier.engine.give_ups`)."""
+    """How long it may wait for it (None: whatever it takes; `kvtier.engine.load_choice.GiveUps`)."""
     gave_up_at: int | None = None
     """It gave up waiting for the chunks from this index: nothing past it is offered again."""
     tenant: int = NO_SALT

@@ -1,5 +1,5 @@
-"""A request's bounded wait for a promotion (`kvtier.engine.give_ups`): the real planner over a real
-tier process whose loads are slowed while a flag file exists (`benchmarks.slow_tier`). Waits are
+"""A request's bounded wait for a promotion (`kvtier.engine.load_choice.GiveUps`): the real planner
+over a real tier process whose loads are slowed while a flag file exists (`benchmarks.slow_tier`). Waits are
 timed on the planner's clock, moved by the tests; a streamed batch's wait on the real clock."""
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ def test_a_stream_stops_waiting_for_a_slow_batch_and_counts_it_by_choice(flag: P
     """A host tier of 2 rows, a prefix of 3 chunks: the third is streamed. Its promotion is slow
     (1 s against a patience of a few hundredths: 4 tokens recompute in 0.17 s), so the stream ends
     with a failed last part whose tokens are recomputed by choice, not counted as a failure."""
-    s, clock = planner(flag, "auto", host_rows=2)
+    s, _ = planner(flag, "auto", host_rows=2)
     try:
         host = s.manager.host
         for key in s.hasher.keys(PROMPT):  # the tier holds all three (the first store kept two)
