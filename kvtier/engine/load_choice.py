@@ -65,9 +65,10 @@ from kvtier.policies.load_rule import load_pays
 
 DECAY = 0.8
 """Each sample weighs this much less than the next: an estimate follows the last few jobs or steps."""
-PROBE_EVERY = 20
-"""A tier judged slow is loaded from anyway on this candidate run since its last load."""
-PROBE_INTERVAL_S = 30.0
+PROBE_EVERY = 5
+"""A tier judged slow is loaded from anyway on this candidate run since its last load (a probe's
+request waits for nothing, so a probe costs the tier's bandwidth and a few host rows, not TTFT)."""
+PROBE_INTERVAL_S = 10.0
 """... or on its first candidate run this long after its last load."""
 PATIENCE_SEEN = 3.0
 """A request waits for a promotion this many times the tier's usual time until a load is seen."""
