@@ -88,27 +88,16 @@ def test_a_request_waiting_on_another_requests_promotion_gives_up_too(
     assert metric(s, "kvtier_load_give_ups_total") >= 1
 
 
-def test_a_tiers_first_load_is_waited_for(flag: Path) -> None:
-    """Nothing measured of the tier yet: however long its first load takes, it is waited for."""
-    s, clock = planner(flag, "auto")
+@pytest.mark.parametrize("policy, measured_first", [("auto", False), ("always", True)])
+def test_a_slow_load_is_waited_for_when_nothing_bounds_the_wait(
+    flag: Path, policy: str, measured_first: bool,
+) -> None:
+    """`auto` before anything is measured of the tier (its first load), and `always` at any time:
+    however long the slowed load takes, the request waits for it and loads."""
+    s, clock = planner(flag, policy)
     try:
-        flag.touch()
-        s.reset_cache()
-        req = FakeRequest("first-load", PROMPT)
-        assert s.lookup(req, 0) == (None, False)  # type: ignore[arg-type]
-        clock.now += 100.0
-        assert s.lookup(req, 0) == (None, False)  # type: ignore[arg-type]
-        settle(s)
-        assert s.lookup(req, 0) == (12, True)  # type: ignore[arg-type]
-        assert metric(s, "kvtier_load_give_ups_total") == 0
-    finally:
-        s.shutdown()
-
-
-def test_always_waits_for_every_promotion(flag: Path) -> None:
-    s, clock = planner(flag, "always")
-    try:
-        assert ask(s, "fast") == (None, False)
+        if measured_first:
+            assert ask(s, "fast") == (None, False)
         flag.touch()
         s.reset_cache()
         req = FakeRequest("slow", PROMPT)
@@ -117,6 +106,7 @@ def test_always_waits_for_every_promotion(flag: Path) -> None:
         assert s.lookup(req, 0) == (None, False)  # type: ignore[arg-type]
         settle(s)
         assert s.lookup(req, 0) == (12, True)  # type: ignore[arg-type]
+        assert metric(s, "kvtier_load_give_ups_total") == 0
     finally:
         s.shutdown()
 
