@@ -23,7 +23,7 @@ from typing import Any
 import pytest
 
 from kvtier.cli import main
-from kvtier.engine.load_choice import PROBE_INTERVAL_S
+from kvtier.engine.load_choice import PROBE_INTERVAL_S, LinearCost
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
 from tests.integrations.engine_steps import evict_host, generate
 from tests.integrations.prompts import PROMPTS
@@ -195,21 +195,20 @@ def test_kvtier_ctl_lists_switches_and_shows_the_guard(
     assert row[8] == "exited"
 
 
-def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any) -> None:
-    """The same engine under `load_policy: auto` (switched on in place; no probe by time): the slow
-    tier's load was measured at `DELAY_S`, far slower than recomputing one chunk at the prefill
-    rate the engine's steps show, so its chunk is recomputed by choice, with vLLM's own answer."""
+def stored_in_the_slow_tier_only(llm: Any, name: str) -> tuple[list[int], Any]:
+    """The slow tier back up and enabled; prompt `name` computed (its greedy reply returned),
+    cascaded to the slow tier, then evicted from the host tier and vLLM's device cache, with the
+    slow tier out of the way (the fillers it holds are not promoted)."""
     scheduler, _ = connector_halves(llm)
-    manager, choice = scheduler.manager, scheduler.choice
+    manager = scheduler.manager
     deadline = time.monotonic() + 60
     while not manager.is_enabled("slow") or not manager.tiers["slow"].is_up:
         assert time.monotonic() < deadline, "the slow tier did not come back"
         generate(llm, tokens(llm, "chess")[:8], max_tokens=1)
-    prompt = tokens(llm, "bread")
+    prompt = tokens(llm, name)
     keys = scheduler.hasher.keys(prompt)
 
     def evict_past_the_slow_tier() -> None:
-        """Evict with the slow tier out of the way: the fillers it holds are not promoted."""
         manager.set_enabled("slow", False)
         try:
             evict(llm, keys)
@@ -217,9 +216,19 @@ def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any
             manager.set_enabled("slow", True)
 
     evict_past_the_slow_tier()
-    computed = generate(llm, prompt)  # stored, and cascaded to the slow tier
+    computed = generate(llm, prompt)
     settle(scheduler)
     evict_past_the_slow_tier()
+    return prompt, computed
+
+
+def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any) -> None:
+    """The same engine under `load_policy: auto` (switched on in place; no probe by time): the slow
+    tier's load was measured at `DELAY_S`, far slower than recomputing one chunk at the prefill
+    rate the engine's steps show, so its chunk is recomputed by choice, with vLLM's own answer."""
+    scheduler, _ = connector_halves(llm)
+    manager, choice = scheduler.manager, scheduler.choice
+    prompt, computed = stored_in_the_slow_tier_only(llm, "bread")
     assert choice.prefill_rate() and choice.costs["slow"].seconds(ROW_BYTES) >= DELAY_S * 0.9
     choice.auto, choice.probe_interval_s = True, float("inf")
     try:
@@ -231,3 +240,26 @@ def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any
     assert chosen.outputs[0].token_ids == computed.outputs[0].token_ids
     assert manager.metrics.value("kvtier_recomputed_by_choice_tokens_total", tier="slow") == CHUNK
     assert manager.metrics.value("kvtier_load_probes_total", tier="slow") == 0
+
+
+def test_load_policy_auto_gives_up_a_load_that_turned_slow_with_the_same_answer(llm: Any) -> None:
+    """The slow tier measured fast (one job of a millisecond), so its chunk's promotion starts;
+    the load takes `DELAY_S`, and the request stops waiting for it once past its patience (a few
+    steps): recomputed by choice, with vLLM's own answer, and the give-up counted. Were the wait
+    unbounded, the request would load the chunk `DELAY_S` later and its split would say so."""
+    scheduler, _ = connector_halves(llm)
+    manager, choice = scheduler.manager, scheduler.choice
+    prompt, computed = stored_in_the_slow_tier_only(llm, "garden")
+    before = manager.metrics.value("kvtier_recomputed_by_choice_tokens_total", tier="slow")
+    choice.costs["slow"] = LinearCost()
+    choice.tier_loaded("slow", ROW_BYTES, 0.001)
+    choice.auto, choice.probe_interval_s = True, float("inf")
+    try:
+        chosen = generate(llm, prompt)
+    finally:
+        choice.auto, choice.probe_interval_s = False, PROBE_INTERVAL_S
+    split = chosen.kv_transfer_params["kvtier"]["tokens"]
+    assert split["slow"] == 0 and split["recomputed_by_choice"] == CHUNK
+    assert chosen.outputs[0].token_ids == computed.outputs[0].token_ids
+    assert manager.metrics.value("kvtier_load_give_ups_total", tier="slow") == 1
+    assert manager.metrics.value("kvtier_recomputed_by_choice_tokens_total", tier="slow") == before + CHUNK
