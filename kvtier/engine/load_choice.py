@@ -335,7 +335,9 @@ class GiveUps:
         if count:
             for tier in set(tiers.values()):
                 self.choice.gave_up(tier)
-        self.manager.release(keys[ready:])
+        # Only this request's own promotion is let go: another request's holds stay its own.
+        own = [i - start for i in state.promoted_from if start + ready <= i < start + len(keys)]
+        self.manager.release([keys[i] for i in own])
         state.gave_up_at = start + ready
         state.streamed = range(0)
         state.waiting_since = None

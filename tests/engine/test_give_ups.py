@@ -86,6 +86,9 @@ def test_a_request_waiting_on_another_requests_promotion_gives_up_too(
     s.finished(second)  # type: ignore[arg-type]
     assert s.accounting.finished["second"]["recomputed_by_choice"] == 12
     assert metric(s, "kvtier_load_give_ups_total") >= 1
+    settle(s)  # first's promotion ends: its chunks stay held for first, whoever gave up on them
+    s.reset_cache()
+    assert s.lookup(first, 0) == (12, True)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("policy, measured_first", [("auto", False), ("always", True)])
