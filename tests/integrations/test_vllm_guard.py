@@ -24,6 +24,7 @@ import pytest
 
 from kvtier.cli import main
 from kvtier.engine.load_choice import PROBE_INTERVAL_S, LinearCost
+from kvtier.format.chunks import HOST
 from tests.integrations.conftest import BLOCK_SIZE, connector_halves
 from tests.integrations.engine_steps import evict_host, generate
 from tests.integrations.prompts import PROMPTS
@@ -243,7 +244,7 @@ def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any
 
 
 def test_load_policy_auto_gives_up_a_load_that_turned_slow_with_the_same_answer(llm: Any) -> None:
-    """The slow tier measured fast (one job of a millisecond), so its chunk's promotion starts;
+    """The slow tier measured fast (one job that took no time), so its chunk's promotion starts;
     the load takes `DELAY_S`, and the request stops waiting for it once past its patience (a few
     steps): recomputed by choice, with vLLM's own answer, and the give-up counted. Were the wait
     unbounded, the request would load the chunk `DELAY_S` later and its split would say so."""
@@ -251,8 +252,10 @@ def test_load_policy_auto_gives_up_a_load_that_turned_slow_with_the_same_answer(
     manager, choice = scheduler.manager, scheduler.choice
     prompt, computed = stored_in_the_slow_tier_only(llm, "garden")
     before = manager.metrics.value("kvtier_recomputed_by_choice_tokens_total", tier="slow")
-    choice.costs["slow"] = LinearCost()
-    choice.tier_loaded("slow", ROW_BYTES, 0.001)
+    # Loads priced free (the tier's one job took no time, host copies unmeasured), so the choice
+    # loads whatever prefill rate the engine's steps show; the request then waits for the load.
+    choice.costs["slow"], choice.costs[HOST] = LinearCost(), LinearCost()
+    choice.tier_loaded("slow", ROW_BYTES, 0.0)
     choice.auto, choice.probe_interval_s = True, float("inf")
     try:
         chosen = generate(llm, prompt)
