@@ -25,8 +25,9 @@ def flag(tmp_path: Path) -> Path:
 
 @pytest.fixture
 def measured(flag: Path) -> Iterator[tuple[Planner, Clock]]:
-    """`auto`, the tier's loads measured fast twice, then slowed: the fit still expects them fast."""
-    s, clock = planner(flag, "auto")
+    """`auto`, the tier's loads measured fast twice, then slowed (3 s: a given-up load is still in
+    flight while a test looks, however busy the machine): the fit still expects them fast."""
+    s, clock = planner(flag, "auto", slow_s=3.0)
     assert ask(s, "fast-1") == (None, False) and ask(s, "fast-2") == (None, False)
     flag.touch()
     s.reset_cache()

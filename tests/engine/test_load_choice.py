@@ -41,13 +41,13 @@ def flag(tmp_path: Path) -> Path:
     return tmp_path / "slow"
 
 
-def planner(flag: Path, policy: str, host_rows: int = 8) -> tuple[Planner, Clock]:
+def planner(flag: Path, policy: str, host_rows: int = 8, slow_s: float = SLOW_S) -> tuple[Planner, Clock]:
     """A planner with `load_policy` `policy` over a host tier of `host_rows` rows and a tier "mem"
-    whose loads take `SLOW_S` while `flag` exists; its prefill rate measured at `TOKENS_PER_S`."""
+    whose loads take `slow_s` while `flag` exists; its prefill rate measured at `TOKENS_PER_S`."""
     config = KVTierConfig.from_dict({
         "cpu_bytes_to_use": host_rows * ROW_BYTES, "tier_lookup_wait_s": 30.0, "load_policy": policy,
         "secondary_tiers": [{"type": "FlaggedSlowTier", "module_path": "benchmarks.slow_tier",
-                             "name": "mem", "flag_path": str(flag), "delay_s": SLOW_S}]})
+                             "name": "mem", "flag_path": str(flag), "delay_s": slow_s}]})
     s = Planner(config, geometry(), 1)
     clock = Clock()
     s.choice.clock = clock
