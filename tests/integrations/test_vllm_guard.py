@@ -223,14 +223,10 @@ def stored_in_the_slow_tier_only(llm: Any, name: str) -> tuple[list[int], Any]:
     return prompt, computed
 
 
-def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any) -> None:
-    """The same engine under `load_policy: auto` (switched on in place; no probe by time): the slow
-    tier's load was measured at `DELAY_S`, far slower than recomputing one chunk at the prefill
-    rate the engine's steps show, so its chunk is recomputed by choice, with vLLM's own answer."""
-    scheduler, _ = connector_halves(llm)
-    manager, choice = scheduler.manager, scheduler.choice
-    prompt, computed = stored_in_the_slow_tier_only(llm, "bread")
-    assert choice.prefill_rate() and choice.costs["slow"].seconds(ROW_BYTES) >= DELAY_S * 0.9
+def recomputed_by_choice_under_auto(llm: Any, prompt: list[int], computed: Any) -> None:
+    """Generate `prompt` under `load_policy: auto` (switched on in place; no probe by time): its
+    chunk, which only the slow tier holds, is recomputed by choice, with the reply `computed` had."""
+    choice = connector_halves(llm)[0].choice
     choice.auto, choice.probe_interval_s = True, float("inf")
     try:
         chosen = generate(llm, prompt)
@@ -239,6 +235,16 @@ def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any
     split = chosen.kv_transfer_params["kvtier"]["tokens"]
     assert split["slow"] == 0 and split["recomputed_by_choice"] == CHUNK
     assert chosen.outputs[0].token_ids == computed.outputs[0].token_ids
+
+
+def test_load_policy_auto_recomputes_the_slow_tier_with_the_same_answer(llm: Any) -> None:
+    """The slow tier's load was measured at `DELAY_S`, far slower than recomputing one chunk at the
+    prefill rate the engine's steps show: its chunk is recomputed by choice, with vLLM's answer."""
+    scheduler, _ = connector_halves(llm)
+    manager, choice = scheduler.manager, scheduler.choice
+    prompt, computed = stored_in_the_slow_tier_only(llm, "bread")
+    assert choice.prefill_rate() and choice.costs["slow"].seconds(ROW_BYTES) >= DELAY_S * 0.9
+    recomputed_by_choice_under_auto(llm, prompt, computed)
     assert manager.metrics.value("kvtier_recomputed_by_choice_tokens_total", tier="slow") == CHUNK
     assert manager.metrics.value("kvtier_load_probes_total", tier="slow") == 0
 
@@ -256,13 +262,6 @@ def test_load_policy_auto_gives_up_a_load_that_turned_slow_with_the_same_answer(
     # loads whatever prefill rate the engine's steps show; the request then waits for the load.
     choice.costs["slow"], choice.costs[HOST] = LinearCost(), LinearCost()
     choice.tier_loaded("slow", ROW_BYTES, 0.0)
-    choice.auto, choice.probe_interval_s = True, float("inf")
-    try:
-        chosen = generate(llm, prompt)
-    finally:
-        choice.auto, choice.probe_interval_s = False, PROBE_INTERVAL_S
-    split = chosen.kv_transfer_params["kvtier"]["tokens"]
-    assert split["slow"] == 0 and split["recomputed_by_choice"] == CHUNK
-    assert chosen.outputs[0].token_ids == computed.outputs[0].token_ids
+    recomputed_by_choice_under_auto(llm, prompt, computed)
     assert manager.metrics.value("kvtier_load_give_ups_total", tier="slow") == 1
     assert manager.metrics.value("kvtier_recomputed_by_choice_tokens_total", tier="slow") == before + CHUNK
