@@ -340,7 +340,6 @@ class GiveUps:
         self.manager.release([keys[i] for i in own])
         state.gave_up_at = start + ready
         state.streamed = range(0)
-        state.waiting_since = None
         return PrefixLookup(ready, pending=False)
 
     def part_patience(self, sources: Sequence[str]) -> float | None:

@@ -138,8 +138,8 @@ class AdmissionPolicy(ABC):
         the two below."""
 
     def stores_ended(self, tier: str, keys: Sequence[bytes]) -> None:
-        """A store job to secondary `tier` ended, stored or failed (its STORED events, if any,
-        came no later than this, in the same or an earlier `tier_events`)."""
+        """A store job to secondary `tier` ended, stored or failed. Its STORED events, if any, may
+        reach `tier_events` before or after this call (the manager finishes a poll's jobs first)."""
 
     def tier_events(self, tier: str, events: Sequence[TierEvent]) -> None:
         """Secondary `tier` reported these STORED and REMOVED events (maybe none), oldest first."""
