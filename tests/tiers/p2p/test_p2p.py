@@ -348,7 +348,7 @@ def test_tier_bench_groups_consecutive_chunks_into_each_job() -> None:
     from kvtier.bench.tier_bench import _run_jobs
 
     class Recorder:
-        """Takes jobs as a tier process would and finishes each at the next poll."""
+        """Takes jobs as a tier process would and finishes each by the next wait."""
 
         def __init__(self) -> None:
             self.submitted: list[Job] = []
@@ -357,6 +357,9 @@ def test_tier_bench_groups_consecutive_chunks_into_each_job() -> None:
         def submit_load(self, job: Job) -> None:
             self.submitted.append(job)
             self._open.append(job)
+
+        def await_jobs(self, job_ids: range, timeout_s: float) -> None:
+            pass
 
         def get_finished_jobs(self) -> list[JobResult]:
             done, self._open = self._open, []
