@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any
 
 from kvtier.errors import KVTierError
-from kvtier.ops.control_server import control_dirs, request
+from kvtier.ops.control_server import control_dirs, request, unix_address
 
 
 class ControlError(KVTierError):
@@ -31,7 +31,8 @@ def find_socket(directories: list[Path]) -> Path:
     for path in sorted(p for d in directories for p in d.glob("engine-*.sock")):
         with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as probe:
             try:
-                probe.connect(str(path))
+                with unix_address(path) as address:
+                    probe.connect(address)
             except OSError:
                 continue  # left by an engine that did not shut down
         live.append(path)

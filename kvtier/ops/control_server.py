@@ -3,8 +3,10 @@
 One Unix stream socket per engine, `engine-<pid>-<random>.sock` in a directory only its owner may enter
 (created 0700; refused when it belongs to someone else or others may enter it); the socket itself
 is 0600 from its creation, and every connection's peer must run as the same user (SO_PEERCRED).
-Nothing is reachable from the network. Each connection carries one JSON request line and gets one
-JSON reply line (`kvtier ctl` is the client):
+Nothing is reachable from the network. A socket path longer than the kernel takes (108 bytes, a
+deep temp or configured directory) is bound and reached through its directory's descriptor
+(`unix_address`), so no directory is too deep for an engine to start in. Each connection carries
+one JSON request line and gets one JSON reply line (`kvtier ctl` is the client):
 
 - `{"cmd": "list"}` → `{"tiers": [{"tier", "enabled", "used_bytes", "used_chunks",
   "capacity_bytes", "used_fraction", "up", "restarts", "last_failure"}, ...]}` (the host tier
@@ -33,7 +35,7 @@ import stat
 import struct
 import tempfile
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -45,6 +47,23 @@ log = logging.getLogger("kvtier.ops.control_server")
 
 FILL = ("used_bytes", "used_chunks", "capacity_bytes", "used_fraction")
 MAX_REQUEST = 4096
+SUN_PATH_BYTES = 108
+"""The size of an AF_UNIX address's path field on Linux, its terminating NUL included."""
+
+
+@contextlib.contextmanager
+def unix_address(path: Path) -> Iterator[str]:
+    """`path` as an address to bind or connect to: itself when it fits `SUN_PATH_BYTES`, else the
+    same name through `/proc/self/fd/N/` where N is a descriptor of its directory, held open until
+    the block ends (the kernel resolves the name when the call is made)."""
+    if len(os.fsencode(path)) < SUN_PATH_BYTES:
+        yield str(path)
+        return
+    fd = os.open(path.parent, os.O_PATH | os.O_DIRECTORY | os.O_CLOEXEC)
+    try:
+        yield f"/proc/self/fd/{fd}/{path.name}"
+    finally:
+        os.close(fd)
 
 
 def default_control_dir() -> Path:
@@ -121,7 +140,8 @@ class ControlServer:
         self._sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         old = os.umask(0o177)
         try:
-            self._sock.bind(str(self.path))
+            with unix_address(self.path) as address:
+                self._sock.bind(address)
         finally:
             os.umask(old)
         os.chmod(self.path, 0o600)
@@ -231,7 +251,8 @@ def request(path: Path, message: dict[str, Any], timeout_s: float = 10.0) -> dic
     """Send one request to the control socket at `path`; the decoded reply."""
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.settimeout(timeout_s)
-        sock.connect(str(path))
+        with unix_address(path) as address:
+            sock.connect(address)
         sock.sendall(json.dumps(message).encode() + b"\n")
         data = b""
         while not data.endswith(b"\n"):

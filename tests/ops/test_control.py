@@ -126,3 +126,23 @@ def test_a_squatted_default_directory_does_not_stop_an_engine(
         assert capsys.readouterr().out.splitlines()[0].split()[0] == "tier"
     finally:
         server.close()
+
+
+def test_a_control_directory_deeper_than_a_socket_path_still_serves(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """A socket path over the kernel's 108 bytes (a deep temp or configured directory) is bound
+    and reached through its directory's descriptor: the engine starts, `kvtier ctl` finds it by
+    `--dir` and by `--socket`, and closing removes it."""
+    deep = engine_control_dir(str(tmp_path.joinpath(*["d" * 40] * 3)))
+    server = ControlServer(deep, ["fs"], KVTierMetrics(), None)
+    try:
+        assert len(str(server.path)) >= 108  # an AF_UNIX path's room on Linux, NUL included
+        assert stat.S_ISSOCK(server.path.stat().st_mode) and stat.S_IMODE(server.path.stat().st_mode) == 0o600
+        assert main(["ctl", "--dir", str(deep), "list"]) == 0
+        assert capsys.readouterr().out.splitlines()[1].split()[0] == "host"
+        assert main(["ctl", "--socket", str(server.path), "guard"]) == 0
+        assert '"configured": false' in capsys.readouterr().out
+    finally:
+        server.close()
+    assert not server.path.exists()
