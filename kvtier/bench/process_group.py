@@ -2,17 +2,20 @@
 
 A vLLM server is a process group: the API server, its engine core, the engine's worker, Python's
 resource tracker, kvtier's tier processes. vLLM's engine core and worker create shared-memory
-segments (`psm_*`: the message queues between them, 160 and 240 MiB) and semaphores (`sem.mp-*`),
-and leave their removal to the resource tracker, which unlinks them once every process of the
-group that registered them has exited. SIGKILL of the group kills the tracker too, and the
-segments stay in /dev/shm until the machine reboots; so does a SIGKILL sent while the group is
-still exiting after SIGTERM (the API server exits first; its engine core, worker and tracker a
-moment later).
+segments (`psm_*`: the message queues between them, 160 and 240 MiB) and semaphores (`sem.mp-*`,
+one of which no process maps once the server is up), and leave their removal to the resource
+tracker, which unlinks what was registered with it once every other process of the group has
+exited. SIGKILL of the whole group kills the tracker too, and those entries stay in /dev/shm until
+the machine reboots; so does a SIGKILL sent while the group is still exiting after SIGTERM (the
+API server exits first; its engine core, worker and tracker a moment later).
 
-`stop_process_group` waits for every process of the group, not only its leader, and then removes
-what the group left: the /dev/shm entries the group's processes mapped or held open (seen
-before each signal), created after the group's leader started, that no live process holds any
-more. An entry another process holds, or one older than the group, is never removed.
+`stop_process_group` sends SIGTERM to the group, and SIGKILL to what is left of it after the grace
+time except the resource trackers, which ignore SIGTERM and exit once they have unlinked what the
+killed processes registered; a tracker still alive `KILL_WAIT_S` later is killed too. It waits for
+every process of the group, not only its leader, and then removes what the group left: the
+/dev/shm entries the group's processes mapped or held open (seen before each signal), created
+after the group's leader started, that no live process holds any more. An entry another process
+holds, or one older than the group, is never removed.
 """
 
 from __future__ import annotations
@@ -108,6 +111,27 @@ def remove_left_behind(seen: set[Entry], since: float) -> list[str]:
     return removed
 
 
+def _is_resource_tracker(pid: int) -> bool:
+    """Whether process `pid` is Python's multiprocessing resource tracker."""
+    try:
+        return b"multiprocessing.resource_tracker" in (PROC / str(pid) / "cmdline").read_bytes()
+    except OSError:
+        return False
+
+
+def _kill_all_but_trackers(pgid: int, deadline: float) -> None:
+    """SIGKILL every process of group `pgid` but its resource trackers, until none but those is
+    left or `deadline` passes (a process may start another as it is killed)."""
+    while time.monotonic() < deadline:
+        others = [pid for pid in group_members(pgid) if not _is_resource_tracker(pid)]
+        if not others:
+            return
+        for pid in others:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+        time.sleep(POLL_S)
+
+
 def _wait_gone(proc: subprocess.Popen[bytes], deadline: float) -> bool:
     """Wait until `proc` has exited and no other process of its group is alive; False at
     `deadline`."""
@@ -124,8 +148,9 @@ def stop_process_group(proc: subprocess.Popen[bytes], term_timeout_s: float,
     """Stop the process group `proc` leads (started with `start_new_session=True`), so that no
     process of it is left and nothing it created stays in /dev/shm: SIGTERM to the group, up to
     `term_timeout_s` for every process of it to exit (vLLM's resource tracker unlinks its segments
-    as the last one does), then SIGKILL to what is left; once the group is gone, the /dev/shm
-    entries it left are removed (see the module docstring). `started`: `time.time()` just before
+    as the last one does), then SIGKILL to what is left but the resource trackers, and to those if
+    they are still there `KILL_WAIT_S` later; once the group is gone, the /dev/shm entries it left
+    are removed (see the module docstring). `started`: `time.time()` just before
     `proc` was started (default: its start time in /proc, to a clock tick; none once `proc` was
     reaped, and then nothing is removed). Returns the names it removed. Idempotent; called by the
     thread that started `proc`."""
@@ -138,7 +163,10 @@ def stop_process_group(proc: subprocess.Popen[bytes], term_timeout_s: float,
     if not _wait_gone(proc, time.monotonic() + term_timeout_s):
         for pid in group_members(proc.pid):
             seen |= shm_held(pid)
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(proc.pid, signal.SIGKILL)
-        _wait_gone(proc, time.monotonic() + KILL_WAIT_S)
+        deadline = time.monotonic() + KILL_WAIT_S
+        _kill_all_but_trackers(proc.pid, deadline)
+        if not _wait_gone(proc, deadline):
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            _wait_gone(proc, time.monotonic() + KILL_WAIT_S)
     return remove_left_behind(seen, since) if since is not None and seen else []
