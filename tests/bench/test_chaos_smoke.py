@@ -4,20 +4,19 @@ tiers serves conversations while stored chunks are corrupted in every way the ca
 tier processes, redis-server, SeaweedFS, a cluster node and the peer are killed, stopped and
 restarted, and the fs tier's disk is filled. No reply may differ from vLLM alone's, no request
 may fail or hang, no corruption may be served, every corruption a tier read must be counted by
-kvtier's own metric, and nothing the run started may outlive it."""
+kvtier's own metric, and nothing the run started may outlive it. The command runs beside the fast
+tests (`tests/early_start.py`)."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from kvtier.bench.chaos.faults import FAULTS
-
-ROOT = Path(__file__).resolve().parents[2]
+from tests.early_start import Started
 
 
 def _running_under(path: Path) -> list[int]:
@@ -32,13 +31,16 @@ def _running_under(path: Path) -> list[int]:
     return pids
 
 
+def _smoke(work: Path) -> list[str]:
+    return [sys.executable, "-m", "kvtier.cli", "bench", "chaos", "--preset", "smoke", "--json",
+            "--work-dir", str(work / "work"), "--out", str(work / "chaos.json")]
+
+
 @pytest.mark.slow
-def test_chaos_smoke_serves_nothing_wrong(tmp_path: Path) -> None:
-    work, out = tmp_path / "work", tmp_path / "chaos.json"
-    argv = [sys.executable, "-m", "kvtier.cli", "bench", "chaos", "--preset", "smoke", "--json",
-            "--work-dir", str(work), "--out", str(out)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=600, cwd=ROOT)
-    assert not _running_under(work), "a server or tier process outlived the run"
+@pytest.mark.early_start(argv_of=_smoke, timeout_s=600)
+def test_chaos_smoke_serves_nothing_wrong(early_run: Started) -> None:
+    done = early_run.finish()
+    assert not _running_under(early_run.work_dir / "work"), "a server or tier process outlived the run"
     assert done.stdout.strip(), (done.returncode, done.stderr[-3000:])
     summary = json.loads(done.stdout)
     assert done.returncode == 0, (summary["checks"], done.stderr[-3000:])
@@ -59,4 +61,5 @@ def test_chaos_smoke_serves_nothing_wrong(tmp_path: Path) -> None:
     assert summary["host"] == {"pinned": 0, "check": "clean"}
     assert summary["temps"]["left"] > 0 and summary["temps"]["remaining"] == 0
     assert sum(v for k, v in summary["prompt_tokens"].items() if k not in ("device", "recomputed")) > 0
+    out = early_run.work_dir / "chaos.json"
     assert json.loads(out.read_text())["summary"] == summary

@@ -24,9 +24,9 @@ def _soak(work: Path) -> list[str]:
 
 
 @pytest.mark.slow
-@pytest.mark.early_start(argv_of=_soak)
+@pytest.mark.early_start(argv_of=_soak, timeout_s=900)
 def test_a_short_soak_keeps_resources_flat(early_run: Started) -> None:
-    done = early_run.finish(timeout_s=900)
+    done = early_run.finish()
     out = early_run.work_dir / "soak.json"
     assert done.stdout.strip(), (done.returncode, done.stderr[-3000:])
     summary = json.loads(done.stdout)

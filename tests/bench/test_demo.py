@@ -1,12 +1,12 @@
 """`kvtier demo`: the chat workload, bad flags, the report table, and (slow) a small real run whose
 JSON has per-turn TTFT and token splits that add up, with host/fs hits only in the kvtier run, and
-whose terminal shows kvtier's lines only, vLLM's in the log file it names."""
+whose terminal shows kvtier's lines only, vLLM's in the log file it names (that run beside the fast
+tests, `tests/early_start.py`)."""
 
 from __future__ import annotations
 
 import json
 import re
-import subprocess
 import sys
 from pathlib import Path
 from typing import Any
@@ -18,8 +18,8 @@ from kvtier.bench.multiturn.chats import CHATS as CONVERSATIONS
 from kvtier.bench.multiturn.chats import check_sizes, max_turns
 from kvtier.bench.multiturn.conversation import Conversation, WorkloadSpec
 from kvtier.cli import main
+from tests.early_start import Started
 
-ROOT = Path(__file__).resolve().parents[2]
 SOURCES = {"device", "host", "fs", "recomputed"}
 VLLM_LINE = re.compile(r"(DEBUG|INFO|WARNING|ERROR) \d\d-\d\d \d\d:\d\d:\d\d \[")
 """A line of vLLM's logger (its format: level, date, time, [file:line])."""
@@ -80,13 +80,17 @@ def test_report_table_means_per_turn() -> None:
     assert "| 2 | 252 | 100 | 400 | 4.0x | 0 / 96 / 96 / 60 | 0 / 252 |" in table
 
 
-@pytest.mark.slow
-def test_small_real_demo_json(tmp_path: Path) -> None:
-    log = tmp_path / "vllm.log"
-    argv = [sys.executable, "-m", "kvtier.cli", "demo", "--json", "--conversations", "2",
+def _small_demo(work: Path) -> list[str]:
+    return [sys.executable, "-m", "kvtier.cli", "demo", "--json", "--conversations", "2",
             "--turns", "3", "--device-blocks", "16", "--max-model-len", "480",
-            "--host-chunks", "12", "--reply-tokens", "8", "--log-file", str(log)]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=400, cwd=ROOT)
+            "--host-chunks", "12", "--reply-tokens", "8", "--log-file", str(work / "vllm.log")]
+
+
+@pytest.mark.slow
+@pytest.mark.early_start(argv_of=_small_demo, timeout_s=400)
+def test_small_real_demo_json(early_run: Started) -> None:
+    log = early_run.work_dir / "vllm.log"
+    done = early_run.finish()
     assert done.returncode == 0, (done.stderr[-3000:], log.read_text()[-3000:] if log.exists() else "")
     assert "conversation 1 turn 3" in done.stderr  # progress while it runs
     assert not VLLM_LINE.search(done.stderr + done.stdout)

@@ -1,22 +1,21 @@
 """`kvtier bench multiturn --preset smoke` end to end (slow): real vLLM servers (no offload, then
 kvtier's host tier, each on a fresh server) on a 16-block device cache, driven over HTTP with
 streaming. The host tier promotes tokens, vLLM alone has nothing but device hits and recompute,
-every point's split adds up to its prompt tokens, and no server is left running. The rounds of
-`--repeats` (rotated order, a fresh engine per run, median and spread) are tested without servers
-in `test_multiturn_repeats.py`: a second round here would start two more servers to check the same
-schedule."""
+every point's split adds up to its prompt tokens, and no server is left running. The command runs
+beside the fast tests (`tests/early_start.py`). The rounds of `--repeats` (rotated order, a fresh
+engine per run, median and spread) are tested without servers in `test_multiturn_repeats.py`: a
+second round here would start two more servers to check the same schedule."""
 
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 import uuid
 from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.early_start import Started
 
 
 def _running_with(marker: str) -> list[int]:
@@ -31,14 +30,21 @@ def _running_with(marker: str) -> list[int]:
     return pids
 
 
+NAME = f"smoke-{uuid.uuid4().hex[:8]}"
+"""The servers' model name, which only this run's processes carry on their command lines."""
+
+
+def _sweep(work: Path) -> list[str]:
+    return [sys.executable, "-m", "kvtier.cli", "bench", "multiturn", "--preset", "smoke", "--json",
+            "--served-model-name", NAME, "--out", str(work / "out"), "--repeats", "1"]
+
+
 @pytest.mark.slow
-def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
-    name = f"smoke-{uuid.uuid4().hex[:8]}"
-    argv = [sys.executable, "-m", "kvtier.cli", "bench", "multiturn", "--preset", "smoke", "--json",
-            "--served-model-name", name, "--out", str(tmp_path / "out"), "--repeats", "1"]
-    done = subprocess.run(argv, capture_output=True, text=True, timeout=900, cwd=ROOT)
+@pytest.mark.early_start(argv_of=_sweep, timeout_s=900)
+def test_smoke_sweep_end_to_end(early_run: Started) -> None:
+    done = early_run.finish()
     assert done.returncode == 0, done.stderr[-4000:]
-    assert not _running_with(name), "a benchmark server was left running"
+    assert not _running_with(NAME), "a benchmark server was left running"
     result = json.loads(done.stdout)
     points = {p["config"]: p for p in result["points"]}
     assert set(points) == {"no-offload", "host"}
@@ -57,7 +63,7 @@ def test_smoke_sweep_end_to_end(tmp_path: Path) -> None:
     assert set(off) == {"device", "recomputed"} and off["device"] > 0
     assert host["host"] > 0 and points["host"]["reloaded_tokens"] == host["host"]
     assert host["recomputed"] < off["recomputed"]
-    out = tmp_path / "out"
+    out = early_run.work_dir / "out"
     assert (out / "results.png").stat().st_size > 10_000
     assert json.loads((out / "results.json").read_text())["points"] == result["points"]
     assert "TTFT" in done.stderr  # progress while it ran
