@@ -135,15 +135,17 @@ INSTALLED=0
 # copy_cached_venv: .venv as a hard-linked copy of $cached, its scripts and its editable install of
 # kvtier moved from the tree it was installed in to this one; 1 (and no .venv) if that fails.
 copy_cached_venv() {
-    local origin
+    local origin out
     [ "$VENV_CACHE" != none ] && [ -f "$cached/.kvtier-origin" ] || return 1
     origin="$(cat "$cached/.kvtier-origin")"
     if cp -al "$cached" "$VENV" 2>/dev/null && rm -f "$VENV/.kvtier-origin" \
         && { grep -rlIF "$origin" "$VENV/bin" "$VENV/pyvenv.cfg" || true; } \
             | while read -r f; do sed -i "s|$origin|$VENV|g" "$f"; done \
-        && "$VPY" -m pip install -q --no-deps --no-build-isolation -e . >/dev/null; then
+        && out="$("$VPY" -m pip install -q --no-deps --no-build-isolation -e . 2>&1)"; then
         return 0
     fi
+    printf '%s\n' "${out:-}" >&2
+    warn "could not copy $cached; installing anew"
     rm -rf "$VENV"
     return 1
 }
