@@ -4,9 +4,10 @@ The fast tests run first, then the slow ones (a failure in a unit shows in a min
 test marked `early_start(argv_of=..., timeout_s=...)` is one command of its own, such as a soak of
 fixed duration or a benchmark's smoke run: the command (`argv_of(work_dir)`, run from the
 repository root, its output in `work_dir`) runs beside the fast tests, which leave a core mostly
-idle while they wait on processes and sockets. The commands run one after another in their tests'
-order, the first as collection ends, each next one as a test ends after the last one exited: one at
-a time, as more starve the fast tests that time a tier process's restart. As the first slow test
+idle while they wait on processes and sockets. The commands run one after another, longest
+`timeout_s` first (a short one is then what the slow tests may have to wait for), the first as
+collection ends, each next one as a test ends after the last one exited: one at a time, as more
+starve the fast tests that time a tier process's restart. As the first slow test
 begins, the command running then is waited for and no other starts: the engine tests run alone. A
 command not started by then starts when its own test runs.
 
@@ -85,10 +86,16 @@ def pytest_configure(config: pytest.Config) -> None:
         "fast tests; the test runs last and checks it (tests/early_start.py)")
 
 
+def _order(item: pytest.Item) -> tuple[bool, bool, float]:
+    """Fast tests, then slow ones, then the `early_start` ones, longest bound first."""
+    early = item.get_closest_marker("early_start")
+    return (early is not None, item.get_closest_marker("slow") is not None,
+            -float(early.kwargs["timeout_s"]) if early is not None else 0.0)
+
+
 @pytest.hookimpl(trylast=True)
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
-    items.sort(key=lambda item: (item.get_closest_marker("early_start") is not None,
-                                 item.get_closest_marker("slow") is not None))
+    items.sort(key=_order)
 
 
 def _start(item: pytest.Item) -> Started | None:
