@@ -28,7 +28,10 @@ def make_proc(region: HostRegion, type_: str, module_path: str | None = None, **
 
 def report_now(proc: TierProcess, timeout_s: float = 5.0) -> None:
     """Wait for a stats report requested now: its counts are in `proc.metrics`, its usage in
-    `proc.last_usage`."""
+    `proc.last_usage`. The reports already received (a periodic one sent while nothing polled
+    `proc`, with counts from before what the caller waited for) are taken in first, so that the
+    report waited for is not one of them."""
+    proc.poll()
     seen = proc.stats_version
     proc.request_stats()
     deadline = time.monotonic() + timeout_s

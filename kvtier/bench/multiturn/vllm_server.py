@@ -8,8 +8,9 @@ private temp dir (`kvtier.integrations.vllm.serving.launch.isolated_env`), with 
 on its `PYTHONPATH` when it loads a baseline, with its output appended to `log_path`, and waits for
 `/health`. On exit, on an error and on Ctrl-C it stops the whole process group
 (`kvtier.bench.process_group.stop_process_group`: SIGTERM, SIGKILL of what is left after
-`stop_timeout_s`, then removal of the shared-memory segments it left), so nothing it started is
-left running or in /dev/shm.
+`stop_timeout_s` but Python's resource tracker, which then unlinks what vLLM registered with it,
+then removal of the shared-memory entries still left), so nothing it started is left running or
+in /dev/shm.
 """
 
 from __future__ import annotations
