@@ -7,9 +7,9 @@ repository root, its output in `work_dir`) runs beside the fast tests, which lea
 idle while they wait on processes and sockets. The commands run one after another, longest
 `timeout_s` first (a short one is then what the slow tests may have to wait for), the first as
 collection ends, each next one as a test ends after the last one exited: one at a time, as more
-starve the fast tests that time a tier process's restart. As the first slow test
-begins, the command running then is waited for and no other starts: the engine tests run alone. A
-command not started by then starts when its own test runs.
+starve the fast tests that time a tier process's restart. As the first slow test begins, the
+command running then is waited for and no other starts: the engine tests run alone. A command not
+started by then starts when its own test runs.
 
 The tests themselves move to the end of the run, wait for their command (`early_run.finish()`) and
 check what it printed, every assertion as if they had started it themselves. A command still
