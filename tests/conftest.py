@@ -32,14 +32,6 @@ os.environ["KVTIER_NUMBA"] = "0"
 # every engine child (`engine_child`, servers). Run eagerly it counts the same integers. The
 # variable reaches this process's engines and every child the suite starts (they inherit it).
 os.environ["TORCH_COMPILE_DISABLE"] = "1"
-# One OpenMP thread a process unless the caller chose. The models here are tiny: with two threads
-# every small op is a parallel region whose threads spin between ops, which costs more than it
-# gives (an in-process engine module: 24 s with one thread, 28 s with two), and two processes'
-# spinning threads on two cores slow each other down (two engine modules at once: 43 s with one
-# thread each, 65 s with two). vLLM's engine processes on 2 cores bind one thread already (its
-# `auto` binding keeps a core for the rest); the variable reaches this process's engines, the
-# commands run beside the fast tests and every child.
-os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 ROW_BYTES = 3 * 4096
 SLOTS = 32
