@@ -9,9 +9,7 @@ idle while they wait on processes and sockets. The commands run one after anothe
 collection ends, each next one as a test ends after the last one exited: one at a time, as more
 starve the fast tests that time a tier process's restart. As the first slow test begins, the
 command running then is waited for and no other starts: the engine tests run alone. A command not
-started by then starts when its own test runs. A command's torch ops run on one OpenMP thread
-unless `OMP_NUM_THREADS` says otherwise: a second thread's spinning between the tiny models' ops
-takes the core the fast tests need.
+started by then starts when its own test runs.
 
 The tests themselves move to the end of the run, wait for their command (`early_run.finish()`) and
 check what it printed, every assertion as if they had started it themselves. A command still
@@ -112,10 +110,8 @@ def _start(item: pytest.Item) -> Started | None:
         item.stash[UNSTARTED] = f"{argv_of.__name__}: {e!r}"
         shutil.rmtree(work_dir, ignore_errors=True)
         return None
-    env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1")}
     with (work_dir / "stdout").open("wb") as out, (work_dir / "stderr").open("wb") as err:
-        proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=ROOT, env=env,
-                                start_new_session=True)
+        proc = subprocess.Popen(argv, stdout=out, stderr=err, cwd=ROOT, start_new_session=True)
     started = Started(proc, work_dir, time.monotonic() + float(mark.kwargs["timeout_s"]))
     item.stash[EARLY] = started
     return started
