@@ -65,6 +65,19 @@ class Started:
             self.proc.wait()
 
 
+def running_with(marker: str) -> list[int]:
+    """The live processes whose command line contains `marker` (what a command left running)."""
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                if marker.encode() in (proc / "cmdline").read_bytes():
+                    pids.append(int(proc.name))
+            except OSError:
+                continue
+    return pids
+
+
 @dataclass
 class _Chain:
     """The marked tests whose commands have not started, the one running, and whether the fast

@@ -16,19 +16,7 @@ from pathlib import Path
 import pytest
 
 from kvtier.bench.chaos.faults import FAULTS
-from tests.early_start import Started
-
-
-def _running_under(path: Path) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if str(path).encode() in (proc / "cmdline").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
+from tests.early_start import Started, running_with
 
 
 def _smoke(work: Path) -> list[str]:
@@ -40,7 +28,7 @@ def _smoke(work: Path) -> list[str]:
 @pytest.mark.early_start(argv_of=_smoke, timeout_s=600)
 def test_chaos_smoke_serves_nothing_wrong(early_run: Started) -> None:
     done = early_run.finish()
-    assert not _running_under(early_run.work_dir / "work"), "a server or tier process outlived the run"
+    assert not running_with(str(early_run.work_dir / "work")), "a server or tier process outlived the run"
     assert done.stdout.strip(), (done.returncode, done.stderr[-3000:])
     summary = json.loads(done.stdout)
     assert done.returncode == 0, (summary["checks"], done.stderr[-3000:])

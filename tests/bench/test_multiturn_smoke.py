@@ -15,20 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.early_start import Started
-
-
-def _running_with(marker: str) -> list[int]:
-    pids = []
-    for proc in Path("/proc").iterdir():
-        if proc.name.isdigit():
-            try:
-                if marker.encode() in (proc / "cmdline").read_bytes():
-                    pids.append(int(proc.name))
-            except OSError:
-                continue
-    return pids
-
+from tests.early_start import Started, running_with
 
 NAME = f"smoke-{uuid.uuid4().hex[:8]}"
 """The servers' model name, which only this run's processes carry on their command lines."""
@@ -44,7 +31,7 @@ def _sweep(work: Path) -> list[str]:
 def test_smoke_sweep_end_to_end(early_run: Started) -> None:
     done = early_run.finish()
     assert done.returncode == 0, done.stderr[-4000:]
-    assert not _running_with(NAME), "a benchmark server was left running"
+    assert not running_with(NAME), "a benchmark server was left running"
     result = json.loads(done.stdout)
     points = {p["config"]: p for p in result["points"]}
     assert set(points) == {"no-offload", "host"}
